@@ -1,0 +1,27 @@
+"""Lazy imports of optional dependencies, with the fix in the error message."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from rmsnorm_deploy.errors import MissingDependencyError
+
+_INSTALL_HINTS = {
+    "onnxruntime": "pip install 'rmsnorm-deploy[onnxruntime]' (CPU) or 'rmsnorm-deploy[onnxruntime-gpu]' (CUDA 13)",
+    "tensorrt": "use the Docker image (docker/README.md) or pip install 'rmsnorm-deploy[tensorrt]' on a machine "
+    "that reaches NVIDIA's package index",
+    "triton": "pip install 'rmsnorm-deploy[triton]'",
+    "transformers": "pip install 'rmsnorm-deploy[hf]'",
+    "safetensors": "pip install 'rmsnorm-deploy[hf]'",
+}
+
+
+def require(module: str, feature: str) -> ModuleType:
+    """Import ``module`` or raise a one-line error naming ``feature`` and the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        top = module.split(".")[0]
+        hint = _INSTALL_HINTS.get(top, f"pip install {top}")
+        raise MissingDependencyError(f"{feature} needs {top}, which is not installed ({exc}); {hint}") from None

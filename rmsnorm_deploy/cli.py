@@ -1,0 +1,65 @@
+"""The ``rmsnorm-deploy`` command line.
+
+Each subcommand lives in ``rmsnorm_deploy/commands/<name>.py`` with ``add_arguments(parser)``
+and ``run(args) -> int``; building the parser imports no optional dependency, so ``--help``
+works with only torch, onnx and onnxscript installed. Errors the user can fix print one line
+and exit with code 2; a failed parity check exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from rmsnorm_deploy import __version__
+from rmsnorm_deploy.errors import UserError
+
+#: command name -> (module under rmsnorm_deploy.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "parity": ("parity", "build the standalone RMSNorm model of each lowering, run it in ONNX Runtime CPU, print parity"),
+    "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line with exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="rmsnorm-deploy",
+        description="RMSNorm from PyTorch to ONNX, ONNX Runtime and TensorRT with its numerics guaranteed.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(f"rmsnorm_deploy.commands.{module_name}")
+        cmd = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"rmsnorm-deploy {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"rmsnorm-deploy {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Errors a user can act on.
+
+Every :class:`UserError` carries a one-line message that names the problem and the fix;
+the CLI prints it and exits with code 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, CLI exit code 2."""
+
+    exit_code = 2
+
+
+class SpecError(UserError, ValueError):
+    """An RMSNormSpec that does not describe a valid RMSNorm."""
+
+
+class LoweringError(UserError):
+    """A spec that the requested lowering cannot represent exactly."""
+
+
+class MissingDependencyError(UserError, ImportError):
+    """An optional dependency (onnxruntime, tensorrt, triton, transformers) is not installed."""
+
+
+class ProviderError(UserError):
+    """A requested execution provider is not what actually runs (never a silent fallback)."""
+
+
+class ModelFileError(UserError):
+    """An ONNX file that cannot be read safely: missing, not ONNX, truncated, unsafe external data."""
+
+
+class InputError(UserError):
+    """Inputs of the wrong name, shape or dtype for a model."""
+
+
+class OutputExistsError(UserError, FileExistsError):
+    """An output file exists and ``--force`` was not given."""

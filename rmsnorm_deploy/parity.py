@@ -1,0 +1,146 @@
+"""Parity of the standalone RMSNorm model in ONNX Runtime CPU, per lowering, spec and dtype.
+
+For each case the model is built (or the lowering's refusal recorded), run in ONNX Runtime
+on seeded inputs, compared with the float64 oracle under the tolerance table and with the
+torch reference, and the graph ONNX Runtime actually ran is audited: which op the norm
+became (``SimplifiedLayerNormalization`` when ORT fused it) and the dtype its reduction
+accumulated in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import onnx
+
+from rmsnorm_deploy.audit import audit_model
+from rmsnorm_deploy.compare import compare
+from rmsnorm_deploy.dtypes import to_torch
+from rmsnorm_deploy.errors import LoweringError, UserError
+from rmsnorm_deploy.inputs import activations, gain_weights
+from rmsnorm_deploy.lowerings import LOWERINGS
+from rmsnorm_deploy.reference import oracle, reference
+from rmsnorm_deploy.spec import RMSNormSpec
+from rmsnorm_deploy.standalone import rmsnorm_model
+from rmsnorm_deploy.table import format_table
+from rmsnorm_deploy.tolerances import tolerance_for
+
+
+@dataclasses.dataclass
+class ParityCase:
+    spec_name: str
+    spec: RMSNormSpec
+    dtype: str
+    lowering: str
+    optimization: str = "all"
+    shape: tuple[int, ...] = (199, 760)
+    inputs: str = "normal"
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class ParityRow:
+    case: ParityCase
+    status: str  # pass, FAIL, refused, unsupported
+    detail: str = ""
+    ulp_vs_oracle: float | None = None
+    ulp_vs_reference: float | None = None
+    ort_op: str = ""
+    ort_accumulation: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAIL"
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.case
+        return {
+            "spec": c.spec_name, "spec_fields": c.spec.to_dict(), "dtype": c.dtype, "lowering": c.lowering,
+            "optimization": c.optimization, "shape": list(c.shape), "inputs": c.inputs, "status": self.status,
+            "detail": self.detail, "ulp_vs_oracle": self.ulp_vs_oracle, "ulp_vs_reference": self.ulp_vs_reference,
+            "ort_op": self.ort_op, "ort_accumulation": self.ort_accumulation,
+        }
+
+
+def run_case(case: ParityCase) -> ParityRow:
+    """Build, run, compare and audit one case; never raises for a refusal or a runtime's gap."""
+    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
+
+    try:
+        model = rmsnorm_model(case.spec, dtype=case.dtype, shape=case.shape, lowering=case.lowering)
+    except LoweringError as exc:
+        return ParityRow(case, "refused", str(exc).split(": ", 1)[-1])
+    x = activations(case.shape, case.dtype, seed=case.seed, kind=case.inputs)
+    w = gain_weights(case.shape[-case.spec.normalized_dims:], case.dtype, case.spec.gain, seed=case.seed + 1)
+    feed = {"x": x} if w is None else {"x": x, "weight": w}
+    with tempfile.TemporaryDirectory(prefix="rmsnorm-parity-") as tmp:
+        optimized = Path(tmp) / "optimized.onnx"
+        try:
+            with OnnxRuntimeRunner(model, ["cpu"], optimization=case.optimization, optimized_model_path=optimized) as runner:
+                y = runner.infer(feed)["y"]
+        except UserError as exc:
+            return ParityRow(case, "unsupported", _short_ort_error(str(exc)))
+        ran = audit_model(onnx.load(str(optimized)), stage=f"after onnxruntime ({case.optimization})")
+    x_t, w_t = to_torch(x), (to_torch(w) if w is not None else None)
+    tol = tolerance_for("norm", "onnxruntime", case.dtype)
+    vs_oracle = compare(y, oracle(case.spec, x_t, w_t), tol, dtype=case.dtype)
+    vs_ref = compare(y, reference(case.spec, x_t, w_t), tol, dtype=case.dtype)
+    row = ParityRow(
+        case, "pass" if vs_oracle else "FAIL", "" if vs_oracle else vs_oracle.summary(),
+        vs_oracle.max_ulp, vs_ref.max_ulp,
+        ort_op=",".join(sorted({r.op for r in ran})) or "?",
+        ort_accumulation=",".join(sorted({r.accumulation for r in ran})) or "?",
+    )
+    if any(r.low_precision for r in ran):
+        row.status, row.detail = "FAIL", "ONNX Runtime ran the reduction in " + row.ort_accumulation
+    return row
+
+
+def _short_ort_error(text: str) -> str:
+    marker = "NOT_IMPLEMENTED : "
+    return text.split(marker, 1)[1] if marker in text else text
+
+
+def cases(
+    specs: dict[str, RMSNormSpec],
+    dtypes: Sequence[str],
+    lowerings: Sequence[str] = LOWERINGS,
+    optimizations: Sequence[str] = ("disable", "all"),
+    shapes: Sequence[tuple[int, ...]] = ((199, 760),),
+    inputs: Sequence[str] = ("normal",),
+) -> list[ParityCase]:
+    return [
+        ParityCase(name, spec, dt, low, opt, shape, kind)
+        for (name, spec), dt, low, opt, shape, kind in itertools.product(
+            specs.items(), dtypes, lowerings, optimizations, shapes, inputs
+        )
+    ]
+
+
+def parity_table(rows: Iterable[ParityRow]) -> str:
+    """The rows as a table; refusals and runtime gaps are numbered notes below it."""
+    headers = ["spec", "dtype", "lowering", "ort opt", "inputs", "shape", "status", "ulp vs f64", "ulp vs torch",
+               "ORT ran", "acc"]
+    body, notes = [], {}
+    for r in rows:
+        c = r.case
+        status = r.status
+        if r.status in ("refused", "unsupported") or (r.failed and r.detail):
+            number = notes.setdefault(f"{r.status}: {r.detail}", len(notes) + 1)
+            status = f"{r.status} [{number}]"
+        body.append([
+            c.spec_name, c.dtype, c.lowering, c.optimization, c.inputs, "x".join(map(str, c.shape)), status,
+            _num(r.ulp_vs_oracle), _num(r.ulp_vs_reference), r.ort_op, r.ort_accumulation,
+        ])
+    text = format_table(headers, body)
+    if notes:
+        text += "\n\n" + "\n".join(f"[{n}] {note}" for note, n in notes.items())
+    return text
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
