@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 import onnx
@@ -11,11 +10,9 @@ from onnx import helper
 from rmsnorm_deploy.dtypes import dtype_name, onnx_type
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.lowerings import LOWERINGS, lower_model
+from rmsnorm_deploy.metadata import ModelMetadata, tool_versions
 from rmsnorm_deploy.onnx_function import DOMAIN, DOMAIN_VERSION, MIN_IR_VERSION, check_opset, rmsnorm_node
 from rmsnorm_deploy.spec import RMSNormSpec
-
-METADATA_PREFIX = "rmsnorm_deploy."
-
 
 def default_opset(lowering: str) -> int:
     """Opset 18 runs on the widest set of runtimes; ``native`` needs 23."""
@@ -67,20 +64,16 @@ def rmsnorm_model(
     model = helper.make_model(graph, opset_imports=opsets, producer_name="rmsnorm-deploy")
     model.ir_version = ir_version_for(model.opset_import)
     model = lower_model(model, lowering)
-    set_metadata(model, {"specs": json.dumps({"rmsnorm": spec.to_dict()}), "lowering": lowering, "dtype": name})
+    inputs_meta = {"x": {"dtype": name, "shape": dims, "kind": "activations"}}
+    if spec.has_gain:
+        inputs_meta["weight"] = {"dtype": name, "shape": list(shape[-k:]), "kind": "weight", "gain": spec.gain}
+    ModelMetadata(
+        specs={"rmsnorm": spec},
+        lowering=lowering,
+        dtype=name,
+        source={"kind": "standalone"},
+        inputs=inputs_meta,
+        dims={d: [1, int(v), max(int(v), 1) * 4] for d, v in zip(leading, shape)},
+        versions=tool_versions(),
+    ).write(model)
     return model
-
-
-def set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
-    """Write ``rmsnorm_deploy.*`` metadata entries, replacing earlier ones of the same key."""
-    keys = {METADATA_PREFIX + k for k in values}
-    kept = [p for p in model.metadata_props if p.key not in keys]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    for key, value in values.items():
-        model.metadata_props.add(key=METADATA_PREFIX + key, value=str(value))
-
-
-def get_metadata(model: onnx.ModelProto) -> dict[str, str]:
-    """The ``rmsnorm_deploy.*`` metadata entries, without the prefix."""
-    return {p.key[len(METADATA_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(METADATA_PREFIX)}

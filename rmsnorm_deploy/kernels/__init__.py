@@ -1,0 +1,1 @@
+"""Fused RMSNorm kernels derived from the spec (Triton), tested against the torch reference."""
