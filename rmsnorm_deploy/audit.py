@@ -195,6 +195,9 @@ def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
                     consts[node.output[0]] = np.array(list(attr.ints), dtype=np.int64)
                 elif attr.name == "value_int":
                     consts[node.output[0]] = np.array(attr.i, dtype=np.int64)
+        elif node.op_type in ("Cast", "CastLike", "Identity") and node.input and node.input[0] in consts:
+            # a constant that is only converted stays a constant (e.g. epsilon widened to float64)
+            consts[node.output[0]] = consts[node.input[0]]
     return consts
 
 

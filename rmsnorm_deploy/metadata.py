@@ -24,6 +24,7 @@ versions           ``{package: version}`` of the tools that wrote the file
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -90,8 +91,8 @@ class ModelMetadata:
         )
 
 
-def tool_versions() -> dict[str, str]:
-    """Versions of the packages that shape an exported graph."""
+@functools.lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str], ...]:
     from rmsnorm_deploy import __version__
     from rmsnorm_deploy.environment import package_version
 
@@ -100,4 +101,9 @@ def tool_versions() -> dict[str, str]:
         version = package_version(dist)
         if version != "not installed":
             versions[dist] = version
-    return versions
+    return tuple(versions.items())
+
+
+def tool_versions() -> dict[str, str]:
+    """Versions of the packages that shape an exported graph."""
+    return dict(_versions())

@@ -4,6 +4,8 @@ Keys are ``(check, backend, dtype)``:
 
 * ``check="norm"``: one RMSNorm's output against the float64 oracle of its spec
   (``reference.oracle``), measured in ULPs of the output dtype.
+* ``check="norm-vs-reference"``: the same output against the torch reference, which is
+  bit-equal to the module the spec describes: how far a runtime is from the module itself.
 * ``check="model"``: a whole exported model's outputs against the PyTorch module it came
   from, run in the same dtype (logits after many matmuls: absolute/relative bounds).
 
@@ -43,10 +45,20 @@ _FP32_NORM = (
     "relative error into the rms, plus the rounding of the divide (or rsqrt and multiply) and of the gain"
 )
 _HALF_NORM = (
-    "{dtype} output: the float32 arithmetic is ~2^-13 ulp of {dtype} away from exact, so what remains is the "
-    "rounding to {dtype}: 0.5 ulp for scale_then_cast, and up to 1 ulp more for cast_then_scale, which rounds "
-    "the normalized value and the gain before the product is rounded; 2 ulp leaves room for a runtime that "
-    "divides where torch multiplies by rsqrt"
+    "{dtype} output: the float32 arithmetic is far below one {dtype} ulp, so what remains is the rounding to "
+    "{dtype}: one rounding (relative error 2^-p) for scale_then_cast, three for cast_then_scale (the normalized "
+    "value, the gain and their product: up to 3*2^-p), which is 1.5 to 3 ulp of the exact value depending on "
+    "where in its binade it falls"
+)
+_FP32_VS_REFERENCE = (
+    "float32 output against torch: the same formula with the sum of squares taken in another order and a "
+    "divide where torch multiplies by rsqrt; a few ulp, growing slowly with the hidden size"
+)
+_HALF_VS_REFERENCE = (
+    "{dtype} output against torch: the float32 values before rounding differ by a few float32 ulp (summation "
+    "order, divide vs rsqrt), which can move a result across one {dtype} rounding boundary: 1 ulp for "
+    "scale_then_cast; for cast_then_scale the flipped rounding of the normalized value is then multiplied by "
+    "the gain, up to 2 ulp of the product"
 )
 _FP32_MODEL = (
     "float32 logits after a few layers of matmuls: the runtimes sum in different orders, so differences grow "
@@ -61,7 +73,11 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {}
 for _backend in ("torch", "onnxruntime", "tensorrt", "triton"):
     TOLERANCES[("norm", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=16, reason=_FP32_NORM)
     for _dt in ("float16", "bfloat16"):
-        TOLERANCES[("norm", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_NORM.format(dtype=_dt))
+        TOLERANCES[("norm", _backend, _dt)] = Tolerance(max_ulp=3, reason=_HALF_NORM.format(dtype=_dt))
+        TOLERANCES[("norm-vs-reference", _backend, _dt)] = Tolerance(
+            max_ulp=2, reason=_HALF_VS_REFERENCE.format(dtype=_dt)
+        )
+    TOLERANCES[("norm-vs-reference", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=16, reason=_FP32_VS_REFERENCE)
 for _backend in ("onnxruntime", "tensorrt"):
     TOLERANCES[("model", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL)
     TOLERANCES[("model", _backend, "float16")] = Tolerance(atol=2e-2, rtol=2e-2, reason=_HALF_MODEL.format(dtype="float16"))

@@ -1,0 +1,179 @@
+"""Each lowering of the standalone RMSNorm in ONNX Runtime CPU, against torch eager and a memory copy.
+
+Not a test: it measures, in one run and side by side, the median time of every lowering on
+[8, 512, 4096] in float32 and float16 (ORT_ENABLE_ALL, 2 intra-op threads, inputs and outputs
+bound once through IOBinding so that no allocation or copy is timed), torch eager on the same
+tensors, and a copy of the same bytes (``dst.copy_(src)`` with 2 threads). Bandwidth counts the
+bytes a fused kernel must move: the input read once, the output written once (the weight is
+negligible). It prints a table and writes ``benchmarks/results/lowerings_ort_cpu.{json,md}``.
+
+Targets (issue: the function lowering reaches at least 0.9x the fastest ORT lowering and 0.8x the
+copy bandwidth).
+
+    python benchmarks/bench_lowerings_ort.py [--repeat 40] [--shape 8x512x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from rmsnorm_deploy.dtypes import to_torch  # noqa: E402
+from rmsnorm_deploy.environment import package_version  # noqa: E402
+from rmsnorm_deploy.errors import LoweringError  # noqa: E402
+from rmsnorm_deploy.inputs import activations, gain_weights  # noqa: E402
+from rmsnorm_deploy.lowerings import LOWERINGS  # noqa: E402
+from rmsnorm_deploy.reference import reference  # noqa: E402
+from rmsnorm_deploy.spec import named_specs  # noqa: E402
+from rmsnorm_deploy.standalone import rmsnorm_model  # noqa: E402
+from rmsnorm_deploy.table import format_table  # noqa: E402
+
+THREADS = 2
+
+
+def _median_seconds(fn, repeat: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ort_timer(model, x: np.ndarray, w: np.ndarray | None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = THREADS
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    keep = []
+    for name, array in (("x", x), ("weight", w)):
+        if array is None:
+            continue
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        keep.append(value)
+        binding.bind_ortvalue_input(name, value)
+    out = ort.OrtValue.ortvalue_from_numpy(np.empty_like(x))
+    keep.append(out)
+    binding.bind_ortvalue_output("y", out)
+
+    def run() -> None:
+        session.run_with_iobinding(binding)
+
+    return run, keep
+
+
+def bench(shape: tuple[int, ...], repeat: int) -> list[dict]:
+    torch.set_num_threads(THREADS)
+    rows = []
+    for dtype in ("float32", "float16"):
+        x = activations(shape, dtype, seed=0)
+        nbytes = 2 * x.nbytes  # read x once, write y once
+        src = to_torch(x)
+        dst = torch.empty_like(src)
+        copy_s = _median_seconds(lambda: dst.copy_(src), repeat)
+        for spec_name in ("torch", "llama"):
+            spec = named_specs()[spec_name]
+            w = gain_weights(shape[-1:], dtype, spec.gain, seed=1)
+            w_t = to_torch(w)
+            eager_s = _median_seconds(lambda: reference(spec, src, w_t), repeat)
+            ort_times: dict[str, float] = {}
+            for lowering in LOWERINGS:
+                try:
+                    model = rmsnorm_model(spec, dtype=dtype, shape=shape, lowering=lowering)
+                except LoweringError as exc:
+                    rows.append(_row(dtype, spec_name, lowering, None, nbytes, note=str(exc).split(": ", 1)[-1]))
+                    continue
+                run, _keep = _ort_timer(model, x, w)
+                ort_times[lowering] = _median_seconds(run, repeat)
+            fastest = min(ort_times.values())
+            for lowering, seconds in ort_times.items():
+                rows.append(_row(dtype, spec_name, lowering, seconds, nbytes, fastest=fastest, copy=copy_s))
+            rows.append(_row(dtype, spec_name, "torch eager", eager_s, nbytes, fastest=fastest, copy=copy_s))
+            rows.append(_row(dtype, spec_name, "memory copy", copy_s, nbytes, fastest=fastest, copy=copy_s))
+    return rows
+
+
+def _row(dtype, spec, what, seconds, nbytes, *, fastest=None, copy=None, note=""):
+    row = {"dtype": dtype, "spec": spec, "lowering": what, "ms": None, "GB/s": None,
+           "vs fastest ORT": None, "vs copy": None, "note": note}
+    if seconds is not None:
+        row.update({"ms": seconds * 1e3, "GB/s": nbytes / seconds / 1e9, "vs fastest ORT": fastest / seconds,
+                    "vs copy": copy / seconds})
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="8x512x4096")
+    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lowerings_ort_cpu"))
+    args = parser.parse_args()
+    shape = tuple(int(d) for d in args.shape.split("x"))
+    rows = bench(shape, args.repeat)
+    headers = ["dtype", "spec", "lowering", "ms", "GB/s", "vs fastest ORT", "vs copy", "note"]
+    table = format_table(headers, [[_fmt(r[h]) for h in headers] for r in rows])
+    print(table)
+    verdicts = []
+    for dtype in ("float32", "float16"):
+        for spec in ("torch", "llama"):
+            fn = next(r for r in rows if (r["dtype"], r["spec"], r["lowering"]) == (dtype, spec, "function"))
+            ok_fast = fn["vs fastest ORT"] >= 0.9
+            ok_copy = fn["vs copy"] >= 0.8
+            verdicts.append(f"{dtype} {spec}: function = {fn['vs fastest ORT']:.2f}x fastest ORT lowering "
+                            f"({'PASS' if ok_fast else 'MISS'} >= 0.9), {fn['vs copy']:.2f}x copy "
+                            f"({'PASS' if ok_copy else 'MISS'} >= 0.8)")
+    print("\n" + "\n".join(verdicts))
+    meta = {
+        "shape": list(shape), "threads": THREADS, "repeat": args.repeat, "machine": platform.machine(),
+        "processor": _cpu_name(), "cores": torch.get_num_threads(),
+        "versions": {d: package_version(d) for d in ("onnxruntime", "torch", "onnx", "onnxscript")},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "verdicts": verdicts}, indent=1))
+    out.with_suffix(".md").write_text(
+        f"# Lowerings in ONNX Runtime CPU, {args.shape}\n\n"
+        f"{meta['date']}, {meta['processor']}, {THREADS} threads, median of {args.repeat}; "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+        + "\n\n```\n" + table + "\n```\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
+    )
+    return 0
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return "" if value is None else value
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
