@@ -149,3 +149,23 @@ def parity_table(rows: Iterable[ParityRow]) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def summary_table(rows: Iterable[ParityRow]) -> str:
+    """Per lowering and dtype: the worst ULP error over all specs and inputs, and what ORT ran."""
+    groups: dict[tuple[str, str], list[ParityRow]] = {}
+    for r in rows:
+        groups.setdefault((r.case.lowering, r.case.dtype), []).append(r)
+    body = []
+    for (lowering, dtype), group in groups.items():
+        ran = [r for r in group if r.ulp_vs_oracle is not None]
+        worst = max((r.ulp_vs_oracle for r in ran), default=None)
+        worst_ref = max((r.ulp_vs_reference for r in ran), default=None)
+        fused = sorted({f"{r.case.spec_name}:{'fused' if r.ort_op in _FUSED_OPS else 'unfused'}" for r in ran
+                        if r.case.optimization == "all"})
+        body.append([lowering, dtype, f"{sum(r.status == 'pass' for r in group)}/{len(group)}",
+                     _num(worst), _num(worst_ref), " ".join(fused)])
+    return format_table(["lowering", "dtype", "passed", "max ulp vs f64", "max ulp vs torch", "ORT (ENABLE_ALL)"], body)
+
+
+_FUSED_OPS = ("SimplifiedLayerNormalization", "RMSNormalization")

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.errors import UserError
-    from rmsnorm_deploy.parity import cases, parity_table, run_case
+    from rmsnorm_deploy.parity import cases, parity_table, run_case, summary_table
     from rmsnorm_deploy.spec import named_specs
 
     try:
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
         )
     ]
     print(parity_table(rows))
+    print("\nSummary per lowering and dtype (worst case over specs and inputs):\n" + summary_table(rows))
     failed = [r for r in rows if r.failed]
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "FAIL", "refused", "unsupported")}
     print(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['refused']} refused by the lowering, "
