@@ -173,6 +173,11 @@ def test_the_reduction_dtype_decides():
     # Located by the layer name (with the parser's uniqueness suffix) when metadata is absent.
     (by_name,) = check_network([SITE], [reduce_layer("bfloat16", name="norm_a/ReduceMean_3", metadata="")])
     assert "bfloat16" in by_name.problem
+    # Named inside a fused layer, the way TensorRT names them.
+    fused = reduce_layer("float32", name="{ForeignNode[norm_a/Cast...norm_a/ReduceMean]}", metadata="")
+    assert check_network([SITE], [fused])[0].ok
+    other = reduce_layer("float16", name="norm_a/ReduceMean.b + norm_ab/ReduceMean", metadata="")
+    assert "cannot be verified" in check_network([SITE], [other])[0].problem
     # A norm none of whose layers can be found cannot pass.
     (lost,) = check_network([SITE], [reduce_layer("float32", name="norm_b/ReduceMean", metadata="")])
     assert "cannot be verified" in lost.problem
@@ -188,3 +193,29 @@ def test_a_plugin_norm_must_be_a_plugin_layer():
     (bad,) = check_network([site], [inlined])
     assert "did not import it as the plugin (REDUCE)" in bad.problem
     assert "no plugin 'RMSNorm' of namespace 'rmsnorm_deploy', version 1 is registered" in bad.problem
+
+
+@pytest.mark.skipif(importlib.util.find_spec("rmsnorm_deploy.tensorrt.plugin") is not None,
+                    reason="the plugin module is installed here: its absence cannot show")
+def test_a_missing_plugin_module_is_a_one_line_error(model_path):
+    from rmsnorm_deploy.tensorrt.runtime import PluginError, load_plugin
+
+    with pytest.raises(PluginError, match=r"the RMSNorm TensorRT plugin is not part of this installation "
+                                          r"\(rmsnorm_deploy.tensorrt.plugin is missing\); build without --plugin"):
+        load_plugin()
+
+
+def test_the_plugin_description_keeps_its_identity():
+    import dataclasses
+
+    from rmsnorm_deploy.tensorrt.runtime import describe_plugin
+
+    @dataclasses.dataclass
+    class Info:
+        library: object
+        aot: bool
+
+    described = describe_plugin(Info(library=io.StringIO, aot=True))
+    assert described["aot"] is True and described["library"].startswith("<class")
+    assert (described["name"], described["namespace"], described["version"]) == ("RMSNorm", "rmsnorm_deploy", "1")
+    assert describe_plugin({"name": "RMSNorm", "version": "1"})["namespace"] == "rmsnorm_deploy"

@@ -90,10 +90,13 @@ class TensorRTRunner(Runner):
             dtype = trt_dtype_name(engine.get_tensor_dtype(name))
             if dtype not in _TORCH_DTYPES:
                 raise UserError(f"engine tensor {name!r} is {dtype}, which this runner cannot feed or fetch")
-            entry: dict[str, Any] = {"input": is_input, "dtype": dtype, "shape": tuple(engine.get_tensor_shape(name))}
-            if is_input:
+            shape = tuple(engine.get_tensor_shape(name))
+            entry: dict[str, Any] = {"input": is_input, "dtype": dtype, "shape": shape}
+            if is_input and any(d < 0 for d in shape):
                 lo, opt, hi = engine.get_tensor_profile_shape(name, 0)
                 entry["profile"] = (tuple(lo), tuple(opt), tuple(hi))
+            elif is_input:
+                entry["profile"] = (shape, shape, shape)
             io[name] = entry
         return io
 
@@ -116,7 +119,7 @@ class TensorRTRunner(Runner):
         if unknown or missing:
             raise InputError(f"inputs do not match the engine: missing {missing}, unexpected {unknown}; "
                              f"the engine takes {sorted(inputs)}")
-        device = torch.device("cuda", 0)
+        device = _cuda_device()
         keep: dict[str, torch.Tensor] = {}
         for name in inputs:
             array = np.ascontiguousarray(feed[name])
@@ -154,6 +157,13 @@ class TensorRTRunner(Runner):
         if len(shape) != len(lo) or any(not a <= s <= b for s, a, b in zip(shape, lo, hi)):
             raise InputError(f"input {name!r} shape {list(shape)} is outside the engine's profile "
                              f"{list(lo)} .. {list(hi)}; rebuild the engine with a wider --profile")
+
+
+def _cuda_device():
+    """CUDA device 0: where TensorRT runs and the buffers live."""
+    import torch
+
+    return torch.device("cuda", 0)
 
 
 def _dtype_of(array: np.ndarray) -> str:

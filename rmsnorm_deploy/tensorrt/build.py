@@ -240,6 +240,8 @@ def _built_by() -> str:
 
 
 def _parse(trt: Any, builder: Any, logger: Any, prepared: PreparedModel, onnx_path: Path, plugin: bool) -> Any:
+    from rmsnorm_deploy.tensorrt.runtime import trt_version
+
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     prefer_aot = getattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS", None)
     if plugin and prefer_aot is not None:
@@ -253,12 +255,8 @@ def _parse(trt: Any, builder: Any, logger: Any, prepared: PreparedModel, onnx_pa
     ok = parser.parse(prepared.model.SerializeToString(), str(onnx_path))
     if not ok or parser.num_errors:
         errors = [parser_error(parser.get_error(i), prepared.model) for i in range(parser.num_errors)]
-        raise ParseError(format_parse_errors(trt_version_of(trt), onnx_path, errors, logger.last_errors()))
+        raise ParseError(format_parse_errors(trt_version(trt), onnx_path, errors, logger.last_errors()))
     return network
-
-
-def trt_version_of(trt: Any) -> str:
-    return str(getattr(trt, "__version__", "unknown"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,9 +114,10 @@ def _name_pattern(names: Iterable[str]) -> re.Pattern[str] | None:
     names = sorted(set(names), key=len, reverse=True)
     if not names:
         return None
-    # A node name, optionally with the parser's uniqueness suffix "_<n>", not inside a longer name.
+    # A node name, optionally with the parser's uniqueness suffix "_<n>", not inside a longer
+    # name; "..." may touch it, as in a fused layer named "{ForeignNode[first...last]}".
     alternatives = "|".join(re.escape(n) for n in names)
-    return re.compile(rf"(?<![\w/.:-])(?:{alternatives})(?:_\d+)?(?![\w/.:-])")
+    return re.compile(rf"(?<![\w/:-])(?<!\w\.)(?:{alternatives})(?:_\d+)?(?![\w/:-]|\.\w)")
 
 
 def layers_of(site: NormSite, records: Sequence[LayerRecord]) -> list[LayerRecord]:

@@ -68,11 +68,12 @@ def trt_dtype_name(dtype: Any) -> str:
     return TRT_DTYPE_NAMES.get(name, name.lower())
 
 
-def load_plugin() -> dict[str, Any]:
+def load_plugin(library: str | os.PathLike | None = None) -> dict[str, Any]:
     """Load and register the RMSNorm plugin; its description for reports and sidecars.
 
     The plugin lives in :mod:`rmsnorm_deploy.tensorrt.plugin` (``load_plugin(library=None)``),
-    imported only here, so everything else works where it is absent.
+    imported only here, so everything else works where it is absent. Any failure is a
+    one-line :class:`PluginError`.
     """
     try:
         module = importlib.import_module(PLUGIN_MODULE)
@@ -82,7 +83,7 @@ def load_plugin() -> dict[str, Any]:
                               "missing); build without --plugin") from None
         raise PluginError(f"the {OP_TYPE} TensorRT plugin cannot be imported: {exc}") from None
     try:
-        info = module.load_plugin()
+        info = module.load_plugin() if library is None else module.load_plugin(library=str(library))
     except UserError:
         raise
     except Exception as exc:
