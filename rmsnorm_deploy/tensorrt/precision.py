@@ -162,8 +162,13 @@ def check_network(sites: Sequence[NormSite], records: Sequence[LayerRecord]) -> 
         low = [d for d in dtypes if d in LOW_PRECISION]
         problem = ""
         if low:
-            problem = (f"its reduction runs in {', '.join(low)} (TensorRT layer {reductions[0].name!r}); export the "
-                       "norm with a float32 upcast (the function, inline or native lowering of an RMSNormSpec)")
+            worst = next(r for r in reductions if r.inputs and r.inputs[0] in low)
+            problem = (f"its reduction runs in {', '.join(low)} (TensorRT {worst.type} layer {worst.name!r}); export "
+                       "the norm with a float32 upcast (the function, inline or native lowering of an RMSNormSpec)")
+            if worst.type.upper() == "NORMALIZATION":
+                # TensorRT 11 computes a normalization layer in its input type; 10.x documents a float32
+                # default but forbids setting it in strongly typed networks: not provable, so refused.
+                problem += "; a NORMALIZATION layer computes in its input type in strongly typed TensorRT 11"
         results.append(NormPrecision(site.label, implementation, ", ".join(dtypes), layers, problem=problem))
     return results
 
