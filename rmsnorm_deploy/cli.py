@@ -20,6 +20,8 @@ from rmsnorm_deploy.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("parity", "build the standalone RMSNorm model of each lowering, run it in ONNX Runtime CPU, print parity"),
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
+    "build": ("build", "build a strongly typed TensorRT engine from an ONNX model and check where its norms run"),
+    "check-trt": ("check_trt", "check without TensorRT whether a TensorRT version's ONNX parser imports a model"),
 }
 
 

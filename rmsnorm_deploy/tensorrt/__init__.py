@@ -1,4 +1,15 @@
 """TensorRT: engines built from our ONNX graphs, their inspection, and the fused RMSNorm plugin.
 
 ``tensorrt`` is imported lazily inside each function, so this package imports without it.
+
+==========  ===================================================================================
+compat      static check (no TensorRT): what a TensorRT version's ONNX parser imports, and fixes
+profiles    optimization profiles from the model's dynamic dims, its metadata and ``--profile``
+prepare     the graph given to the parser: functions inlined per overload, or mapped to the plugin
+precision   which TensorRT layers implement each norm, and the dtype its reduction runs in
+sidecar     the JSON beside each engine (TensorRT version, GPU, profile, plugin, hashes)
+build       ``build_engine``: parse, check, build, inspect, write (the ``build`` command)
+runtime     shared TensorRT pieces: logger, plugin loading, dtype names
+progress    the build progress bar fed by ``IProgressMonitor``
+==========  ===================================================================================
 """

@@ -1,0 +1,182 @@
+"""TensorRT runner: runs an engine built by ``rmsnorm-deploy build``, on the GPU.
+
+Before TensorRT deserializes anything, the engine's sidecar is checked: the TensorRT version
+and the GPU must be the ones it was built for, the file must be the one the sidecar hashed,
+and the plugin must be requested exactly when the engine holds it (asking for the plugin
+and getting an engine without it is as wrong as the reverse). Buffers are torch CUDA
+tensors; shapes are checked against the engine's optimization profile before
+``set_input_shape``; float32, float16 and bfloat16 (``ml_dtypes.bfloat16`` in numpy) go in
+and come out.
+
+TensorRT API used (10.8 to 11.x): ``Runtime.deserialize_cuda_engine``,
+``ICudaEngine.num_io_tensors/get_tensor_name/get_tensor_mode/get_tensor_dtype/
+get_tensor_profile_shape``, ``create_execution_context``, ``set_input_shape``,
+``get_tensor_shape``, ``set_tensor_address``, ``execute_async_v3``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rmsnorm_deploy.dtypes import dtype_name, to_numpy, to_torch
+from rmsnorm_deploy.errors import InputError, UserError
+from rmsnorm_deploy.runners.base import Runner
+from rmsnorm_deploy.tensorrt.profiles import Profiles
+from rmsnorm_deploy.tensorrt.runtime import PluginError
+from rmsnorm_deploy.tensorrt.sidecar import Device, check_compatible, check_engine_hash, read_sidecar
+
+_TORCH_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "int8", "uint8")
+
+
+class TensorRTRunner(Runner):
+    """Runs a TensorRT engine (and its sidecar) on CUDA device 0."""
+
+    backend = "tensorrt"
+
+    def __init__(self, engine_path: str | os.PathLike, *, plugin: bool = False):
+        super().__init__()
+        self.engine_path = Path(engine_path)
+        self.plugin = bool(plugin)
+        self.sidecar = None
+        self.engine: Any = None
+        self.context: Any = None
+        self.io: dict[str, dict[str, Any]] = {}
+
+    @property
+    def name(self) -> str:
+        return "tensorrt[plugin]" if self.plugin else "tensorrt"
+
+    def _activate(self) -> None:
+        sidecar = read_sidecar(self.engine_path)
+        built_with_plugin = sidecar.plugin is not None
+        if built_with_plugin and not self.plugin:
+            raise PluginError(f"{self.engine_path} holds the RMSNorm plugin; run it with the plugin (plugin=True, "
+                              "--plugin) so that it is loaded")
+        if self.plugin and not built_with_plugin:
+            raise PluginError(f"the plugin was requested but {self.engine_path} was built without it; rebuild it with "
+                              "`rmsnorm-deploy build --plugin` or run it without the plugin")
+        from rmsnorm_deploy.tensorrt.runtime import import_tensorrt, load_plugin, make_logger, trt_version
+
+        trt = import_tensorrt("the TensorRT runner")
+        check_compatible(sidecar, Device.current(trt_version(trt)), engine_path=self.engine_path)
+        check_engine_hash(sidecar, self.engine_path)
+        if self.plugin:
+            load_plugin()
+        self.logger = make_logger(trt)
+        self.runtime = trt.Runtime(self.logger)
+        engine = self.runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
+        if engine is None:
+            raise UserError(f"TensorRT cannot load {self.engine_path}: {self.logger.last_errors()}")
+        context = engine.create_execution_context()
+        if context is None:
+            raise UserError(f"TensorRT cannot create an execution context for {self.engine_path} (out of GPU memory?): "
+                            f"{self.logger.last_errors()}")
+        self.trt, self.engine, self.context, self.sidecar = trt, engine, context, sidecar
+        self.profiles = Profiles.from_dict(sidecar.profiles)
+        self.io = self._io_tensors()
+
+    def _io_tensors(self) -> dict[str, dict[str, Any]]:
+        from rmsnorm_deploy.tensorrt.runtime import trt_dtype_name
+
+        trt, engine = self.trt, self.engine
+        io = {}
+        for i in range(engine.num_io_tensors):
+            name = engine.get_tensor_name(i)
+            is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+            dtype = trt_dtype_name(engine.get_tensor_dtype(name))
+            if dtype not in _TORCH_DTYPES:
+                raise UserError(f"engine tensor {name!r} is {dtype}, which this runner cannot feed or fetch")
+            shape = tuple(engine.get_tensor_shape(name))
+            entry: dict[str, Any] = {"input": is_input, "dtype": dtype, "shape": shape}
+            if is_input and any(d < 0 for d in shape):
+                lo, opt, hi = engine.get_tensor_profile_shape(name, 0)
+                entry["profile"] = (tuple(lo), tuple(opt), tuple(hi))
+            elif is_input:
+                entry["profile"] = (shape, shape, shape)
+            io[name] = entry
+        return io
+
+    def _deactivate(self) -> None:
+        self.context = None
+        self.engine = None
+        self.runtime = None
+
+    def input_names(self) -> list[str]:
+        return [n for n, e in self.io.items() if e["input"]]
+
+    def output_names(self) -> list[str]:
+        return [n for n, e in self.io.items() if not e["input"]]
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        inputs = self.input_names()
+        unknown, missing = sorted(set(feed) - set(inputs)), sorted(set(inputs) - set(feed))
+        if unknown or missing:
+            raise InputError(f"inputs do not match the engine: missing {missing}, unexpected {unknown}; "
+                             f"the engine takes {sorted(inputs)}")
+        device = _cuda_device()
+        keep: dict[str, torch.Tensor] = {}
+        for name in inputs:
+            array = np.ascontiguousarray(feed[name])
+            entry = self.io[name]
+            got = _dtype_of(array)
+            if got != entry["dtype"]:
+                raise InputError(f"input {name!r} is {got} but the engine wants {entry['dtype']}; convert it first")
+            self._check_profile(name, array.shape)
+            if not self.context.set_input_shape(name, tuple(int(d) for d in array.shape)):
+                raise InputError(f"TensorRT refused shape {list(array.shape)} for input {name!r}: "
+                                 f"{self.logger.last_errors()}")
+            tensor = to_torch(array).to(device).contiguous()
+            keep[name] = tensor
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        outputs: dict[str, torch.Tensor] = {}
+        for name in self.output_names():
+            shape = tuple(self.context.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise UserError(f"output {name!r} has a data-dependent shape {list(shape)}, which this runner does "
+                                "not support")
+            tensor = torch.empty(shape, dtype=_torch_dtype(self.io[name]["dtype"]), device=device)
+            outputs[name] = tensor
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        stream = torch.cuda.current_stream(device)
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise UserError(f"TensorRT failed to run {self.engine_path}: {self.logger.last_errors()}")
+        stream.synchronize()
+        return {name: to_numpy(t) for name, t in outputs.items()}
+
+    def _check_profile(self, name: str, shape: tuple[int, ...]) -> None:
+        if name in self.profiles.inputs:
+            self.profiles.check_shape(name, shape)
+            return
+        lo, _, hi = self.io[name]["profile"]
+        if len(shape) != len(lo) or any(not a <= s <= b for s, a, b in zip(shape, lo, hi)):
+            raise InputError(f"input {name!r} shape {list(shape)} is outside the engine's profile "
+                             f"{list(lo)} .. {list(hi)}; rebuild the engine with a wider --profile")
+
+
+def _cuda_device():
+    """CUDA device 0: where TensorRT runs and the buffers live."""
+    import torch
+
+    return torch.device("cuda", 0)
+
+
+def _dtype_of(array: np.ndarray) -> str:
+    try:
+        return dtype_name(array.dtype)
+    except UserError:
+        return str(array.dtype)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {
+        "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int32": torch.int32,
+        "int64": torch.int64, "bool": torch.bool, "int8": torch.int8, "uint8": torch.uint8,
+    }[name]
