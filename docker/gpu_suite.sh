@@ -128,19 +128,6 @@ banner() {
     printf '\n=== %s ===\n' "$1"
 }
 
-# Skipped test cases of a JUnit report, one "test: reason" a line (expected failures not counted).
-skipped_tests() {
-    "$PYTHON" - "$1" <<'PYEOF'
-import sys
-import xml.etree.ElementTree as ET
-
-for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
-    skipped = case.find("skipped")
-    if skipped is not None and skipped.get("type") != "pytest.xfail":
-        print(f"{case.get('classname')}::{case.get('name')}: {skipped.get('message', '')}")
-PYEOF
-}
-
 step_env() {
     banner "1. environment"
     local start=$SECONDS rc=0
@@ -182,7 +169,7 @@ step_tests() {
         record tests "FAIL (no GPU test collected)" "$start"
         return
     fi
-    skipped="$(skipped_tests "$junit" 2>/dev/null || true)"
+    skipped="$("$PYTHON" "$SRC_DIR/docker/skipped_tests.py" "$junit" 2>/dev/null || true)"
     if [[ -n "$skipped" ]]; then
         local count
         count="$(wc -l <<<"$skipped")"

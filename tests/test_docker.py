@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,14 +42,16 @@ SUITE = DOCKER / "gpu_suite.sh"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def _load_check_image():
-    spec = importlib.util.spec_from_file_location("check_image", DOCKER / "check_image.py")
+def _load(script: str):
+    """A module of docker/ (not a package: the image runs these files as scripts)."""
+    spec = importlib.util.spec_from_file_location(script, DOCKER / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-check_image = _load_check_image()
+check_image = _load("check_image")
+skipped_tests = _load("skipped_tests")
 PINS, PIN_OPTIONS = check_image.read_pins(DOCKER / "requirements-gpu.txt")
 PIN = {p.name: p for p in PINS}
 CONSTRAINT = {p.name: p for p in check_image.read_pins(ROOT / "constraints.txt")[0]}
@@ -489,6 +492,36 @@ def test_suite_runs_every_gpu_test_and_shows_why_any_was_skipped():
     assert "--junitxml" in call
     declared = {m.split(":")[0] for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
     assert {"cuda", "trt"} <= declared
+
+
+def test_suite_counts_skipped_tests_but_not_expected_failures(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent(
+        """
+        import pytest
+
+        def test_runs():
+            pass
+
+        @pytest.mark.skip(reason="needs tensorrt: not installed")
+        def test_skipped():
+            pass
+
+        def test_skips_itself():
+            pytest.skip("needs a CUDA GPU")
+
+        @pytest.mark.xfail(reason="known", strict=True)
+        def test_expected_failure():
+            assert False
+        """))
+    junit = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                    "--rootdir", str(tmp_path), "-c", os.devnull, "--junitxml", str(junit), str(tmp_path)],
+                   capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert skipped_tests.skipped_tests(junit) == [
+        "test_sample::test_skipped: needs tensorrt: not installed",
+        "test_sample::test_skips_itself: needs a CUDA GPU",
+    ]
+    assert '"$PYTHON" "$SRC_DIR/docker/skipped_tests.py" "$junit"' in SUITE.read_text()
 
 
 def test_suite_benchmark_is_the_gpu_kernel_script():
