@@ -76,6 +76,10 @@ while (($#)); do
     esac
 done
 
+case "$RESULTS" in
+    /*) ;;
+    *) RESULTS="$PWD/$RESULTS" ;;  # absolute: the test step runs from the source folder
+esac
 LOGS="$RESULTS/logs"
 STEPS=()
 STATUSES=()

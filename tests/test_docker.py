@@ -413,6 +413,12 @@ def test_suite_options_are_all_in_its_help_and_in_docker_readme():
     assert [o for o in sorted(documented) if o not in readme] == []
 
 
+def test_suite_writes_a_relative_results_folder_where_it_was_started():
+    proc = subprocess.run(["bash", str(SUITE), "--dry-run", "--results", "out"], capture_output=True, text=True,
+                          cwd=ROOT / "docker", env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    assert f"--junitxml {DOCKER}/out/pytest-gpu.xml" in proc.stdout
+
+
 def test_suite_refuses_an_unknown_option():
     proc = _suite("--frobnicate")
     assert proc.returncode == 2 and "unknown option '--frobnicate' (see --help)" in proc.stderr
@@ -514,9 +520,9 @@ def test_suite_counts_skipped_tests_but_not_expected_failures(tmp_path):
             assert False
         """))
     junit = tmp_path / "report.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                    "--rootdir", str(tmp_path), "-c", os.devnull, "--junitxml", str(junit), str(tmp_path)],
-                   capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                    "-c", os.devnull, "--junitxml", str(junit), str(tmp_path)], capture_output=True, text=True,
+                   timeout=120, cwd=tmp_path, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert skipped_tests.skipped_tests(junit) == [
         "test_sample::test_skipped: needs tensorrt: not installed",
         "test_sample::test_skips_itself: needs a CUDA GPU",

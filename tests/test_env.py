@@ -7,10 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +15,6 @@ import torch
 from rmsnorm_deploy import environment
 from rmsnorm_deploy.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 KEYS = ["rmsnorm-deploy", "python", "torch", "torch.cuda", "cuda.available", "driver", "cuda.driver_api",
         "cuda.runtime", "onnxruntime", "tensorrt", "tensorrt.plugin", "triton", "onnx", "onnxscript"]
 HAS_GPU = torch.cuda.is_available()
@@ -98,31 +94,16 @@ def test_plugin_status_reports_what_load_plugin_does():
         assert status.startswith("loaded: ") and status != "loaded: " and loaded is not None
 
 
-def test_env_works_with_no_optional_dependency():
-    # onnxruntime, tensorrt and triton cannot be imported, as on a machine with only the core dependencies.
-    code = textwrap.dedent(
-        """
-        import sys
-
-        class _Blocker:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("onnxruntime", "tensorrt", "triton"):
-                    raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)")
-                return None
-
-        sys.meta_path.insert(0, _Blocker())
-        from rmsnorm_deploy.cli import main
-        sys.exit(main(["env", "--json"]))
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stderr
-    info = json.loads(proc.stdout)
-    assert info["tensorrt"] == "not installed"
+def test_env_works_with_no_optional_dependency(monkeypatch, capsys):
+    # None in sys.modules makes an import fail as if the package were missing (and find_spec say so).
+    for name in ("onnxruntime", "tensorrt", "triton", "rmsnorm_deploy.tensorrt.plugin"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tensorrt"] == "not installed" or info["tensorrt"].startswith("import failed: ")
     assert info["tensorrt.plugin"] == "absent (needs tensorrt, which is not importable here)"
     if info["onnxruntime"] != "not installed":  # the distribution is there, its module is not
-        assert info["onnxruntime.providers"].startswith("import failed: No module named 'onnxruntime'")
+        assert info["onnxruntime.providers"].startswith("import failed: import of onnxruntime halted")
 
 
 @pytest.mark.cuda
