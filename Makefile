@@ -3,11 +3,15 @@
 #   make test   run the test suite
 # Each installs what it needs into .venv first (once; again when pyproject.toml or
 # constraints.txt change).
+#   make lint-docker   lint the GPU image's Dockerfile (hadolint) and its scripts (shellcheck);
+#                      the linters go into .venv-lint (docker/requirements-lint.txt)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LINT_VENV ?= .venv-lint
+LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
 .PHONY: run test parity bench lint-docker clean
@@ -29,5 +33,15 @@ test: $(STAMP)
 parity: $(STAMP)
 	$(VENV)/bin/rmsnorm-deploy parity
 
+$(LINT_STAMP): docker/requirements-lint.txt
+	$(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q -r docker/requirements-lint.txt
+	touch $(LINT_STAMP)
+
+# No Docker engine needed: hadolint reads the Dockerfile, shellcheck the suite and CI scripts.
+lint-docker: $(LINT_STAMP)
+	$(LINT_VENV)/bin/hadolint --config docker/hadolint.yaml docker/Dockerfile
+	$(LINT_VENV)/bin/shellcheck docker/gpu_suite.sh .ci/run
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis
