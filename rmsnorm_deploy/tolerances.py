@@ -4,8 +4,15 @@ Keys are ``(check, backend, dtype)``:
 
 * ``check="norm"``: one RMSNorm's output against the float64 oracle of its spec
   (``reference.oracle``), measured in ULPs of the output dtype.
+* ``check="norm_vs_torch"``: one RMSNorm's output against the torch reference of its spec
+  run in the same dtype (``reference.reference``: the rounding-faithful source), in ULPs.
+* ``check="layer_norm"``: one LayerNorm found in a graph against ``torch.nn.functional.layer_norm``
+  evaluated in float64, in ULPs of the output dtype.
 * ``check="model"``: a whole exported model's outputs against the PyTorch module it came
   from, run in the same dtype (logits after many matmuls: absolute/relative bounds).
+* ``check="model_vs_float64"``: the same outputs against the module run in float64.
+* ``check="backends"``: an output of one backend against the same output of another backend
+  running the same graph (a third-party graph without a PyTorch source).
 
 Backends are the runtimes that produce the output: ``torch`` (our reference itself),
 ``onnxruntime``, ``tensorrt``, ``triton`` (our kernel).
@@ -57,12 +64,67 @@ _HALF_MODEL = (
     "differences of a few {dtype} ulps per layer add up; the bound is a few ulps of the logits' magnitude"
 )
 
+_FP32_NORM_VS_TORCH = (
+    "float32 output against the float32 torch reference: each is within a few ulp of the exact value (see the norm "
+    "check) and they sum in different orders, so they may differ by the sum of both errors"
+)
+_HALF_NORM_VS_TORCH = (
+    "{dtype} output against the torch reference in {dtype}: both round the same float32 value, which they compute "
+    "with different op forms (x/sqrt vs x*rsqrt) and summation orders, so a value close to a rounding boundary can "
+    "land on either side (1 ulp), and cast_then_scale rounds twice (1 ulp more)"
+)
+_FP32_LAYER_NORM = (
+    "float32 LayerNorm: as the RMSNorm bound, plus the cancellation of subtracting the mean, which costs "
+    "log2(|mean|/std) bits; generated activations have mean 0, so the RMSNorm bound applies"
+)
+_HALF_LAYER_NORM = (
+    "{dtype} LayerNorm with float32 statistics: the rounding to {dtype} of the scaled and shifted value (0.5 ulp), "
+    "the bias add when it is done in {dtype} (0.5 ulp more), and a margin for a divide in place of rsqrt"
+)
+_FP32_MODEL_F64 = (
+    "float32 logits against the float64 module: only the float32 side rounds, so the error is about half the "
+    "float32-vs-float32 spread; the same 1e-4 bar holds"
+)
+_HALF_MODEL_F64 = (
+    "{dtype} logits against the float64 module: every matmul and residual add of the {dtype} model rounds while the "
+    "float64 one does not; one-sided, the error is at most the two-sided {dtype}-vs-{dtype} spread, so the model "
+    "bound applies"
+)
+_FP32_BACKENDS = (
+    "float32 outputs of two runtimes on the same graph: matmuls and reductions sum in different orders and may use "
+    "fused multiply-add, differences grow with depth to ~1e-5 relative; 1e-4 absolute and relative"
+)
+_HALF_BACKENDS = (
+    "{dtype} outputs of two runtimes on the same graph: one runtime may keep {dtype} intermediates where the other "
+    "widens to float32 (ONNX Runtime CPU widens everything), so each layer can differ by a few {dtype} ulps"
+)
+
+_F64_NORM = (
+    "float64 output of the torch reference with float64 accumulation (the float64 torch runner) against the "
+    "oracle: the same formula in float64, x * rsqrt(v) against x / sqrt(v), a few float64 ulps apart"
+)
+
 TOLERANCES: dict[tuple[str, str, str], Tolerance] = {}
+TOLERANCES[("norm", "torch", "float64")] = Tolerance(max_ulp=4, reason=_F64_NORM)
 for _backend in ("torch", "onnxruntime", "tensorrt", "triton"):
     TOLERANCES[("norm", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=16, reason=_FP32_NORM)
     for _dt in ("float16", "bfloat16"):
         TOLERANCES[("norm", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_NORM.format(dtype=_dt))
+    TOLERANCES[("norm_vs_torch", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=32, reason=_FP32_NORM_VS_TORCH)
+    TOLERANCES[("layer_norm", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=16, reason=_FP32_LAYER_NORM)
+    for _dt in ("float16", "bfloat16"):
+        TOLERANCES[("norm_vs_torch", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_NORM_VS_TORCH.format(dtype=_dt))
+        TOLERANCES[("layer_norm", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_LAYER_NORM.format(dtype=_dt))
 for _backend in ("onnxruntime", "tensorrt"):
+    TOLERANCES[("model_vs_float64", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL_F64)
+    TOLERANCES[("model_vs_float64", _backend, "float16")] = Tolerance(
+        atol=2e-2, rtol=2e-2, reason=_HALF_MODEL_F64.format(dtype="float16"))
+    TOLERANCES[("model_vs_float64", _backend, "bfloat16")] = Tolerance(
+        atol=1.25e-1, rtol=1e-1, reason=_HALF_MODEL_F64.format(dtype="bfloat16"))
+    TOLERANCES[("backends", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_BACKENDS)
+    TOLERANCES[("backends", _backend, "float16")] = Tolerance(atol=2e-2, rtol=2e-2, reason=_HALF_BACKENDS.format(dtype="float16"))
+    TOLERANCES[("backends", _backend, "bfloat16")] = Tolerance(
+        atol=1.25e-1, rtol=1e-1, reason=_HALF_BACKENDS.format(dtype="bfloat16"))
     TOLERANCES[("model", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL)
     TOLERANCES[("model", _backend, "float16")] = Tolerance(atol=2e-2, rtol=2e-2, reason=_HALF_MODEL.format(dtype="float16"))
     TOLERANCES[("model", _backend, "bfloat16")] = Tolerance(atol=1.25e-1, rtol=1e-1, reason=_HALF_MODEL.format(dtype="bfloat16"))
