@@ -250,18 +250,29 @@ def _value_types(model: onnx.ModelProto) -> tuple[dict[str, str], dict[str, int]
     return types, ranks
 
 
+#: Ops whose first output has the type of one of their inputs (which one: the index), for graphs
+#: whose ops shape inference does not know (com.microsoft fusions, or nodes downstream of them).
+_TYPE_FROM_INPUT = {
+    **dict.fromkeys(
+        ["Pow", "Mul", "Add", "Sub", "Div", "Sqrt", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2",
+         "Reciprocal", "Neg", "Abs", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Tile",
+         "Flatten", "Concat", "Split", "Slice", "Gather", "Pad", "MatMul", "Gemm", "Relu", "Gelu", "FastGelu",
+         "BiasGelu", "QuickGelu", "Sigmoid", "Tanh", "Erf", "Softmax", "Max", "Min", "Clip", "Exp", "Log",
+         "SkipSimplifiedLayerNormalization", "LayerNormalization", "RMSNormalization", "SkipLayerNormalization",
+         "RotaryEmbedding", "MultiHeadAttention", "GroupQueryAttention", "Attention", "MatMulNBits", "BiasAdd"], 0),
+    "Where": 1,
+    # Its output type follows the scale (input 1), not the input.
+    "SimplifiedLayerNormalization": 1,
+}
+
+
 def _propagate_types(g: onnx.GraphProto, types: dict[str, str], ranks: dict[str, int]) -> None:
     """Fill types that shape inference left out (ops it has no schema for), in node order."""
-    same_as_first = {"Pow", "Mul", "Add", "Sub", "Div", "Sqrt", "ReduceMean", "ReduceSum", "ReduceSumSquare",
-                     "ReduceL2", "Reciprocal", "Neg", "Abs", "Identity", "Reshape", "Transpose", "Squeeze",
-                     "Unsqueeze", "Expand", "SkipSimplifiedLayerNormalization", "LayerNormalization",
-                     "RMSNormalization", "SkipLayerNormalization"}
     for node in g.node:
         if not node.output:
             continue
         if node.op_type in _FUSED_OPS and node.input and node.input[0] in ranks:
-            for out in node.output[:1]:
-                ranks.setdefault(out, ranks[node.input[0]])
+            ranks.setdefault(node.output[0], ranks[node.input[0]])
         if node.output[0] in types:
             continue
         if node.op_type == "Cast":
@@ -270,15 +281,16 @@ def _propagate_types(g: onnx.GraphProto, types: dict[str, str], ranks: dict[str,
                     types[node.output[0]] = _safe_dtype(attr.i)
         elif node.op_type == "CastLike" and len(node.input) > 1 and node.input[1] in types:
             types[node.output[0]] = types[node.input[1]]
-        elif node.op_type == "SimplifiedLayerNormalization" and node.input:
-            # Its output type follows the scale (input 1), not the input.
-            src = node.input[1] if len(node.input) > 1 and node.input[1] in types else node.input[0]
+        elif node.op_type in _TYPE_FROM_INPUT and node.input:
+            index = _TYPE_FROM_INPUT[node.op_type]
+            src = node.input[index] if len(node.input) > index and node.input[index] in types else node.input[0]
             if src in types:
                 types[node.output[0]] = types[src]
-        elif node.op_type in same_as_first and node.input and node.input[0] in types:
-            types[node.output[0]] = types[node.input[0]]
-            if node.op_type in _SKIP_OPS and len(node.output) > 3 and node.output[3]:
-                types[node.output[3]] = types[node.input[0]]
+                if node.op_type in _SKIP_OPS and len(node.output) > 3 and node.output[3]:
+                    types[node.output[3]] = types[node.input[0]]
+                if node.op_type == "Split":
+                    for out in node.output:
+                        types.setdefault(out, types[src])
 
 
 def _safe_dtype(elem: int) -> str:
@@ -425,10 +437,13 @@ def _fused_tensors(node: onnx.NodeProto) -> NormTensors:
 
 
 def _through_casts_forward(name: str, graph: _Graph) -> str:
-    """Where a value ends up after the Casts that only consume it (the norm's output in the model dtype)."""
+    """Where a norm's value ends up after the narrowing Casts that alone consume it (back to the model
+    dtype); a widening Cast belongs to the next op (ONNX Runtime's CPU provider inserts those)."""
     for _ in range(4):
         nxt = graph.single_consumer(name)
         if nxt is None or nxt.op_type not in ("Cast", "CastLike") or nxt.input[0] != name:
+            break
+        if _WIDTH.get(graph.dtype(nxt.output[0]), 0) > _WIDTH.get(graph.dtype(name), 0):
             break
         name = nxt.output[0]
     return name
@@ -548,9 +563,10 @@ def _decomposed_tensors(x: str, squared_input: str, denominator: str, reciprocal
         elif nxt.op_type == "Mul" and gain is None and len(nxt.input) == 2 and nxt.input[0] != nxt.input[1]:
             gain = nxt.input[1] if nxt.input[0] == current else nxt.input[0]
             current = nxt.output[0]
+            break
         else:
             break
-    return NormTensors([x], current, gain=gain)
+    return NormTensors([x], _through_casts_forward(current, graph), gain=gain)
 
 
 def _reduce_axes(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rmsnorm_deploy.dtypes import machine_epsilon
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -73,13 +75,18 @@ _HALF_NORM_VS_TORCH = (
     "with different op forms (x/sqrt vs x*rsqrt) and summation orders, so a value close to a rounding boundary can "
     "land on either side (1 ulp), and cast_then_scale rounds twice (1 ulp more)"
 )
+_LAYER_NORM_BIAS = (
+    "; where the bias cancels the scaled value the output is small but its error is set by the terms, so an "
+    "absolute bound of a few ulp at 8 (the largest |normalized * gain| of generated activations and gains) also passes"
+)
 _FP32_LAYER_NORM = (
     "float32 LayerNorm: as the RMSNorm bound, plus the cancellation of subtracting the mean, which costs "
-    "log2(|mean|/std) bits; generated activations have mean 0, so the RMSNorm bound applies"
+    "log2(|mean|/std) bits; generated activations have mean 0, so the RMSNorm bound applies" + _LAYER_NORM_BIAS
 )
 _HALF_LAYER_NORM = (
     "{dtype} LayerNorm with float32 statistics: the rounding to {dtype} of the scaled and shifted value (0.5 ulp), "
     "the bias add when it is done in {dtype} (0.5 ulp more), and a margin for a divide in place of rsqrt"
+    + _LAYER_NORM_BIAS
 )
 _FP32_MODEL_F64 = (
     "float32 logits against the float64 module: only the float32 side rounds, so the error is about half the "
@@ -111,10 +118,11 @@ for _backend in ("torch", "onnxruntime", "tensorrt", "triton"):
     for _dt in ("float16", "bfloat16"):
         TOLERANCES[("norm", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_NORM.format(dtype=_dt))
     TOLERANCES[("norm_vs_torch", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=32, reason=_FP32_NORM_VS_TORCH)
-    TOLERANCES[("layer_norm", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=16, reason=_FP32_LAYER_NORM)
+    TOLERANCES[("layer_norm", _backend, "float32")] = Tolerance(atol=4 * 2.0**-21, max_ulp=16, reason=_FP32_LAYER_NORM)
     for _dt in ("float16", "bfloat16"):
         TOLERANCES[("norm_vs_torch", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_NORM_VS_TORCH.format(dtype=_dt))
-        TOLERANCES[("layer_norm", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_LAYER_NORM.format(dtype=_dt))
+        TOLERANCES[("layer_norm", _backend, _dt)] = Tolerance(
+            atol=2 * 8 * machine_epsilon(_dt), max_ulp=2, reason=_HALF_LAYER_NORM.format(dtype=_dt))
 for _backend in ("onnxruntime", "tensorrt"):
     TOLERANCES[("model_vs_float64", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL_F64)
     TOLERANCES[("model_vs_float64", _backend, "float16")] = Tolerance(
