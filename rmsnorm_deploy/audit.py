@@ -92,6 +92,7 @@ class Reduction:
     spec: dict[str, Any] | None = None
     squares: str = ""  # dtype the squares are computed in ("" when the op does it internally)
     epsilon_placement: str = "inside_sqrt"
+    order: str = "scale_then_cast"  # cast_then_scale when the normalized value is narrowed before the gain
     normalized_dims: int | None = None
     tensors: NormTensors | None = None
 
@@ -118,7 +119,8 @@ class Reduction:
             return None
         gain = "weight" if self.tensors is not None and self.tensors.gain else "none"
         try:
-            return RMSNormSpec(self.epsilon, self.normalized_dims, gain, epsilon_placement=self.epsilon_placement)
+            return RMSNormSpec(self.epsilon, self.normalized_dims, gain, self.order,  # type: ignore[arg-type]
+                               epsilon_placement=self.epsilon_placement)
         except UserError:
             return None
 
@@ -395,8 +397,11 @@ def _fused(node: onnx.NodeProto, graph: _Graph, stage: str, ort_version: tuple[i
         axes = [axis]
     tensors = _fused_tensors(node)
     tensors.output = _through_casts_forward(tensors.output, graph)
+    # ONNX's RMSNormalization rounds the normalized value to the input type before scaling; ONNX
+    # Runtime's ops scale in float32 and round once.
+    order = "cast_then_scale" if node.op_type == "RMSNormalization" else "scale_then_cast"
     return Reduction(stage, _label(node), _FUSED_OPS[node.op_type], node.op_type, in_dtype, acc,
-                     float(eps) if eps is not None else None, axes, note,
+                     float(eps) if eps is not None else None, axes, note, order=order,
                      normalized_dims=_normalized_dims(axes, rank), tensors=tensors)
 
 
@@ -478,12 +483,13 @@ def _decomposed(node: onnx.NodeProto, graph: _Graph, stage: str) -> Reduction | 
     axes = _reduce_axes(node, graph.consts)
     x = graph.through_casts_back(squared_input)
     in_dtype = graph.dtype(x)
-    tensors = _decomposed_tensors(x, squared_input, tail.denominator, tail.reciprocal, graph) if kind == "RMSNorm" else None
+    tensors, order = (_decomposed_tensors(x, squared_input, tail.denominator, tail.reciprocal, graph)
+                      if kind == "RMSNorm" else (None, "scale_then_cast"))
     rank = graph.ranks.get(squared_input)
     normalized = _normalized_dims(axes, rank) if axes is not None else None
     return Reduction(stage, _label(node), kind, ">".join(chain), in_dtype, acc, tail.epsilon, axes,
                      note=f"-> {tensors.output}" if tensors else "", squares=squares,
-                     epsilon_placement=tail.placement, normalized_dims=normalized, tensors=tensors)
+                     epsilon_placement=tail.placement, order=order, normalized_dims=normalized, tensors=tensors)
 
 
 def _is_square(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:
@@ -536,9 +542,12 @@ def _follow_denominator(start: str, graph: _Graph) -> _Tail:
     return _Tail(ops, eps, placement, current, reciprocal, scaled)
 
 
-def _decomposed_tensors(x: str, squared_input: str, denominator: str, reciprocal: bool, graph: _Graph) -> NormTensors | None:
+def _decomposed_tensors(
+    x: str, squared_input: str, denominator: str, reciprocal: bool, graph: _Graph
+) -> tuple[NormTensors | None, str]:
     """Follow the normalized value to the norm's output: ``Div(x, den)`` or ``Mul(x, 1/den)``,
-    then Casts, at most one ``Mul`` by the gain, and Casts."""
+    then Casts, at most one ``Mul`` by the gain, and Casts. Also the rounding order: whether the
+    normalized value is narrowed (rounded to the input dtype) before the gain multiplies it."""
     numerators = {x, squared_input}
     normalized = None
     for cand in graph.consumers.get(denominator, []):
@@ -552,13 +561,14 @@ def _decomposed_tensors(x: str, squared_input: str, denominator: str, reciprocal
             normalized = cand
             break
     if normalized is None:
-        return None
-    current, gain = normalized.output[0], None
+        return None, "scale_then_cast"
+    current, gain, narrowed = normalized.output[0], None, False
     for _ in range(6):
         nxt = graph.single_consumer(current)
         if nxt is None:
             break
         if nxt.op_type in ("Cast", "CastLike"):
+            narrowed |= _WIDTH.get(graph.dtype(nxt.output[0]), 64) < _WIDTH.get(graph.dtype(current), 0)
             current = nxt.output[0]
         elif nxt.op_type == "Mul" and gain is None and len(nxt.input) == 2 and nxt.input[0] != nxt.input[1]:
             gain = nxt.input[1] if nxt.input[0] == current else nxt.input[0]
@@ -566,7 +576,8 @@ def _decomposed_tensors(x: str, squared_input: str, denominator: str, reciprocal
             break
         else:
             break
-    return NormTensors([x], _through_casts_forward(current, graph), gain=gain)
+    order = "cast_then_scale" if gain is not None and narrowed else "scale_then_cast"
+    return NormTensors([x], _through_casts_forward(current, graph), gain=gain), order
 
 
 def _reduce_axes(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | None:

@@ -34,11 +34,11 @@ from rmsnorm_deploy.audit import Reduction, audit_model
 from rmsnorm_deploy.compare import CompareResult, compare
 from rmsnorm_deploy.dtypes import dtype_name, onnx_type
 from rmsnorm_deploy.errors import InputError, MissingDependencyError, ModelFileError, UserError
-from rmsnorm_deploy.inputs import INPUT_KINDS, activations, gain_weights
+from rmsnorm_deploy.inputs import INPUT_KINDS, activations, gain_weights, token_ids
 from rmsnorm_deploy.metadata import ModelMetadata
 from rmsnorm_deploy.runners.base import Runner
 from rmsnorm_deploy.table import format_table
-from rmsnorm_deploy.tolerances import tolerance_for
+from rmsnorm_deploy.tolerances import norm_tolerance, subnormal_input_allowance, tolerance_for
 
 #: backend key -> (runner family, ONNX Runtime providers or TensorRT plugin flag, tolerance backend)
 BACKENDS: dict[str, tuple[str, Any, str]] = {
@@ -297,7 +297,7 @@ def generate_feed(
                 raise ModelFileError(f"input {decl.name!r} is a weight of gain 'none'; the metadata is inconsistent")
         elif input_kind == "token_ids":
             high = int(info.get("high") or gather_sizes.get(decl.name, 2))
-            array = np.random.default_rng(seed + i).integers(0, high, size=shape).astype(np.dtype(decl.dtype))
+            array = token_ids(shape, high, seed=seed + i).astype(np.dtype(decl.dtype))
         elif input_kind == "mask":
             array = np.ones(shape, dtype=np.dtype(decl.dtype))
         elif input_kind == "positions":
@@ -504,16 +504,20 @@ def validate_model(
             optimized = workdir / f"optimized-{key}.onnx"
             if optimized.exists():
                 _record_what_ran(optimized, label, sites, norms, optimization)
-        reference_outputs = None
+        reference_outputs = source_outputs = None
         if source_module is not None:
             from rmsnorm_deploy.runners.torch import TorchRunner
 
             with TorchRunner(source_module, dtype="float64" if ref_label == "float64" else None) as torch_runner:
                 reference_outputs = torch_runner.infer(feed)
+            if ref_label == "float64" and not _is_standalone(meta):
+                # A whole model is held to its source's own distance from float64 (accuracy bounds).
+                with TorchRunner(source_module) as torch_runner:
+                    source_outputs = torch_runner.infer(feed)
         initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
 
         rows += _output_rows(keys, labels, results, reference_outputs, source_label, ref_label, meta,
-                             model_outputs, output_dtypes, notes)
+                             model_outputs, output_dtypes, notes, source_outputs, _standalone_gain_max(meta, feed))
         if check_norms:
             rows += _norm_rows(keys, labels, results, checked_sites, initial, feed, ref_label, source_module,
                                meta, model_outputs)
@@ -547,8 +551,32 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
     return module, label, "float64" if reference == "float64" else "torch"
 
 
+def _is_standalone(meta: ModelMetadata | None) -> bool:
+    return meta is not None and meta.source.get("kind") == "standalone"
+
+
+def _float64_bound(backend: str, dtype: str, source: np.ndarray, wide: np.ndarray) -> Any:
+    """The tolerance of a whole model's output against its float64 source: a multiple of the source's own error."""
+    try:
+        from rmsnorm_deploy.tolerances import accuracy_bound_for
+    except ImportError:
+        raise UserError("--reference float64 for a whole model needs the accuracy bounds of the export pipeline "
+                        "(tolerances.accuracy_bound_for), which this installation lacks; use --reference torch") from None
+    source_error = float(np.max(np.abs(source.astype(np.float64) - wide.astype(np.float64)), initial=0.0))
+    return accuracy_bound_for("model_vs_float64", backend, dtype).tolerance(source_error)
+
+
+def _standalone_gain_max(meta: ModelMetadata | None, feed: dict[str, np.ndarray]) -> float:
+    """The largest |gain| of a standalone model's norm: its weight input, or 1 + weight for an offset gain."""
+    if not _is_standalone(meta) or "weight" not in feed:
+        return 0.0
+    (spec,) = meta.specs.values()
+    weight = feed["weight"].astype(np.float64) + (1.0 if spec.gain == "offset" else 0.0)
+    return float(np.max(np.abs(weight), initial=0.0))
+
+
 def _output_rows(keys, labels, results, reference_outputs, source_label, ref_label, meta, model_outputs,
-                 output_dtypes, notes) -> list[CheckRow]:
+                 output_dtypes, notes, source_outputs=None, gain_max=0.0) -> list[CheckRow]:
     rows: list[CheckRow] = []
     if reference_outputs is None:
         if len(labels) < 2:
@@ -558,7 +586,7 @@ def _output_rows(keys, labels, results, reference_outputs, source_label, ref_lab
         base = labels[0]
         pairs = [(k, lab, results[base], base, "backends") for k, lab in zip(keys[1:], labels[1:])]
     else:
-        standalone = meta is not None and meta.source.get("kind") == "standalone"
+        standalone = _is_standalone(meta)
         if standalone:
             check = "norm" if ref_label == "float64" else "norm_vs_torch"
         else:
@@ -577,7 +605,13 @@ def _output_rows(keys, labels, results, reference_outputs, source_label, ref_lab
                 rows.append(CheckRow(label, name, against, check, status="FAIL",
                                      detail=f"the reference has no output {name!r} (it has {sorted(expected)})"))
                 continue
-            tol = tolerance_for(check, tol_backend, dtype)
+            if check == "model_vs_float64":
+                tol = _float64_bound(tol_backend, dtype, source_outputs[name], expected[name])
+            elif check in ("norm", "norm_vs_torch") and meta is not None and len(meta.specs) == 1:
+                (spec,) = meta.specs.values()
+                tol = norm_tolerance(check, tol_backend, dtype, spec, gain_max)
+            else:
+                tol = tolerance_for(check, tol_backend, dtype)
             res = compare(results[label][name], expected[name], tol, name=name, dtype=dtype)
             rows.append(CheckRow(label, name, against, check, res, "pass" if res else "FAIL"))
     return rows
@@ -590,7 +624,7 @@ def _norm_rows(keys, labels, results, sites, initial, feed, ref_label, source_mo
     from rmsnorm_deploy.dtypes import to_torch
     from rmsnorm_deploy.reference import oracle
 
-    standalone = meta is not None and meta.source.get("kind") == "standalone"
+    standalone = _is_standalone(meta)
     rows = []
     for site in sites:
         red, tensors = site.reduction, site.reduction.tensors
@@ -617,6 +651,11 @@ def _norm_rows(keys, labels, results, sites, initial, feed, ref_label, source_mo
                 check = "norm"
                 g_t = None if gain is None else to_torch(gain.astype(np.float64))
                 expected = oracle(site.spec, x_t, g_t)
+                gain_abs = np.ones(()) if gain is None else np.abs(gain.astype(np.float64))
+                tol = norm_tolerance(check, BACKENDS[key][2], dtype, site.spec, float(np.max(gain_abs, initial=0.0)))
+                axes = tuple(range(-site.spec.normalized_dims, 0))
+                rms = np.sqrt(np.mean(x * x, axis=axes, keepdims=True) + site.spec.epsilon_float32)
+                allowance = subnormal_input_allowance(dtype, gain_abs, rms)
             else:
                 check = "layer_norm"
                 shape = tuple(x.shape[-red.normalized_dims:])
@@ -628,8 +667,9 @@ def _norm_rows(keys, labels, results, sites, initial, feed, ref_label, source_mo
 
                 expected = torch.nn.functional.layer_norm(x_t, shape, affine(tensors.gain), affine(tensors.bias),
                                                           red.epsilon)
-            tol = tolerance_for(check, BACKENDS[key][2], dtype)
-            res = compare(y, expected, tol, name=name, dtype=dtype)
+                tol = tolerance_for(check, BACKENDS[key][2], dtype)
+                allowance = None
+            res = compare(y, expected, tol, name=name, dtype=dtype, allowance=allowance)
             rows.append(CheckRow(label, name, "float64 oracle", check, res, "pass" if res else "FAIL"))
     return rows
 
