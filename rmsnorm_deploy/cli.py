@@ -19,6 +19,10 @@ from rmsnorm_deploy.errors import UserError
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("parity", "build the standalone RMSNorm model of each lowering, run it in ONNX Runtime CPU, print parity"),
+    "validate": ("validate", "run a model on each backend (ONNX Runtime CPU/CUDA/TensorRT, TensorRT) and compare it with "
+                 "its PyTorch source or float64 oracle; exit 1 on a parity failure"),
+    "audit": ("audit", "list every RMSNorm/LayerNorm reduction and the dtype it accumulates in, as written and after "
+              "ONNX Runtime's optimizations; exit 1 if any is float16/bfloat16"),
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
     "build": ("build", "build a strongly typed TensorRT engine from an ONNX model and check where its norms run"),
     "check-trt": ("check_trt", "check without TensorRT whether a TensorRT version's ONNX parser imports a model"),

@@ -96,13 +96,15 @@ def compare(
     name: str = "y",
     dtype: Any = None,
     max_reported: int = 5,
+    allowance: np.ndarray | None = None,
 ) -> CompareResult:
     """Compare ``actual`` with ``expected`` (any precision; float64 oracle values welcome).
 
     ``dtype`` is the dtype whose ULPs measure the error: by default ``actual``'s.
     An element passes when ``|a - e| <= atol + rtol * |e|`` or, if the tolerance has
     ``max_ulp``, when its ULP error is at most that. NaNs must sit where the expected NaNs
-    are, and infinities must match exactly.
+    are, and infinities must match exactly. ``allowance`` (from a rule in ``tolerances.py``) adds
+    a per-element absolute error on top of ``atol``.
     """
     a_arr, e_arr = _as_array(actual), _as_array(expected)
     dt = dtype_name(dtype if dtype is not None else a_arr.dtype)
@@ -122,7 +124,8 @@ def compare(
         abs_err = np.where(finite, np.abs(a - e), 0.0)
         rel_err = np.where(finite & (e != 0), abs_err / np.abs(e), np.where(abs_err > 0, np.inf, 0.0))
     ulp_err = np.where(finite, abs_err / ulp_of(np.where(finite, e, 0.0), dt), 0.0)
-    ok = abs_err <= tolerance.atol + tolerance.rtol * np.abs(np.where(finite, e, 0.0))
+    ok = abs_err <= tolerance.atol + tolerance.rtol * np.abs(np.where(finite, e, 0.0)) + (
+        0.0 if allowance is None else np.broadcast_to(allowance, abs_err.shape))
     if tolerance.max_ulp is not None:
         ok |= ulp_err <= tolerance.max_ulp
     bad = finite & ~ok

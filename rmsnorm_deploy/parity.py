@@ -90,7 +90,7 @@ def run_case(case: ParityCase) -> ParityRow:
     x_t, w_t = to_torch(x), (to_torch(w) if w is not None else None)
     vs_oracle = compare(y, oracle(case.spec, x_t, w_t), tolerance_for("norm", "onnxruntime", case.dtype),
                         dtype=case.dtype, name="y vs float64")
-    vs_ref = compare(y, reference(case.spec, x_t, w_t), tolerance_for("norm-vs-reference", "onnxruntime", case.dtype),
+    vs_ref = compare(y, reference(case.spec, x_t, w_t), tolerance_for("norm_vs_torch", "onnxruntime", case.dtype),
                      dtype=case.dtype, name="y vs torch")
     passed = vs_oracle.passed and vs_ref.passed
     failure = "; ".join(r.summary() for r in (vs_oracle, vs_ref) if not r.passed)

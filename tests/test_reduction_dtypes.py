@@ -45,7 +45,7 @@ def test_function_reductions_are_tied_to_their_spec():
     model = rmsnorm_model(SPECS["gemma"], dtype="float16", shape=(2, 8))
     (red,) = audit_model(model)
     assert RMSNormSpec.from_dict(red.spec).epsilon_float32 == SPECS["gemma"].epsilon_float32
-    assert red.spec["gain"] == "offset" and red.op == "Pow>ReduceMean>Add>Sqrt"
+    assert red.spec["gain"] == "offset" and red.op == "rmsnorm_deploy::RMSNorm[Pow>ReduceMean>Add>Sqrt]"
 
 
 def _half_chain(square: str) -> onnx.ModelProto:

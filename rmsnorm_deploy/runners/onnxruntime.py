@@ -10,8 +10,13 @@ from a uint16 view, outputs come back through an ``IOBinding`` and are read from
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import io
 import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -42,6 +47,11 @@ _ORT_TYPE_NAMES = {
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
+def short_provider_name(full: str) -> str:
+    """ONNX Runtime's provider name to ours (``CUDAExecutionProvider`` -> ``cuda``)."""
+    return {v: k for k, v in PROVIDERS.items()}.get(full, full)
+
+
 def provider_name(short: str) -> str:
     """``cpu``/``cuda``/``tensorrt`` (or the full ORT name) to ONNX Runtime's provider name."""
     key = short.strip().lower()
@@ -54,7 +64,13 @@ def provider_name(short: str) -> str:
 
 
 class OnnxRuntimeRunner(Runner):
-    """Runs an ONNX model with ONNX Runtime on the requested providers, or refuses."""
+    """Runs an ONNX model with ONNX Runtime on the requested providers, or refuses.
+
+    ``providers`` are short names (``cpu``, ``cuda``, ``tensorrt``) or ONNX Runtime's, in
+    priority order; every one of them must be in the session ONNX Runtime creates, or
+    :class:`ProviderError` says what is missing. ``provider_options`` maps a provider (short
+    or full name) to its options, e.g. ``{"cuda": {"device_id": "1"}}``.
+    """
 
     backend = "onnxruntime"
 
@@ -74,17 +90,22 @@ class OnnxRuntimeRunner(Runner):
         if not providers:
             raise UserError("no provider requested; give at least one of cpu, cuda, tensorrt")
         self.model = model
-        self.requested = [provider_name(p) for p in providers]
+        self.requested = list(dict.fromkeys(provider_name(p) for p in providers))
         self.optimization = optimization
-        self.provider_options = provider_options or {}
+        self.provider_options = {provider_name(k): {str(a): str(b) for a, b in v.items()}
+                                 for k, v in (provider_options or {}).items()}
+        unused = sorted(set(self.provider_options) - set(self.requested))
+        if unused:
+            raise UserError(f"options given for {', '.join(unused)}, which was not requested; requested: "
+                            f"{', '.join(self.requested)}")
         self.optimized_model_path = optimized_model_path
         self.intra_op_threads = intra_op_threads
         self.session: Any = None
+        self.actual_providers: list[str] = []
 
     @property
     def name(self) -> str:
-        short = {v: k for k, v in PROVIDERS.items()}
-        return f"onnxruntime[{','.join(short.get(p, p) for p in self.requested)}]"
+        return f"onnxruntime[{','.join(short_provider_name(p) for p in self.requested)}]"
 
     def _activate(self) -> None:
         ort = require("onnxruntime", "the ONNX Runtime runner")
@@ -109,17 +130,25 @@ class OnnxRuntimeRunner(Runner):
         options.log_severity_level = 3
         source = _session_source(self.model)
         providers = [(p, self.provider_options.get(p, {})) for p in self.requested]
+        # enable_fallback=0: ONNX Runtime's Python layer would otherwise retry a failing
+        # TensorRT or CUDA session on other providers and only print that it did.
+        captured = io.StringIO()
         try:
-            self.session = ort.InferenceSession(source, options, providers=providers)
+            with contextlib.redirect_stdout(captured):
+                self.session = ort.InferenceSession(source, options, providers=providers, enable_fallback=0)
         except Exception as exc:
+            failing = [p for p in self.requested if p != PROVIDERS["cpu"]]
+            if failing and _looks_like_provider_failure(exc):
+                raise ProviderError(f"{', '.join(failing)} failed to start: {_one_line(exc)}; "
+                                    + _why_provider_cannot_load(failing[0])) from None
             raise UserError(f"ONNX Runtime cannot load the model: {_one_line(exc)}") from None
         actual = self.session.get_providers()
         missing = [p for p in self.requested if p not in actual]
         if missing:
+            self.session = None
             raise ProviderError(
-                f"requested {', '.join(missing)} but the session runs on {', '.join(actual)}: ONNX Runtime fell back "
-                "because the provider could not load (for CUDA: CUDA 13 and cuDNN 9 libraries on the library path; "
-                "for TensorRT: libnvinfer); refusing to report CPU numbers as GPU numbers"
+                f"requested {', '.join(missing)} but ONNX Runtime created a session on {', '.join(actual)}: "
+                f"{_why_provider_cannot_load(missing[0])}; refusing to report CPU numbers as GPU numbers"
             )
         self.actual_providers = actual
 
@@ -197,6 +226,88 @@ def _session_source(model: str | os.PathLike | bytes | onnx.ModelProto) -> str |
     return str(check_model_file(Path(model)))
 
 
+#: The shared library that holds each GPU provider, inside onnxruntime/capi.
+_PROVIDER_LIBRARIES = {
+    "CUDAExecutionProvider": "libonnxruntime_providers_cuda.so",
+    "TensorrtExecutionProvider": "libonnxruntime_providers_tensorrt.so",
+}
+_LIBRARY_HINTS = {
+    "libcuda.so": "the NVIDIA driver",
+    "libcudart.so": "the CUDA 13 runtime",
+    "libcublas": "cuBLAS (CUDA 13)",
+    "libcurand": "cuRAND (CUDA 13)",
+    "libcufft": "cuFFT (CUDA 13)",
+    "libcudnn": "cuDNN 9",
+    "libnvinfer": "TensorRT",
+    "libnvonnxparser": "TensorRT's ONNX parser",
+}
+
+
+def _why_provider_cannot_load(provider: str) -> str:
+    """Why ONNX Runtime could not start ``provider`` here: missing libraries or no GPU."""
+    missing = missing_provider_libraries(provider)
+    if missing:
+        named = ", ".join(f"{lib} ({_hint(lib)})" for lib in missing)
+        return (f"{_PROVIDER_LIBRARIES[provider]} cannot load, missing {named}; install them (e.g. from NVIDIA's "
+                "CUDA 13/cuDNN 9 packages) on the library path, or use the Docker image")
+    if provider in _PROVIDER_LIBRARIES and not _gpu_visible():
+        return "its libraries load but no NVIDIA GPU is visible (no /dev/nvidia0; in a container pass --gpus all)"
+    return "the provider's libraries load; see ONNX Runtime's log (set ORT_LOGGING_LEVEL or run with log severity 0)"
+
+
+def missing_provider_libraries(provider: str) -> list[str]:
+    """The shared libraries a GPU provider needs that the dynamic loader cannot find."""
+    library = _PROVIDER_LIBRARIES.get(provider)
+    if library is None:
+        return []
+    try:
+        import onnxruntime
+    except ImportError:
+        return []
+    path = Path(onnxruntime.__file__).parent / "capi" / library
+    if not path.exists():
+        return [library]
+    ldd = shutil.which("ldd")
+    if ldd:
+        try:
+            out = subprocess.run([ldd, str(path)], capture_output=True, text=True, timeout=30).stdout
+            return [line.split("=>")[0].strip() for line in out.splitlines() if "not found" in line]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:  # without ldd: the loader names the first missing library
+        ctypes.CDLL(str(path.parent / "libonnxruntime_providers_shared.so"), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(path))
+    except OSError as exc:
+        return [str(exc).split(":")[0].strip()]
+    return []
+
+
+def _hint(library: str) -> str:
+    return next((what for prefix, what in _LIBRARY_HINTS.items() if library.startswith(prefix)), "a dependency")
+
+
+def _gpu_visible() -> bool:
+    return Path("/dev/nvidia0").exists() or Path("/dev/dxg").exists()
+
+
+def _looks_like_provider_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(k in text for k in ("Please install", "Failed to load library", "provider_bridge", "EP Error",
+                                   "RegisterTensorRTPluginsAsCustomOps", "Failed to create"))
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
+    # Drop ONNX Runtime's source location and C++ signature: the sentence after them is the news.
+    text = re.sub(r"/onnxruntime_src/\S+:\d+ (?:[^()]*\([^()]*\) )?", "", text)
     return text[:400]
+
+
+def set_onnxruntime_log_level(default: int = 4) -> None:
+    """Silence ONNX Runtime's own console log (CLI use): its failures become our one-line errors.
+
+    ``RMSNORM_DEPLOY_ORT_LOG_LEVEL`` (0 verbose .. 4 fatal) overrides ``default`` to see it again.
+    """
+    ort = require("onnxruntime", "the ONNX Runtime runner")
+    level = os.environ.get("RMSNORM_DEPLOY_ORT_LOG_LEVEL", "")
+    ort.set_default_logger_severity(int(level) if level.isdigit() and int(level) <= 4 else default)

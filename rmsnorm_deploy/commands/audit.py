@@ -1,0 +1,92 @@
+"""List every RMSNorm and LayerNorm reduction of an ONNX graph (ours or any tool's): the dtype
+its squares and its sum are computed in, its epsilon and axes, as written and after ONNX
+Runtime's graph optimizations (the graph ONNX Runtime actually runs). Exit code 1 if any
+reduction accumulates in float16 or bfloat16, 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="the .onnx file")
+    parser.add_argument("--optimization", action="append", choices=("disable", "basic", "extended", "all", "none"),
+                        help="ONNX Runtime optimization level(s) to audit after (repeatable; default all; none: "
+                        "audit the graph as written only)")
+    parser.add_argument("--providers", default="cpu",
+                        help="ONNX Runtime providers whose optimizations to apply, comma-separated (default cpu; "
+                        "the CUDA provider fuses differently from the CPU one)")
+    parser.add_argument("--onnxruntime-version", metavar="VERSION",
+                        help="judge ONNX Runtime's Skip*LayerNormalization ops (no stash_type) as this version runs "
+                        "them, e.g. 1.26 for a deployment pinned to it (default: the installed onnxruntime)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    parser.add_argument("--output", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmsnorm_deploy.audit import audit_after_onnxruntime, audit_model, low_precision_reductions
+    from rmsnorm_deploy.modelio import atomic_path, ensure_writable, load_model
+    from rmsnorm_deploy.table import format_table
+
+    if args.output:
+        ensure_writable(args.output, force=args.force)
+    levels = [lvl for lvl in (args.optimization or ["all"]) if lvl != "none"]
+    if args.optimization and "none" in args.optimization and levels:
+        from rmsnorm_deploy.errors import UserError
+
+        raise UserError("--optimization none audits the graph as written only; do not combine it with levels")
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    version = args.onnxruntime_version
+    if version is not None and not all(part.isdigit() for part in version.split(".")[:2]):
+        from rmsnorm_deploy.errors import UserError
+
+        raise UserError(f"--onnxruntime-version {version!r} is not a version like 1.26 or 1.26.0")
+    model = load_model(args.model, load_external=False)
+    reductions = audit_model(model, onnxruntime_version=version)
+    errors: list[str] = []
+    if levels:
+        from rmsnorm_deploy.errors import MissingDependencyError, ProviderError, UserError
+        from rmsnorm_deploy.runners.onnxruntime import set_onnxruntime_log_level
+
+        set_onnxruntime_log_level()
+        for level in levels:
+            try:
+                reductions += audit_after_onnxruntime(args.model, optimization=level, providers=providers,
+                                                      onnxruntime_version=version)
+            except (MissingDependencyError, ProviderError):
+                raise
+            except UserError as exc:
+                errors.append(f"after onnxruntime ({level}) on {','.join(providers)}: not audited: {exc}")
+    low = low_precision_reductions(reductions)
+    data = {
+        "model": str(args.model),
+        "providers": providers if levels else [],
+        "onnxruntime_version": version,
+        "reductions": [r.to_dict() for r in reductions],
+        "low_precision": len(low),
+        "errors": errors,
+    }
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        headers = ["stage", "norm", "kind", "op", "input", "accumulates", "epsilon", "axes", "note"]
+        rows = [[r.stage, r.node, r.kind, r.op, r.input_dtype, r.precision + (" LOW" if r.low_precision else ""),
+                 "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes, r.note] for r in reductions]
+        print(format_table(headers, rows) if rows else "no normalization reduction found")
+        stages = ["as written"] + [f"after onnxruntime ({lvl})" for lvl in levels]
+        for error in errors:
+            print(f"error: {error}")
+        print(f"\n{len(reductions)} reductions ({', '.join(stages)}); {len(low)} accumulate in float16 or bfloat16")
+    if args.output:
+        with atomic_path(args.output, force=args.force) as tmp:
+            tmp.write_text(json.dumps(data, indent=1))
+    if low:
+        return 1
+    if errors:
+        import sys
+
+        print(f"rmsnorm-deploy audit: error: {errors[0]}", file=sys.stderr)
+        return 2
+    return 0
