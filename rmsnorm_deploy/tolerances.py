@@ -44,9 +44,10 @@ _FP32_NORM = (
 )
 _HALF_NORM = (
     "{dtype} output: the float32 arithmetic is ~2^-13 ulp of {dtype} away from exact, so what remains is the "
-    "rounding to {dtype}: 0.5 ulp for scale_then_cast, and up to 1 ulp more for cast_then_scale, which rounds "
-    "the normalized value and the gain before the product is rounded; 2 ulp leaves room for a runtime that "
-    "divides where torch multiplies by rsqrt"
+    "rounding to {dtype}: below 1 ulp for scale_then_cast (one rounding); cast_then_scale rounds up to three "
+    "times (the normalized value, a gain that is not already a {dtype} value, i.e. a float32 weight or Gemma's "
+    "1 + w, and their product), each off by at most half an ulp of its own value, which in ulps of the result "
+    "adds up to just under 3 (the reference itself reaches 2.4 on random inputs)"
 )
 _FP32_MODEL = (
     "float32 logits after a few layers of matmuls: the runtimes sum in different orders, so differences grow "
@@ -61,7 +62,7 @@ TOLERANCES: dict[tuple[str, str, str], Tolerance] = {}
 for _backend in ("torch", "onnxruntime", "tensorrt", "triton"):
     TOLERANCES[("norm", _backend, "float32")] = Tolerance(atol=1e-30, max_ulp=16, reason=_FP32_NORM)
     for _dt in ("float16", "bfloat16"):
-        TOLERANCES[("norm", _backend, _dt)] = Tolerance(max_ulp=2, reason=_HALF_NORM.format(dtype=_dt))
+        TOLERANCES[("norm", _backend, _dt)] = Tolerance(max_ulp=3, reason=_HALF_NORM.format(dtype=_dt))
 for _backend in ("onnxruntime", "tensorrt"):
     TOLERANCES[("model", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL)
     TOLERANCES[("model", _backend, "float16")] = Tolerance(atol=2e-2, rtol=2e-2, reason=_HALF_MODEL.format(dtype="float16"))
