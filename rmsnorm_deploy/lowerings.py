@@ -28,12 +28,12 @@ from rmsnorm_deploy.onnx_function import (
     DOMAIN,
     DOMAIN_VERSION,
     OP_TYPE,
-    PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     check_opset,
     function_proto,
     is_rmsnorm_node,
     node_upcasts,
+    plugin_namespace,
     spec_from_node,
 )
 from rmsnorm_deploy.spec import RMSNormSpec
@@ -101,8 +101,8 @@ def lower_model(model: onnx.ModelProto, lowering: str = "function") -> onnx.Mode
     if lowering in ("function", "plugin", "inline"):
         _attach_functions(model, sites, opset)
         if lowering == "plugin":
-            for i, _ in sites:
-                _set_plugin_fields(model.graph.node[i])
+            for i, site in sites:
+                _set_plugin_fields(model.graph.node[i], site.spec)
         if lowering == "inline":
             model = onnx.inliner.inline_selected_functions(model, [(DOMAIN, OP_TYPE)])
             _drop_domain(model)
@@ -171,12 +171,15 @@ def _attach_functions(model: onnx.ModelProto, sites: list[tuple[int, NormSite]],
     _ensure_domain(model)
 
 
-def _set_plugin_fields(node: onnx.NodeProto) -> None:
+def _set_plugin_fields(node: onnx.NodeProto, spec: RMSNormSpec) -> None:
     for attr in list(node.attribute):
         if attr.name in ("plugin_namespace", "plugin_version"):
             node.attribute.remove(attr)
     node.attribute.extend(
-        [helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE), helper.make_attribute("plugin_version", PLUGIN_VERSION)]
+        [
+            helper.make_attribute("plugin_namespace", plugin_namespace(spec)),
+            helper.make_attribute("plugin_version", PLUGIN_VERSION),
+        ]
     )
 
 

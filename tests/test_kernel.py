@@ -156,6 +156,16 @@ def test_rows_per_program_does_not_change_the_numbers(device):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+def test_the_largest_row(device):
+    """65536 elements, the most a row may have (one program, 32 warps)."""
+    spec = RMSNormSpec.gemma(1e-6)
+    x = torch.from_numpy(activations((3, MAX_HIDDEN), "float32", seed=12)).to(torch.bfloat16)
+    w = _weight(spec, "same", "bfloat16", (MAX_HIDDEN,), seed=13)
+    assert launch_config(MAX_HIDDEN).rows_per_program == 1
+    result = compare(_run(spec, x, w, device), oracle(spec, x, w), tolerance_for("norm", "triton", "bfloat16"))
+    assert result, result.summary()
+
+
 def test_leading_dims_and_several_normalized_dims(device):
     """[..., *normalized_shape] of any rank; normalized_dims=2 flattens the last two dims into a row."""
     spec = RMSNormSpec(1e-6, normalized_dims=2, gain="weight", order="cast_then_scale")

@@ -21,22 +21,33 @@ from rmsnorm_deploy.spec import RMSNormSpec
 KERNEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 
-def rms_norm(spec: RMSNormSpec, x: torch.Tensor, weight: torch.Tensor | None = None, **config: Any) -> torch.Tensor:
+def rms_norm(
+    spec: RMSNormSpec,
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    **config: Any,
+) -> torch.Tensor:
     """``spec`` applied to ``x`` by the fused Triton kernel; same shape and dtype as ``x``.
 
     ``weight``: shaped like the normalized dims, in ``x``'s dtype or float32 (``None``
-    when the spec has no gain). ``config``: ``rows_per_program``/``num_warps`` overrides
+    when the spec has no gain). ``out``: a contiguous tensor shaped and typed like ``x``
+    to write into (TensorRT's output buffer). ``config``: ``rows_per_program``/``num_warps`` overrides
     for :func:`~rmsnorm_deploy.kernels.triton_rmsnorm.launch_config` (benchmarks).
     CUDA tensors run compiled; CPU tensors only with ``TRITON_INTERPRET=1`` (Triton's
     interpreter).
     """
     kernel = require("rmsnorm_deploy.kernels.triton_rmsnorm", "the Triton RMSNorm kernel")
     x2d = _rows(spec, x, weight).detach()
-    out = torch.empty_like(x2d)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise InputError(f"out must be a contiguous {dtype_name(x.dtype)} tensor of shape {list(x.shape)} on {x.device}")
     if x2d.shape[0] > 0:
         w = weight.detach().reshape(-1).contiguous() if weight is not None else None
-        kernel.launch(spec, x2d, w, out, kernel.launch_config(x2d.shape[1], **config))
-    return out.reshape(x.shape)
+        kernel.launch(spec, x2d, w, out.view(x2d.shape), kernel.launch_config(x2d.shape[1], **config))
+    return out
 
 
 def _rows(spec: RMSNormSpec, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

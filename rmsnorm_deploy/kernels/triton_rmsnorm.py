@@ -27,6 +27,7 @@ large ones one per program (:func:`launch_config`). The parameters are ordered
 
 import dataclasses
 import functools
+import math
 import re
 from typing import Any
 
@@ -317,12 +318,14 @@ def compile_aot(
     if not weight_dtype:
         constants["w_ptr"] = None
     signature.update({name: "constexpr" for name in constants if name not in signature})
-    # Pointers from TensorRT are 256-byte aligned; strides equal n_cols, known here.
+    # Pointers from TensorRT are 256-byte aligned, and the strides equal n_cols, known here:
+    # telling Triton how far they divide lets it vectorize loads and stores.
     position = {name: i for i, name in enumerate(signature)}
-    aligned = ["x_ptr", "y_ptr"] + (["w_ptr"] if weight_dtype else [])
-    if n_cols % 16 == 0:
-        aligned += ["n_cols", "x_row_stride", "y_row_stride"]
-    attrs = {(position[name],): [["tt.divisibility", 16]] for name in aligned}
+    divisibility = {name: 16 for name in ("x_ptr", "y_ptr", "w_ptr") if signature[name] != "constexpr"}
+    row_divisor = math.gcd(n_cols, 16)
+    if row_divisor > 1:
+        divisibility.update(n_cols=row_divisor, x_row_stride=row_divisor, y_row_stride=row_divisor)
+    attrs = {(position[name],): [["tt.divisibility", value]] for name, value in divisibility.items()}
     source = ASTSource(fn=compiled_kernel(), signature=signature, constexprs=constants, attrs=attrs)
     options: dict[str, Any] = {"num_warps": config.num_warps, "enable_fp_fusion": False}
     if ptx_version is not None:
