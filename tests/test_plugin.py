@@ -229,9 +229,9 @@ import json, sys
 from rmsnorm_deploy import RMSNormSpec
 from rmsnorm_deploy.kernels.triton_rmsnorm import compile_aot
 out = []
-for spec, dtype, weight_dtype, n_cols, ptx_version in json.loads(sys.argv[1]):
+for spec, dtype, weight_dtype, n_cols, ptx_version, max_ptx_version in json.loads(sys.argv[1]):
     k = compile_aot(RMSNormSpec(**spec), dtype=dtype, weight_dtype=weight_dtype, n_cols=n_cols, arch=90,
-                    ptx_version=ptx_version)
+                    ptx_version=ptx_version, max_ptx_version=max_ptx_version)
     out.append(dict(name=k.name, ptx=k.ptx, num_warps=k.num_warps, shared_mem=k.shared_mem, block_x=k.block_x,
                     rows_per_program=k.rows_per_program, block_n=k.block_n, target=k.target, ptx_version=k.ptx_version))
 print(json.dumps(out))
@@ -253,10 +253,11 @@ def _system_ptxas() -> tuple[str, int] | None:
 
 @pytest.fixture(scope="module")
 def compiled():
-    """The AOT_CASES compiled for sm_90 in a process whose Triton compiles (plus one capped PTX ISA)."""
+    """The AOT_CASES compiled for sm_90 in a process whose Triton compiles, at most at the PTX ISA of
+    the CUDA toolkit's ptxas (as for a driver); plus one at ISA 8.0."""
     ptxas = _system_ptxas()
-    cases = [[SPECS[s].to_dict(), d, w, n, ptxas[1] if ptxas else None] for s, d, w, n in AOT_CASES]
-    cases.append([SPECS["llama"].to_dict(), "float16", "float16", 64, 80])
+    cases = [[SPECS[s].to_dict(), d, w, n, None, ptxas[1] if ptxas else None] for s, d, w, n in AOT_CASES]
+    cases.append([SPECS["llama"].to_dict(), "float16", "float16", 64, 80, None])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True,
@@ -307,9 +308,11 @@ def test_aot_kernel_rounds_like_the_reference(compiled):
 
 
 def test_ptx_isa_can_be_held_to_what_the_driver_loads(compiled):
-    kernels, _ = compiled
+    kernels, ptxas = compiled
     capped = kernels[-1]
     assert capped["ptx_version"] == 80 and re.search(r"^\.version 8\.0$", capped["ptx"], re.M)
+    if ptxas is not None:
+        assert all(k["ptx_version"] <= ptxas[1] for k in kernels)
 
 
 def test_aot_kernel_assembles_with_the_cuda_toolkit(compiled, tmp_path):

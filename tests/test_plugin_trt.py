@@ -69,13 +69,16 @@ def _build(trt, model, network_flags: int = 0):
     layer_types = [network.get_layer(i).type for i in range(network.num_layers)]
     config = builder.create_builder_config()
     profile = builder.create_optimization_profile()
+    dynamic = False
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
         dims = list(tensor.shape)
         if any(d < 0 for d in dims):
+            dynamic = True
             profile.set_shape(tensor.name, [1 if d < 0 else d for d in dims], [8 if d < 0 else d for d in dims],
                               [MAX_ROWS if d < 0 else d for d in dims])
-    config.add_optimization_profile(profile)
+    if dynamic:
+        config.add_optimization_profile(profile)
     serialized = builder.build_serialized_network(network, config)
     assert serialized is not None, "TensorRT failed to build the engine (see its log above)"
     return bytes(serialized), layer_types
@@ -109,6 +112,11 @@ def _model(spec, dtype, shape):
     return rmsnorm_model(spec, dtype=dtype, shape=shape, lowering="plugin")
 
 
+def _shape_for(spec: RMSNormSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` for a spec over one trailing dim; over two (q/k norms over [heads, head_dim]) a dim of 2 is added."""
+    return shape if spec.normalized_dims == 1 else (*shape[:-1], 2, shape[-1])
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spec_name", list(SPECS))
@@ -116,10 +124,11 @@ def _model(spec, dtype, shape):
 def test_engine_with_the_plugin_matches_the_oracle(trt, plugins, implementation, spec_name, dtype, shape):
     spec = SPECS[spec_name]
     info = plugins[implementation]
-    engine, layer_types = _build(trt, _model(spec, dtype, SHAPES[shape]), info.network_flag_bits(trt))
+    dims = _shape_for(spec, SHAPES[shape])
+    engine, layer_types = _build(trt, _model(spec, dtype, dims), info.network_flag_bits(trt))
     assert trt.LayerType.PLUGIN_V3 in layer_types, f"the RMSNorm node was not mapped to the plugin: {layer_types}"
     assert trt.LayerType.REDUCE not in layer_types, "the local function was inlined instead of the plugin"
-    feed = _feed(spec, dtype, SHAPES[shape])
+    feed = _feed(spec, dtype, dims)
     y = _run(trt, engine, feed)
     expected = oracle(spec, feed["x"].cpu(), feed["weight"].cpu() if "weight" in feed else None)
     result = compare(y.cpu(), expected, tolerance_for("norm", "tensorrt", dtype))

@@ -287,14 +287,16 @@ def compile_aot(
     n_cols: int,
     arch: int | None = None,
     ptx_version: int | None = None,
+    max_ptx_version: int | None = None,
 ) -> AotKernel:
     """Compile the kernel for ``spec`` to PTX without launching it (no GPU needed with ``arch``).
 
     ``dtype``: input and output dtype name; ``weight_dtype``: the weight's (``None`` without
     a gain); ``n_cols``: the row length, fixed at build time (it sizes ``BLOCK_N``; the
     kernel still reads ``n_cols`` at run time). ``arch``: compute capability as an integer
-    (90 for sm_90); ``None`` compiles for the GPU of this process. ``ptx_version``: cap the
-    PTX ISA (e.g. to what the driver can load: :func:`driver_ptx_version`).
+    (90 for sm_90); ``None`` compiles for the GPU of this process. ``ptx_version``: the PTX
+    ISA to emit (Triton's default: its bundled ptxas's). ``max_ptx_version``: recompile at
+    that ISA if the default is newer, e.g. what the driver loads (:func:`driver_ptx_version`).
 
     The kernel must not need what an AOT launcher cannot provide: Triton's global or
     profiling scratch memory, thread-block clusters, cooperative or PDL launches. Each is
@@ -336,6 +338,10 @@ def compile_aot(
 
         target = GPUTarget("cuda", int(arch), 32)
     compiled = triton.compile(source, target=target, options=options)
+    emitted = ptx_isa_version(compiled.asm["ptx"])
+    if max_ptx_version is not None and emitted is not None and emitted > max_ptx_version:
+        options["ptx_version"] = int(max_ptx_version)
+        compiled = triton.compile(source, target=target, options=options)
     _check_aot_launchable(compiled.metadata)
     ptx = compiled.asm["ptx"]
     return AotKernel(

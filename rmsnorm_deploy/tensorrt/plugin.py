@@ -166,13 +166,10 @@ def aot_kernel(spec: RMSNormSpec, dtype: str, weight_dtype: str | None, n_cols: 
     from rmsnorm_deploy.kernels import triton_rmsnorm
 
     check_io(spec, dtype, weight_dtype)
-    kernel = triton_rmsnorm.compile_aot(spec, dtype=dtype, weight_dtype=weight_dtype, n_cols=n_cols, arch=arch)
     driver = triton_rmsnorm.driver_ptx_version() if arch is None else None
-    if driver is not None and kernel.ptx_version is not None and kernel.ptx_version > driver:
-        kernel = triton_rmsnorm.compile_aot(
-            spec, dtype=dtype, weight_dtype=weight_dtype, n_cols=n_cols, arch=arch, ptx_version=driver
-        )
-    return kernel
+    return triton_rmsnorm.compile_aot(
+        spec, dtype=dtype, weight_dtype=weight_dtype, n_cols=n_cols, arch=arch, max_ptx_version=driver
+    )
 
 
 # -- registration (needs tensorrt) --------------------------------------------------------------
