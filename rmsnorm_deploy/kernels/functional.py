@@ -38,7 +38,9 @@ def rms_norm(
     CUDA tensors run compiled; CPU tensors only with ``TRITON_INTERPRET=1`` (Triton's
     interpreter).
     """
-    kernel = require("rmsnorm_deploy.kernels.triton_rmsnorm", "the Triton RMSNorm kernel")
+    require("triton", "the Triton RMSNorm kernel")
+    from rmsnorm_deploy.kernels import triton_rmsnorm as kernel
+
     x2d = _rows(spec, x, weight).detach()
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
