@@ -55,8 +55,8 @@ EAGER_TARGET = 2.0
 BENCH_SPEC_ARGS = dict(epsilon=1e-6, gain="weight", order="scale_then_cast")
 #: launch configurations tried by the sweep: rows per program x warps, by row length
 SWEEP = {
-    "small": [(r, w) for r in (8, 16, 32, 64) for w in (2, 4, 8)],
-    "large": [(r, w) for r in (1, 2) for w in (4, 8, 16, 32)],
+    "small": [(r, w) for r in (8, 16, 32, 64) for w in (4, 8)],
+    "large": [(r, w) for r in (1, 2) for w in (4, 8, 16)],
 }
 
 
@@ -222,7 +222,7 @@ def time_do_bench(fn: Callable[[], Any], device: str) -> float:
     if device == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
     times = []
     for _ in range(3):
         t = time.perf_counter()
@@ -313,35 +313,33 @@ def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_referenc
                 impls["compile"] = (lambda i: functools.partial(compiled, xs[i], w), "torch.compile(reference)")
             if sweep:
                 for r, nw in SWEEP["small" if hidden <= 1024 else "large"]:
-                    if (r, nw) != (default.rows_per_program, default.num_warps) and r * triton_block(hidden) <= 65536:
+                    if (r, nw) != (default.rows_per_program, default.num_warps) and r * default.block_n <= 65536:
                         impls[f"sweep r{r} w{nw}"] = (
                             lambda i, r=r, nw=nw: functools.partial(rms_norm, spec, xs[i], w, out=ys[i],
                                                                     rows_per_program=r, num_warps=nw),
                             f"rows_per_program={r} num_warps={nw}")
             for impl, (make, config) in impls.items():
                 row = dict(env, dtype=dtype, rows=n_rows, hidden=hidden, impl=impl.split(" ")[0], config=config,
-                           bytes=moved, buffers=n_sets, ms=math.nan, gbps=math.nan, ms_do_bench=math.nan,
-                           gbps_do_bench=math.nan, error="")
+                           bytes=moved, buffers=n_sets, ms=math.nan, gbps=math.nan, timing="",
+                           ms_do_bench=math.nan, gbps_do_bench=math.nan, error="")
                 try:
                     fns = [make(i) for i in range(n_sets)]
                     fns[0]()  # compile / warm up outside the timing
                     row["ms_do_bench"] = time_do_bench(fns[0], device)
                     row["gbps_do_bench"] = moved / (row["ms_do_bench"] * 1e-3) / 1e9
-                    row["ms"] = time_graph(fns, row["ms_do_bench"]) if device == "cuda" else row["ms_do_bench"]
-                    row["gbps"] = moved / (row["ms"] * 1e-3) / 1e9
-                except Exception as exc:  # one failing implementation must not hide the others
+                    row.update(ms=row["ms_do_bench"], timing="do_bench" if device == "cuda" else "wall clock (CPU)")
+                    if device == "cuda":
+                        row.update(ms=time_graph(fns, row["ms_do_bench"]), timing="cuda graph")
+                except Exception as exc:  # one failing implementation or timing must not hide the others
                     message = str(exc).strip().splitlines()
                     row["error"] = f"{type(exc).__name__}: {message[0][:200] if message else ''}"
                     print(f"  {dtype} {n_rows}x{hidden} {impl}: {row['error']}", file=sys.stderr)
+                row["gbps"] = moved / (row["ms"] * 1e-3) / 1e9
                 rows.append(row)
             print(f"  {dtype} {n_rows}x{hidden} ({n_sets} buffers): " + ", ".join(
                 f"{r['impl']}={r['gbps']:.0f}" for r in rows[-len(impls):] if r["impl"] != "sweep") + " GB/s")
             del xs, ys
     return rows
-
-
-def triton_block(hidden: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(hidden)))
 
 
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

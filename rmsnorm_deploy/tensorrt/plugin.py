@@ -231,7 +231,26 @@ def run_jit(spec: RMSNormSpec, x: Any, weight: Any, y: Any, stream: int) -> None
     from rmsnorm_deploy.kernels.functional import rms_norm
 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-        x_t = torch.as_tensor(x, device="cuda")
-        w_t = torch.as_tensor(weight, device="cuda") if weight is not None else None
-        rms_norm(spec, x_t, w_t, out=torch.as_tensor(y, device="cuda"))
+        w_t = _as_torch(weight) if weight is not None else None
+        rms_norm(spec, _as_torch(x), w_t, out=_as_torch(y))
 
+
+def _as_torch(tensor: Any) -> Any:
+    """A ``tensorrt.plugin.Tensor`` as a torch CUDA tensor, without a copy.
+
+    Its ``__cuda_array_interface__`` refuses bfloat16 (numpy has no such type), so a
+    bfloat16 buffer is described as int16 and viewed back as bfloat16.
+    """
+    import tensorrt as trt
+    import torch
+
+    if tensor.dtype != trt.bfloat16:
+        return torch.as_tensor(tensor, device="cuda")
+
+    class _Int16View:
+        __cuda_array_interface__ = {
+            "shape": tuple(tensor.shape), "typestr": "<i2", "data": (int(tensor.data_ptr), False), "version": 3,
+            "strides": None,
+        }
+
+    return torch.as_tensor(_Int16View(), device="cuda").view(torch.bfloat16)
