@@ -303,20 +303,23 @@ def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_referenc
             ys = [torch.empty_like(x) for x in xs]
             moved = set_bytes + w.numel() * w.element_size()
             default = launch_config(hidden)
+            # make(i): the call on buffer set i (xs, ys, w bound now: the loop rebinds them)
             impls: dict[str, tuple[Callable[[int], Callable[[], Any]], str]] = {
-                "kernel": (lambda i: functools.partial(rms_norm, spec, xs[i], w, out=ys[i]),
+                "kernel": (lambda i, xs=xs, ys=ys, w=w: functools.partial(rms_norm, spec, xs[i], w, out=ys[i]),
                            f"rows_per_program={default.rows_per_program} num_warps={default.num_warps}"),
-                "eager": (lambda i: functools.partial(F.rms_norm, xs[i], (hidden,), w, eps=spec.epsilon), "F.rms_norm"),
-                "copy": (lambda i: functools.partial(ys[i].copy_, xs[i]), "Tensor.copy_"),
+                "eager": (lambda i, xs=xs, w=w, shape=(hidden,): functools.partial(
+                    F.rms_norm, xs[i], shape, w, eps=spec.epsilon), "F.rms_norm"),
+                "copy": (lambda i, xs=xs, ys=ys: functools.partial(ys[i].copy_, xs[i]), "Tensor.copy_"),
             }
             if compiled is not None:
-                impls["compile"] = (lambda i: functools.partial(compiled, xs[i], w), "torch.compile(reference)")
+                impls["compile"] = (lambda i, xs=xs, w=w: functools.partial(compiled, xs[i], w),
+                                    "torch.compile(reference)")
             if sweep:
                 for r, nw in SWEEP["small" if hidden <= 1024 else "large"]:
                     if (r, nw) != (default.rows_per_program, default.num_warps) and r * default.block_n <= 65536:
                         impls[f"sweep r{r} w{nw}"] = (
-                            lambda i, r=r, nw=nw: functools.partial(rms_norm, spec, xs[i], w, out=ys[i],
-                                                                    rows_per_program=r, num_warps=nw),
+                            lambda i, xs=xs, ys=ys, w=w, r=r, nw=nw: functools.partial(
+                                rms_norm, spec, xs[i], w, out=ys[i], rows_per_program=r, num_warps=nw),
                             f"rows_per_program={r} num_warps={nw}")
             for impl, (make, config) in impls.items():
                 row = dict(env, dtype=dtype, rows=n_rows, hidden=hidden, impl=impl.split(" ")[0], config=config,
@@ -338,7 +341,6 @@ def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_referenc
                 rows.append(row)
             print(f"  {dtype} {n_rows}x{hidden} ({n_sets} buffers): " + ", ".join(
                 f"{r['impl']}={r['gbps']:.0f}" for r in rows[-len(impls):] if r["impl"] != "sweep") + " GB/s")
-            del xs, ys
     return rows
 
 

@@ -22,7 +22,6 @@ import onnx
 import pytest
 
 from rmsnorm_deploy import RMSNormSpec, rmsnorm_model
-from rmsnorm_deploy.compare import compare
 from rmsnorm_deploy.errors import LoweringError, SpecError, UserError
 from rmsnorm_deploy.inputs import activations, gain_weights
 from rmsnorm_deploy.onnx_function import is_rmsnorm_node, rmsnorm_node
