@@ -147,13 +147,19 @@ def test_nan_and_inf_propagate_as_in_the_reference(device):
 
 
 def test_rows_per_program_does_not_change_the_numbers(device):
-    """Packing rows (hidden 128) or not: the same row gives the same bits."""
+    """Packing rows (hidden 128) or not: every packing matches the oracle; in the interpreter,
+    whose row sums do not depend on the packing, the bits are the same too (on a GPU the
+    order of the float32 sum follows the thread layout)."""
     spec = RMSNormSpec.gemma(1e-6)
     x = torch.from_numpy(activations((37, 128), "float32", seed=5)).to(torch.bfloat16)
-    w = _weight(spec, "same", "bfloat16", (128,), seed=6).to(device)
-    outs = [rms_norm(spec, x.to(device), w, rows_per_program=r).cpu() for r in (1, 4, 64)]
+    w = _weight(spec, "same", "bfloat16", (128,), seed=6)
+    outs = [rms_norm(spec, x.to(device), w.to(device), rows_per_program=r).cpu() for r in (1, 4, 64)]
     assert launch_config(128).rows_per_program > 1
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for out in outs:
+        result = compare(out, oracle(spec, x, w), tolerance_for("norm", "triton", "bfloat16"))
+        assert result, result.summary()
+    if device == "cpu":
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_the_largest_row(device):
