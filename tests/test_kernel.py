@@ -162,6 +162,23 @@ def test_rows_per_program_does_not_change_the_numbers(device):
         assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize(
+    "dtype, epsilon, gain",
+    [("float16", 3e-6, 1.0004898309707642), ("bfloat16", 3e-6, 1.0039077997207642)],
+)
+def test_float64_accumulation_rounds_through_float32_like_torch(dtype, epsilon, gain, device):
+    """torch converts float64 to float16/bfloat16 through float32 (two roundings). Here the
+    float64 result lies just above the midpoint between 1 and the next half value, and its
+    float32 rounding lands on that midpoint: a direct rounding gives the upper value, torch's
+    gives 1.0 (ties to even). The kernel must give what the reference gives."""
+    spec = RMSNormSpec(epsilon, gain="weight", order="scale_then_cast", accumulation="float64")
+    x = torch.ones(1, 1, dtype=torch_dtype(dtype))
+    w = torch.tensor([gain], dtype=torch.float32)
+    expected = reference(spec, x, w)
+    assert expected.item() == 1.0
+    assert torch.equal(_run(spec, x, w, device), expected)
+
+
 def test_the_largest_row(device):
     """65536 elements, the most a row may have (one program, 32 warps)."""
     spec = RMSNormSpec.gemma(1e-6)
