@@ -30,6 +30,9 @@ from rmsnorm_deploy.kernels.functional import rms_norm  # noqa: E402
 from rmsnorm_deploy.kernels.module import TritonRMSNorm  # noqa: E402
 from rmsnorm_deploy.kernels.triton_rmsnorm import MAX_HIDDEN, launch_config, triton_interprets  # noqa: E402
 
+# With a GPU these tests run the compiled kernel on CUDA tensors: they belong to the GPU suite
+# (`pytest -m "cuda or trt"`). Without one they run in the interpreter, in every suite.
+pytestmark = [pytest.mark.cuda] if torch.cuda.is_available() else []
 #: spec, weight dtype ("same" = the input's): every gain x order ...
 GAINS_AND_ORDERS = {
     "torch": (RMSNormSpec.torch_rmsnorm(1e-6), "same"),
