@@ -28,12 +28,12 @@ from rmsnorm_deploy.onnx_function import (
     DOMAIN,
     DOMAIN_VERSION,
     OP_TYPE,
-    PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     check_opset,
     function_proto,
     is_rmsnorm_node,
     node_upcasts,
+    plugin_namespace,
     spec_from_node,
 )
 from rmsnorm_deploy.spec import RMSNormSpec
@@ -101,11 +101,11 @@ def lower_model(model: onnx.ModelProto, lowering: str = "function") -> onnx.Mode
     if lowering in ("function", "plugin", "inline"):
         _attach_functions(model, sites, opset)
         if lowering == "plugin":
-            for i, _ in sites:
-                _set_plugin_fields(model.graph.node[i])
+            for i, site in sites:
+                set_plugin_fields(model.graph.node[i], site.spec)
         if lowering == "inline":
             model = onnx.inliner.inline_selected_functions(model, [(DOMAIN, OP_TYPE)])
-            _drop_domain(model)
+            drop_unused_domain(model)
         return model
     builder = {"native": _native_nodes, "ort": _ort_nodes}[lowering]
     new_nodes: list[onnx.NodeProto] = []
@@ -114,7 +114,7 @@ def lower_model(model: onnx.ModelProto, lowering: str = "function") -> onnx.Mode
         new_nodes.extend(builder(by_index[i]) if i in by_index else [node])
     del model.graph.node[:]
     model.graph.node.extend(new_nodes)
-    _drop_domain(model)
+    drop_unused_domain(model)
     return model
 
 
@@ -171,12 +171,15 @@ def _attach_functions(model: onnx.ModelProto, sites: list[tuple[int, NormSite]],
     _ensure_domain(model)
 
 
-def _set_plugin_fields(node: onnx.NodeProto) -> None:
+def set_plugin_fields(node: onnx.NodeProto, spec: RMSNormSpec) -> None:
     for attr in list(node.attribute):
         if attr.name in ("plugin_namespace", "plugin_version"):
             node.attribute.remove(attr)
     node.attribute.extend(
-        [helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE), helper.make_attribute("plugin_version", PLUGIN_VERSION)]
+        [
+            helper.make_attribute("plugin_namespace", plugin_namespace(spec)),
+            helper.make_attribute("plugin_version", PLUGIN_VERSION),
+        ]
     )
 
 
@@ -185,7 +188,7 @@ def _ensure_domain(model: onnx.ModelProto) -> None:
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
 
 
-def _drop_domain(model: onnx.ModelProto) -> None:
+def drop_unused_domain(model: onnx.ModelProto) -> None:
     """Remove our domain's opset import once no node or function uses it."""
     if any(n.domain == DOMAIN for n in model.graph.node) or any(f.domain == DOMAIN for f in model.functions):
         return

@@ -31,8 +31,12 @@ from rmsnorm_deploy.spec import RMSNormSpec
 DOMAIN = "rmsnorm_deploy"
 DOMAIN_VERSION = 1
 OP_TYPE = "RMSNorm"
-#: What TensorRT's ONNX parser reads to map a node to a registered plugin.
+#: What TensorRT's ONNX parser reads to map a node to a registered plugin: the op type
+#: (``RMSNorm``), ``plugin_namespace`` and ``plugin_version``. A TensorRT plugin has a fixed
+#: number of inputs, so nodes without a weight (gain "none") map to a second plugin of the
+#: same name in its own namespace (see :func:`plugin_namespace`).
 PLUGIN_NAMESPACE = DOMAIN
+PLUGIN_NAMESPACE_NO_WEIGHT = f"{DOMAIN}_noweight"
 PLUGIN_VERSION = "1"
 MIN_OPSET, MAX_OPSET = 18, 23
 #: ONNX IR version 10 introduced function overloads.
@@ -99,6 +103,11 @@ class OnnxOps:
 
     def multiply(self, a: Any, b: Any) -> Any:
         return self.op.Mul(a, b)
+
+
+def plugin_namespace(spec: RMSNormSpec) -> str:
+    """The TensorRT plugin namespace of ``spec``'s nodes: inputs ``(x, weight)`` or ``(x)``."""
+    return PLUGIN_NAMESPACE if spec.has_gain else PLUGIN_NAMESPACE_NO_WEIGHT
 
 
 def check_opset(opset: int) -> None:
@@ -168,7 +177,7 @@ def rmsnorm_node(
     attrs: dict[str, Any] = {"epsilon": spec.epsilon, "axes": list(spec.axes)}
     attrs.update({key: getattr(spec, key) for key in _SPEC_STRING_ATTRIBUTES})
     if plugin:
-        attrs.update(plugin_namespace=PLUGIN_NAMESPACE, plugin_version=PLUGIN_VERSION)
+        attrs.update(plugin_namespace=plugin_namespace(spec), plugin_version=PLUGIN_VERSION)
     node = onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name or None, domain=DOMAIN, **attrs)
     node.overload = spec.variant(spec.upcasts(dtype_name(input_dtype)))
     return node
@@ -181,11 +190,17 @@ def is_rmsnorm_node(node: onnx.NodeProto) -> bool:
 def spec_from_node(node: onnx.NodeProto) -> RMSNormSpec:
     """Read the spec back from a ``rmsnorm_deploy::RMSNorm`` node's attributes."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    axes = list(attrs.get("axes", [-1]))
+    return spec_from_attributes(attrs, f"node {node.name!r}")
+
+
+def spec_from_attributes(attrs: dict[str, Any], where: str = "RMSNorm") -> RMSNormSpec:
+    """The spec of a node's attributes (``epsilon``, ``axes`` and the string fields, as
+    ``bytes`` or ``str``), wherever they were read: an ONNX node, TensorRT plugin fields."""
+    axes = [int(a) for a in attrs.get("axes", [-1])]
     k = len(axes)
     if axes != list(range(-k, 0)):
-        raise LoweringError(f"node {node.name!r}: axes {axes} are not the trailing dims; RMSNorm normalizes the last k dims")
-    fields: dict[str, Any] = {"epsilon": attrs.get("epsilon", 1e-6), "normalized_dims": k}
+        raise LoweringError(f"{where}: axes {axes} are not the trailing dims; RMSNorm normalizes the last k dims")
+    fields: dict[str, Any] = {"epsilon": float(attrs.get("epsilon", 1e-6)), "normalized_dims": k}
     for key in _SPEC_STRING_ATTRIBUTES:
         if key in attrs:
             value = attrs[key]

@@ -14,6 +14,7 @@ from rmsnorm_deploy.onnx_function import (
     OP_TYPE,
     function_proto,
     node_upcasts,
+    plugin_namespace,
     rmsnorm_node,
     spec_from_node,
 )
@@ -90,7 +91,7 @@ def test_spec_round_trips_through_node_attributes(spec):
     }
     assert node_upcasts(node) is True
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    assert attrs["plugin_namespace"] == b"rmsnorm_deploy" and attrs["plugin_version"] == b"1"
+    assert attrs["plugin_namespace"] == plugin_namespace(spec).encode() and attrs["plugin_version"] == b"1"
 
 
 def test_node_with_non_trailing_axes_is_refused():

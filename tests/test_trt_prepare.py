@@ -92,7 +92,7 @@ def test_with_the_plugin_every_node_carries_the_plugin_fields(lowering):
         assert sum(a.name == "plugin_namespace" for a in node.attribute) == 1
     assert [(s.label, s.kind, s.nodes) for s in prepared.sites] == [
         ("norm_a", "plugin", frozenset({"norm_a"})), ("norm_b", "plugin", frozenset({"norm_b"}))]
-    assert "mapped to the plugin RMSNorm/rmsnorm_deploy/v1" in prepared.notes[0]
+    assert "mapped to the plugin RMSNorm v1 in namespace(s) rmsnorm_deploy" in prepared.notes[0]
 
 
 @pytest.mark.parametrize("lowering", ["inline", "native", "ort"])

@@ -28,15 +28,15 @@ from typing import Iterable
 
 import onnx
 import onnx.inliner
-from onnx import helper
 
 from rmsnorm_deploy.errors import LoweringError, UserError
+from rmsnorm_deploy.lowerings import drop_unused_domain, set_plugin_fields
 from rmsnorm_deploy.onnx_function import (
     DOMAIN,
     OP_TYPE,
-    PLUGIN_NAMESPACE,
     PLUGIN_VERSION,
     is_rmsnorm_node,
+    plugin_namespace,
     spec_from_node,
 )
 
@@ -93,16 +93,17 @@ def prepare_for_tensorrt(model: onnx.ModelProto, *, plugin: bool) -> PreparedMod
             )
         for node in ours:
             spec = _checked_spec(node)
-            _set_plugin_fields(node)
+            set_plugin_fields(node, spec)
             sites.append(NormSite(node.name, "plugin", frozenset([node.name]), frozenset(), spec.to_dict(),
                                   spec.accumulation))
+        namespaces = sorted({plugin_namespace(_checked_spec(node)) for node in ours})
         notes.append(f"{len(ours)} rmsnorm_deploy::RMSNorm node(s) mapped to the plugin "
-                     f"{OP_TYPE}/{PLUGIN_NAMESPACE}/v{PLUGIN_VERSION}")
+                     f"{OP_TYPE} v{PLUGIN_VERSION} in namespace(s) {', '.join(namespaces)}")
     elif ours:
         bounds = [(node.name, _checked_spec(node), list(node.input), node.output[0]) for node in ours]
         overloads = sorted({node.overload for node in ours})
         prepared = onnx.inliner.inline_selected_functions(prepared, [(DOMAIN, OP_TYPE)])
-        _drop_domain(prepared)
+        drop_unused_domain(prepared)
         graph = prepared.graph
         for label, spec, inputs, output in bounds:
             members = _body_nodes(graph, output, stop=set(inputs))
@@ -138,24 +139,6 @@ def _lowering_of(model: onnx.ModelProto) -> str:
 
     meta = ModelMetadata.read(model)
     return meta.lowering if meta and meta.lowering else "unknown"
-
-
-def _set_plugin_fields(node: onnx.NodeProto) -> None:
-    kept = [a for a in node.attribute if a.name not in ("plugin_namespace", "plugin_version")]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.extend([
-        helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
-        helper.make_attribute("plugin_version", PLUGIN_VERSION),
-    ])
-
-
-def _drop_domain(model: onnx.ModelProto) -> None:
-    if any(n.domain == DOMAIN for n in model.graph.node) or any(f.domain == DOMAIN for f in model.functions):
-        return
-    keep = [imp for imp in model.opset_import if imp.domain != DOMAIN]
-    del model.opset_import[:]
-    model.opset_import.extend(keep)
 
 
 def _body_nodes(graph: onnx.GraphProto, output: str, stop: set[str]) -> list[onnx.NodeProto]:
