@@ -19,6 +19,7 @@ from rmsnorm_deploy.errors import UserError
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "parity": ("parity", "build the standalone RMSNorm model of each lowering, run it in ONNX Runtime CPU, print parity"),
+    "export": ("export", "export a pre-norm model (preset or Hugging Face folder) to ONNX, every RMSNorm exact; check parity"),
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
 }
 

@@ -40,3 +40,11 @@ def gain_weights(shape: Sequence[int], dtype: Any, gain: str, *, seed: int = 1) 
     center = 1.0 if gain == "weight" else 0.0
     values = center + rng.normal(0.0, 0.5, size=tuple(shape))
     return values.astype(numpy_dtype(dtype_name(dtype)))
+
+
+def token_ids(shape: Sequence[int], high: int, *, seed: int = 0) -> np.ndarray:
+    """Seeded token ids in ``[0, high)``, int64, the input of every exported language model."""
+    if high < 1:
+        raise ValueError(f"a vocabulary of {high} tokens has no ids to draw")
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, high, size=tuple(int(d) for d in shape), dtype=np.int64)
