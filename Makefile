@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (see README.md):
-#   make run    export the tiny preset, validate it, print the parity table
+#   make run    export the tiny preset to ONNX, check it in ONNX Runtime CPU, print the parity table
 #   make test   run the test suite
 # Each installs what it needs into .venv first (once; again when pyproject.toml or
 # constraints.txt change).
@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench lint-docker clean
+.PHONY: run test parity bench-export-scale lint-docker clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,13 +21,17 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/rmsnorm-deploy parity --shape 199x760
+	$(VENV)/bin/rmsnorm-deploy export tiny --force
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -q
 
 parity: $(STAMP)
 	$(VENV)/bin/rmsnorm-deploy parity
+
+# Export a 1.24B-parameter LLaMA-architecture model (float16) and record time and peak memory.
+bench-export-scale: $(STAMP)
+	$(PY) benchmarks/bench_export_scale.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -5,24 +5,29 @@ Steps (each one a line of progress on stderr):
 1. **Detect** every norm of the module and confirm its spec bit for bit (``detect.py``);
    refuse the lowering early if it cannot represent a spec (``lowerings.refusal``).
 2. **Run** the module once in its dtype on the example input: a model that cannot run in
-   the requested dtype stops here, before anything is written.
+   the requested dtype stops here, before anything is written. The PyTorch side of the
+   parity check (step 7) runs here too, so that the module's weights can be freed once the
+   graph holds its own copy (``release_model``).
 3. **Export**: each norm is swapped for :class:`~rmsnorm_deploy.torch_op.ExportRMSNorm` (the
    custom op carrying the spec); ``torch.onnx.export(dynamo=True)`` with the custom
    translation emits one ``rmsnorm_deploy::RMSNorm`` node per norm call, with dynamic
    ``batch`` and ``seq`` axes. The exporter's own fusions are not run (at opset 23 its
    rotary-embedding fusion produces a graph ONNX Runtime rejects); onnxscript's constant
    folding is.
-4. **Canonicalize**: each node gets exactly the attributes and overload
-   ``onnx_function.rmsnorm_node`` gives it, and its module path as name; the nodes are
-   counted against the detected norms; ``lowerings.lower_model`` writes the lowering.
-5. **Check**: the norm reductions found by ``audit`` equal the norm count and all
-   accumulate in float32 (or wider); ``onnx.checker`` full check (not for the ``ort``
+4. **Canonicalize** the graph, serialized without its weights: each node gets exactly the
+   attributes and overload ``onnx_function.rmsnorm_node`` gives it, and its module path as
+   name; the nodes are counted against the detected norms; ``lowerings.lower_model`` writes
+   the lowering; the norm reductions ``audit`` finds must equal the norm calls and all
+   accumulate in float32 (or wider); metadata (``metadata.ModelMetadata``). Then the
+   weights are added, one tensor at a time; past 2 GB they go to ``model.onnx.data``,
+   written straight from the exporter's tensors so the weights are never held twice.
+5. **Check** the written file with ``onnx.checker`` (full check; not for the ``ort``
    lowering, whose ``SimplifiedLayerNormalization`` is an ONNX Runtime op the checker does
-   not know); metadata (``metadata.ModelMetadata``).
-6. **Save** atomically (``modelio``); weights past 2 GB go to ``model.onnx.data``, written
-   straight from the exporter's tensors so the weights are never held twice.
+   not know) before it replaces anything.
+6. **Save** atomically (``modelio``), never over an existing file without ``force``.
 7. **Parity** (``model_parity.py``): ONNX Runtime CPU against the module in its dtype and
-   against a float64 run; ``report.json`` beside the model.
+   against a float64 run, on the example shape and a larger one; ``report.json`` beside the
+   model.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from rmsnorm_deploy.errors import LoweringError, UserError
 from rmsnorm_deploy.lowerings import LOWERINGS, lower_model, model_opset, refusal
 from rmsnorm_deploy.metadata import ModelMetadata, tool_versions
 from rmsnorm_deploy.model_source import INPUT_NAME, OUTPUT_NAME, LoadedModel
-from rmsnorm_deploy.modelio import EXTERNAL_DATA_THRESHOLD, ensure_writable, save_model
+from rmsnorm_deploy.modelio import EXTERNAL_DATA_THRESHOLD, atomic_path, ensure_writable, save_model
 from rmsnorm_deploy.onnx_function import check_opset, is_rmsnorm_node, rmsnorm_node, spec_from_node
 from rmsnorm_deploy.progress import Progress
 from rmsnorm_deploy.standalone import default_opset, ir_version_for
@@ -154,20 +159,17 @@ def swapped_modules(model: torch.nn.Module, replacements: dict[str, torch.nn.Mod
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[io.StringIO]:
-    """Keep torch.onnx's chatter (stdout prints, warnings, log lines) off the user's terminal.
-
-    What it printed is kept in the yielded buffer, to quote when the export fails.
-    """
-    buffer = io.StringIO()
+def _quiet_exporter() -> Iterator[None]:
+    """Keep torch.onnx's chatter (stdout prints, warnings, log lines) off the user's terminal:
+    stdout is the result table's. A failure still surfaces, as :class:`ExportError`."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch._export", "torch.export", "onnxscript")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:
             lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            yield buffer
+            yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -290,8 +292,6 @@ def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOp
         timings["parity_onnxruntime_s"] = st.seconds
         report["parity"] = result.parity.to_dict()
         report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-        from rmsnorm_deploy.modelio import atomic_path
-
         with atomic_path(report_path, force=options.force) as tmp:
             tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
         result.report_path = report_path

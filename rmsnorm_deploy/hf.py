@@ -31,6 +31,20 @@ from rmsnorm_deploy.sources import source_builder
 #: The gain noise of random-weight models (see the module docstring).
 NORM_GAIN_NOISE = 0.1
 
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+#: Tiny random configs of the families the exporter supports (tests and benchmarks build them with
+#: :func:`from_config`): 2 layers, hidden 64, 4 heads over 2 KV heads, vocabulary 256.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_TINY, "model_type": "llama"},
+    "mistral": {**_TINY, "model_type": "mistral", "sliding_window": None},
+    "qwen2": {**_TINY, "model_type": "qwen2"},
+    "qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16},
+    "gemma3": {**_TINY, "model_type": "gemma3_text", "head_dim": 16},
+    "phi3": {**_TINY, "model_type": "phi3", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1},
+    "olmo2": {**_TINY, "model_type": "olmo2", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1},
+}
+
 
 class HFModelError(UserError):
     """A Hugging Face folder or config that cannot be loaded as a causal LM."""
@@ -41,10 +55,6 @@ class HFTokenLogits(TokenLogits):
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
-
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    return Path(path).is_dir()
 
 
 def check_folder(folder: str | os.PathLike) -> Path:

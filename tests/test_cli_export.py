@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import onnx
 import pytest
@@ -86,7 +87,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, tmp_path, monkey
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if not line.startswith("export [")]
     assert len(lines) == 1 and lines[0].startswith("rmsnorm-deploy export: error: "), err
-    assert __import__("re").search(message, lines[0]), lines[0]
+    assert re.search(message, lines[0]), lines[0]
     assert "Traceback" not in err and out == ""
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
 

@@ -28,31 +28,31 @@ pytest.importorskip("onnxruntime", reason="the exported models run in ONNX Runti
 from rmsnorm_deploy import hf  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
 
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-#: family -> (config fields, norms in the model, norm class, spec of every norm: the config's rms_norm_eps)
+VOCAB = 256
+#: family -> (norms in the model, norm class, spec of every norm: the config's default rms_norm_eps)
 FAMILIES = {
-    "llama": ({"model_type": "llama"}, 5, "LlamaRMSNorm", RMSNormSpec.llama(1e-6)),
-    "mistral": ({"model_type": "mistral", "sliding_window": None}, 5, "MistralRMSNorm", RMSNormSpec.llama(1e-6)),
-    "qwen2": ({"model_type": "qwen2"}, 5, "Qwen2RMSNorm", RMSNormSpec.llama(1e-6)),
-    "qwen3": ({"model_type": "qwen3", "head_dim": 16}, 9, "Qwen3RMSNorm", RMSNormSpec.llama(1e-6)),
-    "gemma3": ({"model_type": "gemma3_text", "head_dim": 16}, 13, "Gemma3RMSNorm", RMSNormSpec.gemma(1e-6)),
-    "phi3": ({"model_type": "phi3", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}, 5, "Phi3RMSNorm",
-             RMSNormSpec.llama(1e-5)),
-    "olmo2": ({"model_type": "olmo2", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1}, 9, "Olmo2RMSNorm",
-              RMSNormSpec.olmo2(1e-5)),
+    "llama": (5, "LlamaRMSNorm", RMSNormSpec.llama(1e-6)),
+    "mistral": (5, "MistralRMSNorm", RMSNormSpec.llama(1e-6)),
+    "qwen2": (5, "Qwen2RMSNorm", RMSNormSpec.llama(1e-6)),
+    "qwen3": (9, "Qwen3RMSNorm", RMSNormSpec.llama(1e-6)),  # + q/k norms over head_dim
+    "gemma3": (13, "Gemma3RMSNorm", RMSNormSpec.gemma(1e-6)),  # 4 per layer + q/k norms
+    "phi3": (5, "Phi3RMSNorm", RMSNormSpec.llama(1e-5)),
+    "olmo2": (9, "Olmo2RMSNorm", RMSNormSpec.olmo2(1e-5)),  # post-norms + q/k norms over hidden
 }
 CASES = [(f, "float32") for f in FAMILIES] + [("gemma3", "float16"), ("qwen3", "float16")]
 
 
 def _config(family: str) -> dict:
-    fields, *_ = FAMILIES[family]
-    return {**BASE, **fields}
+    return hf.TINY_CONFIGS[family]
+
+
+def test_every_tiny_config_is_tested():
+    assert set(hf.TINY_CONFIGS) == set(FAMILIES)
 
 
 @pytest.mark.parametrize("family, dtype", CASES, ids=[f"{f}-{d}" for f, d in CASES])
 def test_family_export_matches_transformers_eager(family, dtype, tmp_path):
-    _, norm_count, norm_class, spec = FAMILIES[family]
+    norm_count, norm_class, spec = FAMILIES[family]
     if family == "llama":  # the folder route: config.json + model.safetensors, nothing from the Hub
         folder = tmp_path / "tiny-llama"
         hf.from_config(_config(family), "float32", seed=1).module.model.save_pretrained(folder)
@@ -76,7 +76,7 @@ def test_family_export_matches_transformers_eager(family, dtype, tmp_path):
     tol = tolerance_for("model", "onnxruntime", dtype)
     with OnnxRuntimeRunner(path, ["cpu"]) as runner:
         for shape in [(1, 5), (3, 17)]:
-            ids = token_ids(shape, BASE["vocab_size"], seed=shape[1])
+            ids = token_ids(shape, VOCAB, seed=shape[1])
             got = runner.infer({"input_ids": ids})["logits"]
             with torch.no_grad():
                 want = eager(input_ids=torch.from_numpy(ids), use_cache=False).logits
@@ -89,7 +89,7 @@ def test_family_export_matches_transformers_eager(family, dtype, tmp_path):
     assert meta.source["kind"] == "hf" and set(meta.specs) == {n.path for n in norms}
     if family in ("llama", "qwen3"):  # both source forms rebuild the same module
         rebuilt = rebuild_source(meta)
-        ids = torch.from_numpy(token_ids((2, 6), BASE["vocab_size"]))
+        ids = torch.from_numpy(token_ids((2, 6), VOCAB))
         with torch.no_grad():
             assert torch.equal(rebuilt(input_ids=ids)["logits"], loaded.module(input_ids=ids)["logits"])
     report = json.loads((path.parent / "report.json").read_text())
