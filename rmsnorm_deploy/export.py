@@ -265,7 +265,7 @@ def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOp
     )
     staged_data: Path | None = None
     try:
-        with progress.stage(f"writing {lowering} RMSNorm nodes and checking the graph") as st:
+        with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
             model, staged_data = _finish_graph(program, detection, options, target, meta, st)
             del program
         timings["onnx_graph_s"] = st.seconds
