@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (see README.md):
-#   make run    export the tiny preset, validate it, print the parity table
+#   make run    export the tiny preset to ONNX, check it in ONNX Runtime CPU, print the parity table
 #   make test   run the test suite
 # Each installs what it needs into .venv first (once; again when pyproject.toml or
 # constraints.txt change).
@@ -14,7 +14,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench lint-docker clean
+.PHONY: run test parity bench-export-scale lint-docker clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/rmsnorm-deploy parity --shape 199x760
+	$(VENV)/bin/rmsnorm-deploy export tiny --force
+	$(VENV)/bin/rmsnorm-deploy validate export/tiny/float32-function/model.onnx --inputs stress
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -q
@@ -42,6 +43,9 @@ $(LINT_STAMP): docker/requirements-lint.txt
 lint-docker: $(LINT_STAMP)
 	$(LINT_VENV)/bin/hadolint --config docker/hadolint.yaml docker/Dockerfile
 	$(LINT_VENV)/bin/shellcheck docker/gpu_suite.sh .ci/run
+# Export a 1.24B-parameter LLaMA-architecture model (float16) and record time and peak memory.
+bench-export-scale: $(STAMP)
+	$(PY) benchmarks/bench_export_scale.py
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "its PyTorch source or float64 oracle; exit 1 on a parity failure"),
     "audit": ("audit", "list every RMSNorm/LayerNorm reduction and the dtype it accumulates in, as written and after "
               "ONNX Runtime's optimizations; exit 1 if any is float16/bfloat16"),
+    "export": ("export", "export a pre-norm model (preset or Hugging Face folder) to ONNX, every RMSNorm exact; check parity"),
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
     "build": ("build", "build a strongly typed TensorRT engine from an ONNX model and check where its norms run"),
     "check-trt": ("check_trt", "check without TensorRT whether a TensorRT version's ONNX parser imports a model"),

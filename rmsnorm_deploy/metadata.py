@@ -8,15 +8,25 @@ source, generate valid inputs and choose TensorRT profiles.
 key                value (JSON unless noted)
 =================  ==========================================================================
 format             ``"1"`` (plain string): the version of this layout
-specs              ``{norm name: RMSNormSpec.to_dict()}``, one entry per norm in the graph
+specs              ``{norm name: RMSNormSpec.to_dict()}``, one entry per norm in the graph; in
+                   exported models the name is the norm's module path, also its node's name
 lowering           plain string: function, native, ort, inline or plugin
 dtype              plain string: the activation dtype (float32, float16, bfloat16)
 source             ``{"kind": "standalone" | "preset" | "hf", ...}``: enough to rebuild the
-                   PyTorch module (a preset name or TOML text, an HF folder or config, a seed)
+                   PyTorch module (``sources.rebuild_source``):
+                   ``{"kind": "preset", "name": str, "toml": str (the preset's whole TOML text),
+                   "seed": int}``; ``{"kind": "hf", "path": str (absolute folder),
+                   "model_type": str}`` for a saved model, or ``{"kind": "hf", "config": {...}
+                   (the full transformers config), "seed": int}`` for random weights
 inputs             ``{input name: {"dtype": str, "shape": [int | str], "kind": "activations" |
-                   "token_ids" | "weight", "high": int (token_ids only)}}``; strings are dynamic dims
+                   "token_ids" | "weight", "high": int (token_ids only)}}``; strings are dynamic dims.
+                   Exported language models take ``input_ids`` (int64 ``["batch", "seq"]``,
+                   ``kind: token_ids``, ids in ``[0, high)``) and return ``logits``
 dims               ``{dynamic dim name: [min, opt, max]}``: the range the model supports, the
-                   defaults for TensorRT optimization profiles
+                   defaults for TensorRT optimization profiles. For exported language models
+                   ``opt`` is the example shape the export traced and checked; ``max`` is
+                   ``max(8, batch)`` for ``batch`` and the model's positions (at most 4096) for
+                   ``seq``
 versions           ``{package: version}`` of the tools that wrote the file
 =================  ==========================================================================
 """

@@ -12,7 +12,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import onnx
 from onnx import external_data_helper
@@ -118,25 +118,75 @@ def atomic_path(path: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
             tmp.unlink()
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it past 2 GB."""
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    force: bool = False,
+    staged_data: Path | None = None,
+    check: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it past 2 GB.
+
+    ``check``: called with the path of the written temporary file (its external data in
+    place) before it replaces ``path``; if it raises, nothing is replaced. Checking the file
+    rather than the in-memory model spares a serialized copy of the weights.
+
+    ``staged_data``: a file in the target's folder that already holds the model's external
+    data (the export pipeline writes weights there straight from torch, so they are never
+    copied into a protobuf); the model's references to it are renamed to ``<name>.data`` and
+    the file moves into place together with the model. A stale ``<name>.data`` left by a
+    replaced large model is removed when the new model keeps its weights inline.
+    """
     target = Path(path)
     data_name = target.name + ".data"
+    data_path = target.parent / data_name
+    if staged_data is not None:
+        ensure_writable(data_path, force=force)
+        with atomic_path(target, force=force) as tmp:
+            if check is not None:  # checked while it still points at the staged data
+                onnx.save_model(model, str(tmp))
+                check(tmp)
+            _set_external_location(model, staged_data.name, data_name)
+            onnx.save_model(model, str(tmp))
+            os.replace(staged_data, data_path)
+        return target
     large = model.ByteSize() >= EXTERNAL_DATA_THRESHOLD if _small_enough_to_size(model) else True
     if large:
-        ensure_writable(target.parent / data_name, force=force)
+        ensure_writable(data_path, force=force)
     with atomic_path(target, force=force) as tmp:
         if large:
-            with atomic_path(target.parent / data_name, force=force) as tmp_data:
+            with atomic_path(data_path, force=force) as tmp_data:
                 onnx.save_model(
                     model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=tmp_data.name, size_threshold=1024,
                 )
+                if check is not None:
+                    check(tmp)
                 # The model names its data file; point it at the final name before the renames.
                 _rename_external_location(tmp, tmp_data.name, data_name)
         else:
             onnx.save_model(model, str(tmp))
+            if check is not None:
+                check(tmp)
+    if not large and force and data_path.is_file() and not _references(model, data_name):
+        data_path.unlink()
     return target
+
+
+def _references(model: onnx.ModelProto, location: str) -> bool:
+    for tensor in external_data_helper._get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == location:
+                return True
+    return False
+
+
+def _set_external_location(model: onnx.ModelProto, old: str, new: str) -> None:
+    for tensor in external_data_helper._get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
 
 
 def _small_enough_to_size(model: onnx.ModelProto) -> bool:
@@ -149,8 +199,5 @@ def _small_enough_to_size(model: onnx.ModelProto) -> bool:
 
 def _rename_external_location(model_path: Path, old: str, new: str) -> None:
     model = onnx.load(str(model_path), load_external_data=False)
-    for tensor in external_data_helper._get_all_tensors(model):
-        for entry in tensor.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = new
+    _set_external_location(model, old, new)
     onnx.save_model(model, str(model_path))

@@ -13,6 +13,13 @@ Keys are ``(check, backend, dtype)``:
 * ``check="backends"``: an output of one backend against the same output of another backend
   running the same graph (a third-party graph without a PyTorch source).
 
+:data:`ACCURACY_BOUNDS` holds the other kind of bound, keyed the same way:
+
+* ``check="model_vs_float64"``: a runtime's distance from the float64 run of the source
+  module may be at most ``ratio`` times the PyTorch module's own distance from it, plus
+  ``atol``: an export may not be less accurate than its source. Relative to the source,
+  because a model's logits (and so its rounding error) scale with its weights.
+
 Backends are the runtimes that produce the output: ``torch`` (our reference itself),
 ``onnxruntime``, ``tensorrt``, ``triton`` (our kernel).
 """
@@ -125,6 +132,47 @@ for _backend in ("onnxruntime", "tensorrt"):
     TOLERANCES[("model", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL)
     TOLERANCES[("model", _backend, "float16")] = Tolerance(atol=2e-2, rtol=2e-2, reason=_HALF_MODEL.format(dtype="float16"))
     TOLERANCES[("model", _backend, "bfloat16")] = Tolerance(atol=1.25e-1, rtol=1e-1, reason=_HALF_MODEL.format(dtype="bfloat16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracyBound:
+    """``max|runtime - float64| <= ratio * max|torch - float64| + atol``, for outputs of the same dtype."""
+
+    ratio: float
+    atol: float
+    reason: str = ""
+
+    def tolerance(self, source_error: float) -> Tolerance:
+        """The absolute tolerance this bound allows when the source module is ``source_error`` from float64."""
+        return Tolerance(
+            atol=self.ratio * float(source_error) + self.atol,
+            reason=f"{self.ratio:g} x the PyTorch module's own error vs float64 ({source_error:.3g}) + {self.atol:g}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_F64_RATIO = (
+    "{dtype} logits against a float64 run: the runtime and torch round every matmul and add to {dtype}, in "
+    "different orders, so each is some ulps of {dtype} from float64; the runtime may be at most {ratio:g}x as far "
+    "as torch (plus {atol:g} for outputs whose torch error is near zero), or it would be less accurate than the source"
+)
+ACCURACY_BOUNDS: dict[tuple[str, str, str], AccuracyBound] = {}
+for _backend in ("onnxruntime", "tensorrt"):
+    for _dt, _ratio, _atol in (("float32", 4.0, 1e-5), ("float16", 2.0, 2e-3), ("bfloat16", 2.0, 1.6e-2)):
+        ACCURACY_BOUNDS[("model_vs_float64", _backend, _dt)] = AccuracyBound(
+            _ratio, _atol, _F64_RATIO.format(dtype=_dt, ratio=_ratio, atol=_atol))
+
+
+def accuracy_bound_for(check: str, backend: str, dtype: str) -> AccuracyBound:
+    """The accuracy bound of ``check`` for ``backend`` on ``dtype`` outputs; KeyError names what exists."""
+    key = (check, backend, dtype)
+    try:
+        return ACCURACY_BOUNDS[key]
+    except KeyError:
+        known = sorted({k[:2] for k in ACCURACY_BOUNDS})
+        raise KeyError(f"no accuracy bound for {key}; known (check, backend) pairs: {known}") from None
 
 
 def tolerance_for(check: str, backend: str, dtype: str) -> Tolerance:

@@ -64,11 +64,16 @@ COUNTERPARTS = {"onnxruntime-gpu": "onnxruntime"}
 # --- the pins ----------------------------------------------------------------------------------
 
 
+#: the base image's Python (docker/Dockerfile: NGC TensorRT 26.07 ships Python 3.12)
+IMAGE_PYTHON = "3.12"
+
+
 def _package_requirements() -> list[Requirement]:
+    """pyproject's requirements that apply in the image (markers evaluated for its Python)."""
     reqs = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
     for extra in IMAGE_EXTRAS:
         reqs += [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"][extra]]
-    return reqs
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"python_version": IMAGE_PYTHON})]
 
 
 def test_pins_file_is_exact_pins_and_pytorchs_cu130_index_only():

@@ -1,0 +1,244 @@
+"""Export a LLaMA-architecture model of about 1B parameters and record wall time and peak memory.
+
+The model has the shape of LLaMA-3.2-1B (16 layers, hidden 2048, GQA 32:8, SwiGLU 8192, a
+128256-token embedding tied to the head), random weights, float16: 1.24B parameters, 2.47 GB
+of weights, so the ONNX weights go to external data. The export runs as the user runs it,
+``rmsnorm-deploy export <preset> --dtype float16`` in a subprocess (parity check included),
+while this script samples the child's resident memory every 0.1 s and attributes the peak to
+the stage the child's progress lines say it is in; then it measures ONNX Runtime alone on the
+exported file in a fresh process. Target: peak RSS under 3x the weight bytes.
+
+    python benchmarks/bench_export_scale.py [--layers 16] [--keep]
+
+Writes benchmarks/results/export_scale.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TARGET_RATIO = 3.0
+
+PRESET = """\
+description = "LLaMA-3.2-1B-shaped decoder (benchmark)"
+[model]
+vocab_size = 128256
+dim = 2048
+n_layers = {layers}
+n_heads = 32
+n_kv_heads = 8
+intermediate_size = 8192
+rope_theta = 500000.0
+max_seq_len = 131072
+tie_embeddings = true
+[norm]
+epsilon = 1e-5
+gain = "weight"
+order = "cast_then_scale"
+accumulation = "float32"
+[weights]
+seed = 0
+"""
+
+_STAGE = re.compile(r"^export \[(\d+)\] (.*?)(?: \.\.\.|: (done|failed) in ([\d.]+)s.*)$")
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+_ORT_ALONE = """
+import resource, sys, numpy as np, onnxruntime as ort
+session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+session.run(None, {"input_ids": np.zeros((2, 16), dtype=np.int64)})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def onnxruntime_alone(model: Path, env: dict) -> int | None:
+    """Peak RSS of a fresh process that only opens the exported model in ONNX Runtime CPU (default
+    optimizations, as the parity check does) and runs it once: what ONNX Runtime itself needs."""
+    done = subprocess.run([sys.executable, "-c", _ORT_ALONE, str(model)], env=env, capture_output=True, text=True)
+    return int(done.stdout.split()[-1]) * 1024 if done.returncode == 0 and done.stdout.strip() else None
+
+
+def run(layers: int, keep: bool) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from rmsnorm_deploy.presets import parse_preset
+
+    text = PRESET.format(layers=layers)
+    args = parse_preset(text, name="llama-1b").args
+    weight_bytes = args.parameter_count() * 2
+    with tempfile.TemporaryDirectory(prefix="bench-export-scale-") as tmp:
+        preset_path = Path(tmp) / "llama-1b.toml"
+        preset_path.write_text(text)
+        out = Path(tmp) / "out"
+        cmd = [sys.executable, "-m", "rmsnorm_deploy", "export", str(preset_path), "-o", str(out),
+               "--dtype", "float16", "--force"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        start = time.perf_counter()
+        child = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stages: list[dict] = []
+        current = {"name": "python start-up and imports", "peak_kib": 0, "start_s": 0.0}
+        stages.append(current)
+        lock = threading.Lock()
+        stderr_lines: list[str] = []
+
+        def read_stderr() -> None:
+            nonlocal current
+            assert child.stderr is not None
+            for line in child.stderr:
+                stderr_lines.append(line.rstrip())
+                m = _STAGE.match(line.rstrip())
+                if m and not m.group(3):
+                    with lock:
+                        current = {"name": m.group(2), "peak_kib": 0, "start_s": time.perf_counter() - start}
+                        stages.append(current)
+                elif m:
+                    with lock:
+                        current["seconds"] = float(m.group(4))
+
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        peak = 0
+        while child.poll() is None:
+            value = rss_kib(child.pid)
+            if value:
+                peak = max(peak, value)
+                with lock:
+                    current["peak_kib"] = max(current["peak_kib"], value)
+            time.sleep(0.1)
+        stdout = child.stdout.read() if child.stdout else ""
+        reader.join()
+        wall = time.perf_counter() - start
+        # ru_maxrss of the waited-for children: the kernel's own high-water mark, in KiB on Linux.
+        import resource
+
+        kernel_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        files = {p.name: p.stat().st_size for p in out.glob("*")} if out.exists() else {}
+        report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+        ort_alone = onnxruntime_alone(out / "model.onnx", env) if (out / "model.onnx").exists() else None
+        if keep:
+            keep_dir = ROOT / "export" / "bench-llama-1b"
+            keep_dir.mkdir(parents=True, exist_ok=True)
+            for p in out.glob("*"):
+                os.replace(p, keep_dir / p.name)
+    peak_bytes = max(peak, kernel_peak) * 1024
+    export_stages = [s for s in stages if not s["name"].startswith("parity: ONNX Runtime")]
+    export_peak = max(s["peak_kib"] for s in export_stages) * 1024
+    return {
+        "benchmark": "export_scale",
+        "command": " ".join(["rmsnorm-deploy"] + cmd[3:4] + ["<llama-1b.toml>"] + cmd[5:6] + ["<out>"] + cmd[7:]),
+        "model": {"shape": "LLaMA-3.2-1B", "layers": layers, "parameters": args.parameter_count(), "dtype": "float16",
+                  "weight_bytes": weight_bytes},
+        "exit_code": child.returncode,
+        "wall_s": round(wall, 1),
+        "peak_rss_bytes": peak_bytes,
+        "peak_rss_over_weights": round(peak_bytes / weight_bytes, 3),
+        "export_peak_rss_bytes": export_peak,
+        "export_peak_rss_over_weights": round(export_peak / weight_bytes, 3),
+        "target_ratio": TARGET_RATIO,
+        "target_met_by_export": export_peak < TARGET_RATIO * weight_bytes,
+        "target_met_by_whole_command": peak_bytes < TARGET_RATIO * weight_bytes,
+        "onnxruntime_alone_peak_rss_bytes": ort_alone,
+        "stages": [{"stage": s["name"].replace(str(preset_path), "<llama-1b.toml>").replace(str(out), "<out>"),
+                    "seconds": s.get("seconds"), "peak_rss_gib": round(s["peak_kib"] / 2**20, 2)}
+                   for s in stages],
+        "files": files,
+        "parity": {k: report.get("parity", {}).get(k) for k in ("status", "reason")},
+        "parity_rows": [{"label": c["label"], "shape": c["shape"], "max_abs": c["max_abs"],
+                         "status": ("pass" if c["passed"] else "FAIL") if c["checked"] else "context"}
+                        for c in report.get("parity", {}).get("comparisons", [])],
+        "stdout": stdout.splitlines()[-12:],
+        "stderr_tail": stderr_lines[-5:],
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "versions": report.get("versions", {}),
+    }
+
+
+def write(result: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "export_scale.json").write_text(json.dumps(result, indent=1) + "\n")
+    gib = 2**30
+    m = result["model"]
+    w = m["weight_bytes"]
+    ort_alone = result.get("onnxruntime_alone_peak_rss_bytes")
+    lines = [
+        "# Export at scale: a 1.24B-parameter LLaMA-architecture model, float16",
+        "",
+        f"`{result['command']}` on {result['machine']['cpus']} CPUs "
+        f"(torch {result['versions'].get('torch', '?')}, onnx {result['versions'].get('onnx', '?')}, "
+        f"onnxscript {result['versions'].get('onnxscript', '?')}). Written by `benchmarks/bench_export_scale.py`.",
+        "",
+        f"- parameters: {m['parameters'] / 1e9:.3f}B ({m['layers']} layers), weights {w / gib:.2f} GiB",
+        f"- wall time: {result['wall_s']:.0f} s for the whole command, parity check included (exit code {result['exit_code']})",
+        f"- peak RSS of the whole command: {result['peak_rss_bytes'] / gib:.2f} GiB = "
+        f"{result['peak_rss_over_weights']:.2f}x the weights (target < {result['target_ratio']:g}x: "
+        f"{'met' if result['target_met_by_whole_command'] else 'MISSED'})",
+        f"- peak RSS up to the saved model (every stage but ONNX Runtime's): {result['export_peak_rss_bytes'] / gib:.2f} GiB "
+        f"= {result['export_peak_rss_over_weights']:.2f}x ({'met' if result['target_met_by_export'] else 'MISSED'})",
+    ]
+    if ort_alone:
+        lines.append(f"- ONNX Runtime alone, in a fresh process, opening the same file and running it once: "
+                     f"{ort_alone / gib:.2f} GiB = {ort_alone / w:.2f}x the weights (ONNX Runtime CPU has no float16 "
+                     "MatMul: it keeps float32 copies of the weights)")
+    lines += [
+        "- files: " + ", ".join(f"{k} {v / gib:.2f} GiB" if v > 2**24 else f"{k} {v / 2**10:.0f} KiB"
+                                for k, v in sorted(result["files"].items())),
+        f"- parity: {result['parity'].get('status')}",
+        "",
+        "Where the memory goes: the float16 weights themselves; the float64 run of the parity check widens at most "
+        "64 MiB of a weight at a time; the ONNX graph is serialized without its weights and the weights are streamed "
+        "from torch into `model.onnx.data`, so the export never holds a second copy; the PyTorch weights are freed "
+        "before ONNX Runtime loads its own.",
+        "",
+        "| stage | seconds | peak RSS (GiB) |",
+        "|---|---:|---:|",
+    ]
+    for s in result["stages"]:
+        secs = "-" if s["seconds"] is None else f"{s['seconds']:.1f}"
+        lines.append(f"| {s['stage']} | {secs} | {s['peak_rss_gib']:.2f} |")
+    if result["parity_rows"]:
+        lines += ["", "| parity comparison | shape | max abs | status |", "|---|---|---:|---|"]
+        for r in result["parity_rows"]:
+            lines.append(f"| {r['label']} | {r['shape']} | {r['max_abs']:.3g} | {r['status']} |")
+    (RESULTS / "export_scale.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--keep", action="store_true", help="keep the exported model under export/bench-llama-1b/")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not update benchmarks/results")
+    ns = parser.parse_args()
+    result = run(ns.layers, ns.keep)
+    print(json.dumps({k: result[k] for k in ("wall_s", "peak_rss_bytes", "peak_rss_over_weights",
+                                             "export_peak_rss_over_weights", "target_met_by_export",
+                                             "target_met_by_whole_command", "onnxruntime_alone_peak_rss_bytes",
+                                             "exit_code", "stages", "parity", "stdout", "stderr_tail")}, indent=1))
+    if not ns.no_write:
+        write(result)
+    return 0 if result["exit_code"] == 0 and result["target_met_by_whole_command"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Export a pre-norm model to ONNX with every RMSNorm as its exact spec, then check its parity.
+
+MODEL is a preset name (e.g. tiny), a preset TOML file, or a Hugging Face folder (config.json +
+*.safetensors). Every norm is detected and confirmed bit for bit before export; the graph is
+written atomically with report.json beside it, and ONNX Runtime CPU is compared with the PyTorch
+model (same dtype) and with a float64 run. Exit code 1 if the parity check fails, 2 on bad input
+(nothing is written)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rmsnorm_deploy.dtypes import MODEL_DTYPES
+from rmsnorm_deploy.lowerings import LOWERINGS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="preset name (e.g. tiny), preset TOML file, or Hugging Face folder")
+    parser.add_argument("-o", "--output", metavar="OUT",
+                        help="model file (*.onnx) or folder (gets model.onnx); default export/<model>/<dtype>-<lowering>/")
+    parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="activation and weight dtype (default float32)")
+    parser.add_argument("--lowering", default="function", choices=LOWERINGS,
+                        help="how each RMSNorm is written (default function; see README)")
+    parser.add_argument("--opset", type=int, help="ONNX opset, 18 to 23 (default 18; 23 for --lowering native)")
+    parser.add_argument("--batch", type=int, default=2, help="example batch size: traced and checked (default 2)")
+    parser.add_argument("--seq", type=int, default=16, help="example sequence length: traced and checked (default 16)")
+    parser.add_argument("--force", action="store_true", help="replace an existing model and report")
+
+
+def model_name(ref: str) -> str:
+    """The name of MODEL in the default output path, found without loading the model."""
+    from rmsnorm_deploy.presets import find_preset
+
+    path = Path(ref)
+    if path.is_dir():
+        return path.resolve().name
+    return find_preset(ref).stem
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmsnorm_deploy.export import REPORT_NAME, ExportOptions, check_options, export_model, load_model, output_path
+    from rmsnorm_deploy.modelio import ensure_writable
+    from rmsnorm_deploy.progress import Progress
+    from rmsnorm_deploy.table import format_table
+
+    options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
+                            seq=args.seq, force=args.force, release_model=True)
+    check_options(options)
+    name = model_name(args.model)
+    target = output_path(args.output, name, options.dtype, options.lowering)
+    ensure_writable(target, force=options.force)
+    ensure_writable(target.parent / REPORT_NAME, force=options.force)
+
+    progress = Progress(prefix="export ")
+    with progress.stage(f"loading {args.model} in {options.dtype}") as st:
+        loaded = load_model(args.model, options.dtype)
+        st.note(f"{loaded.parameter_count() / 1e6:.1f}M parameters")
+    result = export_model(loaded, target, options, progress=progress)
+
+    size = target.stat().st_size + _size(target.parent / (target.name + ".data"))
+    print(f"exported {target} ({size / 2**20:.1f} MiB, opset {result.report['opset']}, {options.dtype}, "
+          f"lowering {options.lowering})")
+    groups: dict[tuple[str, str], int] = {}
+    for norm in result.detection.norms:
+        key = (norm.class_name.rsplit(".", 1)[-1], norm.spec.describe())
+        groups[key] = groups.get(key, 0) + 1
+    print(format_table(["norms", "class", "spec (confirmed bit for bit against the module)"],
+                       [[count, cls, spec] for (cls, spec), count in groups.items()]))
+    for path, cls in result.detection.other_norms:
+        print(f"left as exported by torch (not an RMSNorm): {path} ({cls})")
+    if result.parity is not None:
+        print()
+        print(result.parity.table())
+    if result.report_path is not None:
+        print(f"report: {result.report_path}")
+    if result.parity is not None and result.parity.status == "not run":
+        print(f"warning: parity not checked: {result.parity.reason}", file=sys.stderr)
+    return 1 if result.parity_failed else 0
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0

@@ -1,0 +1,78 @@
+"""Progress of long commands on stderr: one line per stage with its time.
+
+On a terminal the running stage shows a ticking clock (a large export spends minutes in
+``torch.onnx.export``); in a log file each stage is one line when it starts and one when it
+ends, so stdout stays clean for the result table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import IO, Iterator
+
+
+class Stage:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        """Something worth showing when the stage ends (e.g. "5 norms")."""
+        self.notes.append(text)
+
+
+class Progress:
+    def __init__(self, *, prefix: str = "", stream: IO[str] | None = None, enabled: bool = True,
+                 tick_seconds: float = 1.0):
+        self.prefix = prefix
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tick_seconds = tick_seconds
+        self.count = 0
+
+    def _live(self) -> bool:
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    @contextlib.contextmanager
+    def stage(self, text: str) -> Iterator[Stage]:
+        self.count += 1
+        head = f"{self.prefix}[{self.count}] {text}"
+        stage = Stage()
+        start = time.perf_counter()
+        stop = threading.Event()
+        ticker = None
+        if self.enabled:
+            if self._live():
+                self._write(f"{head} ...")
+
+                def tick() -> None:
+                    while not stop.wait(self.tick_seconds):
+                        self._write(f"\r{head} ... {time.perf_counter() - start:.0f}s")
+
+                ticker = threading.Thread(target=tick, daemon=True)
+                ticker.start()
+            else:
+                self._write(f"{head} ...\n")
+        ok = False
+        try:
+            yield stage
+            ok = True
+        finally:
+            stage.seconds = time.perf_counter() - start
+            stop.set()
+            if ticker is not None:
+                ticker.join()
+            if self.enabled:
+                status = "done" if ok else "failed"
+                extra = f" ({'; '.join(stage.notes)})" if stage.notes else ""
+                end = f"\r{head} ... {status} in {stage.seconds:.1f}s{extra}\n" if self._live() else \
+                    f"{head}: {status} in {stage.seconds:.1f}s{extra}\n"
+                self._write(end)
