@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 run: $(STAMP)
 	$(VENV)/bin/rmsnorm-deploy export tiny --force
-	$(VENV)/bin/rmsnorm-deploy validate export/tiny/float32-function/model.onnx --inputs stress
+	$(VENV)/bin/rmsnorm-deploy validate export/tiny/float32-function/model.onnx
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -q

@@ -2,7 +2,8 @@
 
 Not a test: it measures, in one run and side by side, the median time of every lowering on
 [8, 512, 4096] in float32 and float16 (ORT_ENABLE_ALL, 2 intra-op threads, inputs and outputs
-bound once through IOBinding so that no allocation or copy is timed), torch eager on the same
+bound once through IOBinding so that no allocation or copy is timed; all variants timed
+round-robin so that load or clock drift hits them alike), torch eager on the same
 tensors, and a copy of the same bytes (``dst.copy_(src)`` with 2 threads). Bandwidth counts the
 bytes a fused kernel must move: the input read once, the output written once (the weight is
 negligible). It prints a table and writes ``benchmarks/results/lowerings_ort_cpu.{json,md}``.
@@ -10,13 +11,14 @@ negligible). It prints a table and writes ``benchmarks/results/lowerings_ort_cpu
 Targets (issue: the function lowering reaches at least 0.9x the fastest ORT lowering and 0.8x the
 copy bandwidth).
 
-    python benchmarks/bench_lowerings_ort.py [--repeat 40] [--shape 8x512x4096]
+    python benchmarks/bench_lowerings_ort.py [--rounds 15] [--shape 8x512x4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -43,15 +45,23 @@ from rmsnorm_deploy.table import format_table  # noqa: E402
 THREADS = 2
 
 
-def _median_seconds(fn, repeat: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _interleaved_medians(timers: dict[str, object], rounds: int, per_round: int = 5, warmup: int = 5) -> dict[str, float]:
+    """Median seconds per call of each timer, measured round-robin so that drift hits all alike.
+
+    Each round times ``per_round`` back-to-back calls of every timer in turn; the result is the
+    median over rounds of each timer's mean call time.
+    """
+    for fn in timers.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, fn in timers.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            samples[name].append((time.perf_counter() - start) / per_round)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _ort_timer(model, x: np.ndarray, w: np.ndarray | None):
@@ -80,7 +90,7 @@ def _ort_timer(model, x: np.ndarray, w: np.ndarray | None):
     return run, keep
 
 
-def bench(shape: tuple[int, ...], repeat: int) -> list[dict]:
+def bench(shape: tuple[int, ...], rounds: int) -> list[dict]:
     torch.set_num_threads(THREADS)
     rows = []
     for dtype in ("float32", "float16"):
@@ -88,26 +98,27 @@ def bench(shape: tuple[int, ...], repeat: int) -> list[dict]:
         nbytes = 2 * x.nbytes  # read x once, write y once
         src = to_torch(x)
         dst = torch.empty_like(src)
-        copy_s = _median_seconds(lambda: dst.copy_(src), repeat)
         for spec_name in ("torch", "llama"):
             spec = named_specs()[spec_name]
             w = gain_weights(shape[-1:], dtype, spec.gain, seed=1)
             w_t = to_torch(w)
-            eager_s = _median_seconds(lambda: reference(spec, src, w_t), repeat)
-            ort_times: dict[str, float] = {}
+            timers: dict[str, object] = {"memory copy": lambda: dst.copy_(src),
+                                         "torch eager": lambda: reference(spec, src, w_t)}
+            keep = []
             for lowering in LOWERINGS:
                 try:
                     model = rmsnorm_model(spec, dtype=dtype, shape=shape, lowering=lowering)
                 except LoweringError as exc:
                     rows.append(_row(dtype, spec_name, lowering, None, nbytes, note=str(exc).split(": ", 1)[-1]))
                     continue
-                run, _keep = _ort_timer(model, x, w)
-                ort_times[lowering] = _median_seconds(run, repeat)
-            fastest = min(ort_times.values())
-            for lowering, seconds in ort_times.items():
-                rows.append(_row(dtype, spec_name, lowering, seconds, nbytes, fastest=fastest, copy=copy_s))
-            rows.append(_row(dtype, spec_name, "torch eager", eager_s, nbytes, fastest=fastest, copy=copy_s))
-            rows.append(_row(dtype, spec_name, "memory copy", copy_s, nbytes, fastest=fastest, copy=copy_s))
+                run, held = _ort_timer(model, x, w)
+                keep.append(held)
+                timers[lowering] = run
+            seconds = _interleaved_medians(timers, rounds)
+            fastest = min(v for k, v in seconds.items() if k in LOWERINGS)
+            for what in [*[lw for lw in LOWERINGS if lw in seconds], "torch eager", "memory copy"]:
+                rows.append(_row(dtype, spec_name, what, seconds[what], nbytes, fastest=fastest,
+                                 copy=seconds["memory copy"]))
     return rows
 
 
@@ -123,11 +134,11 @@ def _row(dtype, spec, what, seconds, nbytes, *, fastest=None, copy=None, note=""
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8x512x4096")
-    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=15, help="round-robin rounds (5 calls of each per round)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lowerings_ort_cpu"))
     args = parser.parse_args()
     shape = tuple(int(d) for d in args.shape.split("x"))
-    rows = bench(shape, args.repeat)
+    rows = bench(shape, args.rounds)
     headers = ["dtype", "spec", "lowering", "ms", "GB/s", "vs fastest ORT", "vs copy", "note"]
     table = format_table(headers, [[_fmt(r[h]) for h in headers] for r in rows])
     print(table)
@@ -142,17 +153,18 @@ def main() -> int:
                             f"({'PASS' if ok_copy else 'MISS'} >= 0.8)")
     print("\n" + "\n".join(verdicts))
     meta = {
-        "shape": list(shape), "threads": THREADS, "repeat": args.repeat, "machine": platform.machine(),
+        "shape": list(shape), "threads": THREADS, "rounds": args.rounds, "machine": platform.machine(),
         "processor": _cpu_name(), "cores": torch.get_num_threads(),
         "versions": {d: package_version(d) for d in ("onnxruntime", "torch", "onnx", "onnxscript")},
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "load": " ".join(f"{v:.2f}" for v in os.getloadavg()),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "verdicts": verdicts}, indent=1))
     out.with_suffix(".md").write_text(
         f"# Lowerings in ONNX Runtime CPU, {args.shape}\n\n"
-        f"{meta['date']}, {meta['processor']}, {THREADS} threads, median of {args.repeat}; "
+        f"{meta['date']}, {meta['processor']}, {THREADS} threads, median over {args.rounds} round-robin rounds "
+        f"(load average {meta['load']}); "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
         + "\n\n```\n" + table + "\n```\n\n" + "\n".join(f"- {v}" for v in verdicts) + "\n"
     )
