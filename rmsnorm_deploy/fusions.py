@@ -252,7 +252,9 @@ class RotaryFusion:
         assert tables is not None
         cos_chain, sin_chain = tables
         # Expand to the input's batch: ORT requires the caches' batch to be x's (no position ids).
-        batch = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[1, 1]), axis=0)
+        # Read from the graph input of the same batch when there is one, so that every rotary
+        # embedding of the model shares one pair of caches (common-subexpression elimination).
+        batch = op.Concat(op.Shape(_batch_source(x), start=0, end=1), op.Constant(value_ints=[1, 1]), axis=0)
         caches = []
         for chain in (cos_chain, sin_chain):
             table = getattr(op, chain.function)(chain.freqs)
@@ -265,6 +267,19 @@ class RotaryFusion:
                 table = op.Unsqueeze(table, op.Constant(value_ints=[0]))
             caches.append(op.Expand(table, batch))
         return op.RotaryEmbedding(x, caches[0], caches[1], interleaved=0)
+
+
+def _batch_source(x: Any) -> Any:
+    """A graph input whose first dim is the same named symbol as ``x``'s batch, else ``x``."""
+    producer = x.producer()
+    graph = producer.graph if producer is not None else getattr(x, "graph", None)
+    batch = x.shape[0] if x.shape is not None else None
+    if graph is None or isinstance(batch, int) or batch is None:
+        return x
+    for value in graph.inputs:
+        if value.shape is not None and len(value.shape) >= 1 and _same_dim(value.shape[0], batch):
+            return value
+    return x
 
 
 def _repeated_heads(value: Any) -> tuple[Any, str]:
