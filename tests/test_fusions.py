@@ -60,21 +60,27 @@ def _run_shapes(path, module, vocab: int, max_seq: int, dtype: str) -> None:
                 assert result.max_abs <= tol.atol, result.summary()
 
 
-def test_tiny_preset_fused_at_every_batch_and_length(tmp_path):
-    loaded = load_model("tiny", "float32")
+def test_tiny_preset_fused_at_every_batch_and_length(tmp_path, capsys):
+    from rmsnorm_deploy.cli import main
+
     path = tmp_path / "model.onnx"
-    result = export_model(loaded, path, ExportOptions(fuse_attention=True, batch=2, seq=16))
+    assert main(["export", "tiny", "--fuse-attention", "-o", str(path)]) == 0
+    loaded = load_model("tiny", "float32")
     args = loaded.module.model.args
-    assert result.report["opset"] == 23 and result.report["fuse_attention"] is True
-    assert result.fusions.to_dict() == {"attention": args.n_layers, "shared_kv": args.n_layers,
-                                        "rotary": 2 * args.n_layers, "decomposed_rotary": 0}
-    assert json.loads((tmp_path / "report.json").read_text())["fusions"] == result.fusions.to_dict()
-    assert result.parity.status == "pass" and result.parity.ort_accumulation == "float32", result.parity.table()
-    assert result.parity.ort_norm_ops == "SimplifiedLayerNormalization"
+    layers = args.n_layers
+    out = capsys.readouterr().out
+    assert "opset 23" in out and f"fused: {layers} Attention ({layers} on shared key/value heads), " \
+        f"{2 * layers} RotaryEmbedding" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["opset"] == 23 and report["fuse_attention"] is True
+    assert report["fusions"] == {"attention": layers, "shared_kv": layers, "rotary": 2 * layers, "decomposed_rotary": 0}
+    parity = report["parity"]
+    assert parity["status"] == "pass" and parity["onnxruntime_norm_accumulation"] == "float32"
+    assert parity["onnxruntime_norm_ops"] == "SimplifiedLayerNormalization"
 
     model = onnx.load(str(path))
     onnx.checker.check_model(str(path), full_check=True)
-    assert fusion_counts_in(model.graph.node) == {"Attention": args.n_layers, "RotaryEmbedding": 2 * args.n_layers}
+    assert fusion_counts_in(model.graph.node) == {"Attention": layers, "RotaryEmbedding": 2 * layers}
     _check_norms_kept(model, args.norm_count())
     for node in model.graph.node:
         if node.op_type == "Attention":  # the key/value heads themselves, not copies per query head
