@@ -14,7 +14,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench-export-scale lint-docker clean
+.PHONY: run test parity bench-export-scale bench-peers lint-docker clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ lint-docker: $(LINT_STAMP)
 # Export a 1.24B-parameter LLaMA-architecture model (float16) and record time and peak memory.
 bench-export-scale: $(STAMP)
 	$(PY) benchmarks/bench_export_scale.py
+
+# Our exports against torch.onnx (opsets 18, 23), the ORT transformers optimizer and optimum in ONNX
+# Runtime CPU. optimum-onnx needs transformers < 4.58: give its Python with OPTIMUM_PYTHON=...
+bench-peers: $(STAMP)
+	$(PY) benchmarks/bench_peers_ort.py $(if $(OPTIMUM_PYTHON),--optimum-python $(OPTIMUM_PYTHON))
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

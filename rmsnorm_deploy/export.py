@@ -12,8 +12,10 @@ Steps (each one a line of progress on stderr):
    custom op carrying the spec); ``torch.onnx.export(dynamo=True)`` with the custom
    translation emits one ``rmsnorm_deploy::RMSNorm`` node per norm call, with dynamic
    ``batch`` and ``seq`` axes. The exporter's own fusions are not run (at opset 23 its
-   rotary-embedding fusion produces a graph ONNX Runtime rejects); onnxscript's constant
-   folding is.
+   rotary-embedding fusion produces a graph ONNX Runtime rejects at batch > 1); onnxscript's
+   constant folding is. With ``fuse_attention`` (opset 23) the rules of ``fusions.py`` write
+   rotary embeddings as ``RotaryEmbedding`` with caches valid at every batch size, and give
+   ``Attention`` the key/value heads unrepeated; the norms are opaque nodes while they run.
 4. **Canonicalize** the graph, serialized without its weights: each node gets exactly the
    attributes and overload ``onnx_function.rmsnorm_node`` gives it, and its module path as
    name; the nodes are counted against the detected norms; ``lowerings.lower_model`` writes
@@ -50,6 +52,7 @@ import torch
 from rmsnorm_deploy.detect import Detection, DetectedNorm, detect_norms
 from rmsnorm_deploy.dtypes import MODEL_DTYPES, dtype_name
 from rmsnorm_deploy.errors import LoweringError, UserError
+from rmsnorm_deploy.fusions import FUSED_OPSET, FusionCounts, FusionError, check_fusion_opset
 from rmsnorm_deploy.lowerings import LOWERINGS, lower_model, model_opset, refusal
 from rmsnorm_deploy.metadata import ModelMetadata, tool_versions
 from rmsnorm_deploy.model_source import INPUT_NAME, OUTPUT_NAME, LoadedModel
@@ -74,7 +77,10 @@ class ExportError(UserError):
 class ExportOptions:
     dtype: str = "float32"
     lowering: str = "function"
-    opset: int | None = None  # None: 18, or 23 for the native lowering
+    opset: int | None = None  # None: 18, or 23 for the native lowering or fuse_attention
+    #: Attention and rotary embeddings as ONNX opset-23 ``Attention`` and ``RotaryEmbedding``
+    #: (``fusions.py``): faster in ONNX Runtime; TensorRT imports them from 10.15 only.
+    fuse_attention: bool = False
     batch: int = DEFAULT_BATCH  # example shape: traced, and the parity check's input
     seq: int = DEFAULT_SEQ
     seed: int = 0  # parity inputs
@@ -85,7 +91,9 @@ class ExportOptions:
     release_model: bool = False
 
     def resolved_opset(self) -> int:
-        return default_opset(self.lowering) if self.opset is None else self.opset
+        if self.opset is not None:
+            return self.opset
+        return FUSED_OPSET if self.fuse_attention else default_opset(self.lowering)
 
 
 @dataclasses.dataclass
@@ -96,6 +104,7 @@ class ExportResult:
     report: dict[str, Any]
     parity: Any = None  # model_parity.ModelParity
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    fusions: FusionCounts | None = None  # with fuse_attention
 
     @property
     def parity_failed(self) -> bool:
@@ -135,6 +144,8 @@ def check_options(options: ExportOptions) -> None:
     if options.lowering not in LOWERINGS:
         raise UserError(f"unknown lowering {options.lowering!r}; choose one of {', '.join(LOWERINGS)}")
     check_opset(options.resolved_opset())
+    if options.fuse_attention:
+        check_fusion_opset(options.resolved_opset())
     for name in ("batch", "seq"):
         value = getattr(options, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -237,6 +248,12 @@ def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOp
     with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
         program = _torch_export(module, detection.norms, input_ids, opset, ExportRMSNorm)
     timings["torch_onnx_export_s"] = st.seconds
+    fusions = None
+    if options.fuse_attention:
+        with progress.stage("fusing attention and rotary embeddings (Attention, RotaryEmbedding)") as st:
+            fusions = _fuse_attention(program, loaded.name)
+            st.note(fusions.describe())
+        timings["fuse_attention_s"] = st.seconds
 
     report: dict[str, Any] = {
         "model": str(target),
@@ -246,6 +263,8 @@ def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOp
         "dtype": dtype,
         "lowering": lowering,
         "opset": opset,
+        "fuse_attention": options.fuse_attention,
+        "fusions": fusions.to_dict() if fusions is not None else None,
         "parameters": loaded.parameter_count(),
         "weight_bytes": loaded.weight_bytes(),
         "norms": [n.to_dict() for n in detection.norms],
@@ -282,7 +301,7 @@ def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOp
         if staged_data is not None and staged_data.exists():
             staged_data.unlink()
 
-    result = ExportResult(target, None, detection, report, timings=timings)
+    result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
     if expected is not None:
         from rmsnorm_deploy.model_parity import compare_with_onnxruntime
 
@@ -345,6 +364,23 @@ def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids:
 
         onnxscript.optimizer.optimize_ir(program.model)
     return program
+
+
+def _fuse_attention(program: Any, name: str) -> FusionCounts:
+    """Run the attention and rotary fusions on the exported graph; refuse a graph with no
+    ``Attention`` (the option would otherwise do nothing, silently)."""
+    import onnxscript.optimizer
+
+    from rmsnorm_deploy.fusions import fuse_attention
+    from rmsnorm_deploy.onnx_function import DOMAIN, OP_TYPE
+
+    counts = fuse_attention(program.model, norm_op=(DOMAIN, OP_TYPE))
+    if counts.attention == 0:
+        raise FusionError(f"{name}: --fuse-attention found no attention to fuse: the model does not call "
+                          "torch's scaled_dot_product_attention (for a transformers model, load it with "
+                          "attn_implementation='sdpa'); export it without --fuse-attention")
+    onnxscript.optimizer.optimize_ir(program.model)
+    return counts
 
 
 #: Initializers above this size are held apart while the graph is rewritten and checked.

@@ -100,8 +100,14 @@ def test_ops_added_in_later_versions_and_unsupported_ops():
     attention = helper.make_node("Attention", ["x", "x", "x"], ["y"], name="attn")
     assert not check_model(_model_with(attention, opset=23), ["10.8"])[0].imports
     (finding,) = [f for f in check_model(_model_with(attention, opset=23), ["10.11"])[0].findings]
-    assert finding.problem == "imported from TensorRT 10.14 on"
+    assert finding.problem.startswith("imported from TensorRT 10.14 on")
+    assert finding.fix == "use TensorRT 10.14 or newer, or re-export without --fuse-attention at opset 22 or lower"
     assert check_model(_model_with(attention, opset=23), ["10.14"])[0].imports
+    rotary = helper.make_node("RotaryEmbedding", ["x", "x", "x"], ["y"], name="rope")
+    (finding,) = check_model(_model_with(rotary, opset=23), ["10.14"])[0].findings
+    assert finding.problem.startswith("imported from TensorRT 10.15 on") and "--fuse-attention" in finding.fix
+    opset_finding, _ = check_model(_model_with(rotary, opset=23), ["10.8"])[0].findings
+    assert opset_finding.fix == "re-export with --opset 22 or lower (and without --fuse-attention, which needs opset 23)"
     unique = helper.make_node("Unique", ["x"], ["y"], name="u")
     (finding,) = check_model(_model_with(unique), ["11.0"])[0].findings
     assert finding.problem == "operators.md marks it unsupported in every TensorRT version"

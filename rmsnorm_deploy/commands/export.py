@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="activation and weight dtype (default float32)")
     parser.add_argument("--lowering", default="function", choices=LOWERINGS,
                         help="how each RMSNorm is written (default function; see README)")
-    parser.add_argument("--opset", type=int, help="ONNX opset, 18 to 23 (default 18; 23 for --lowering native)")
+    parser.add_argument("--opset", type=int,
+                        help="ONNX opset, 18 to 23 (default 18; 23 for --lowering native or --fuse-attention)")
+    parser.add_argument("--fuse-attention", action="store_true",
+                        help="write attention and rotary embeddings as ONNX opset-23 Attention and RotaryEmbedding "
+                             "(faster in ONNX Runtime; TensorRT imports them from 10.15 on); implies --opset 23")
     parser.add_argument("--batch", type=int, default=2, help="example batch size: traced and checked (default 2)")
     parser.add_argument("--seq", type=int, default=16, help="example sequence length: traced and checked (default 16)")
     parser.add_argument("--force", action="store_true", help="replace an existing model and report")
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.table import format_table
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
-                            seq=args.seq, force=args.force, release_model=True)
+                            seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention)
     check_options(options)
     name = model_name(args.model)
     target = output_path(args.output, name, options.dtype, options.lowering)
@@ -62,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     size = target.stat().st_size + _size(target.parent / (target.name + ".data"))
     print(f"exported {target} ({size / 2**20:.1f} MiB, opset {result.report['opset']}, {options.dtype}, "
           f"lowering {options.lowering})")
+    if result.fusions is not None:
+        print(f"fused: {result.fusions.describe()}")
     groups: dict[tuple[str, str], int] = {}
     for norm in result.detection.norms:
         key = (norm.class_name.rsplit(".", 1)[-1], norm.spec.describe())

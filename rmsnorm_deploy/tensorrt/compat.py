@@ -163,6 +163,8 @@ class CompatReport:
 
 
 _FIX_LOWERING = "re-export with --lowering function (TensorRT inlines it) or --lowering plugin"
+#: Ops the export's ``--fuse-attention`` writes (``rmsnorm_deploy/fusions.py``).
+_FUSED_ATTENTION_OPS = frozenset({"Attention", "RotaryEmbedding"})
 
 
 def check_model(model: onnx.ModelProto, versions: Sequence[str] = DEFAULT_VERSIONS) -> list[CompatReport]:
@@ -177,7 +179,10 @@ def _check(model: onnx.ModelProto, facts: ParserFacts) -> CompatReport:
     opset = next((imp.version for imp in model.opset_import if imp.domain in ("", "ai.onnx")), None)
     if opset is not None and opset > facts.max_opset:
         add("(model)", f"opset {opset}", f"TensorRT {facts.name}'s parser supports ONNX opsets up to "
-            f"{facts.max_opset} ({facts.opset_source})", f"re-export with --opset {min(facts.max_opset, 23)} or lower")
+            f"{facts.max_opset} ({facts.opset_source})",
+            f"re-export with --opset {min(facts.max_opset, 23)} or lower"
+            + (" (and without --fuse-attention, which needs opset 23)"
+               if facts.max_opset < 23 and _has_fused_attention(model) else ""))
     functions_by_name: dict[str, list[onnx.FunctionProto]] = {}
     for fn in model.functions:
         functions_by_name.setdefault(fn.name, []).append(fn)
@@ -243,12 +248,20 @@ def _check_node(node, where, facts, functions_by_name, used_functions, add) -> N
     elif op == "SkipSimplifiedLayerNormalization" or op == "SkipLayerNormalization":
         add(where, op, "an ONNX Runtime fused op: no TensorRT version imports it",
             "give TensorRT the model before ONNX Runtime's optimizations")
+    elif op in _FUSED_ATTENTION_OPS and facts.first_with(op):
+        add(where, op, f"imported from TensorRT {facts.first_with(op)} on (`rmsnorm-deploy export` writes it at "
+            "opset 23: --fuse-attention)", f"use TensorRT {facts.first_with(op)} or newer, or re-export without "
+            "--fuse-attention at opset 22 or lower")
     elif facts.first_with(op):
         add(where, op, f"imported from TensorRT {facts.first_with(op)} on", f"use TensorRT {facts.first_with(op)} or newer")
     elif op in _UNSUPPORTED_OPS:
         add(where, op, "operators.md marks it unsupported in every TensorRT version", "rewrite the graph without it")
     else:
         add(where, op, f"not in TensorRT {facts.name}'s operators.md", "provide a TensorRT plugin for it")
+
+
+def _has_fused_attention(model: onnx.ModelProto) -> bool:
+    return any(n.op_type in _FUSED_ATTENTION_OPS and n.domain in ("", "ai.onnx") for n in model.graph.node)
 
 
 def _walk(graph: onnx.GraphProto, prefix: str) -> Iterable[tuple[str, onnx.NodeProto]]:
