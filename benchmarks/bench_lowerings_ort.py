@@ -45,22 +45,28 @@ from rmsnorm_deploy.table import format_table  # noqa: E402
 THREADS = 2
 
 
-def _interleaved_medians(timers: dict[str, object], rounds: int, per_round: int = 5, warmup: int = 5) -> dict[str, float]:
+def _interleaved_medians(timers: dict[str, object], rounds: int, slice_seconds: float = 0.05,
+                         warmup: int = 3) -> dict[str, float]:
     """Median seconds per call of each timer, measured round-robin so that drift hits all alike.
 
-    Each round times ``per_round`` back-to-back calls of every timer in turn; the result is the
-    median over rounds of each timer's mean call time.
+    Each round gives every timer a slice of about ``slice_seconds`` of back-to-back calls (a
+    slow variant gets fewer calls, so it does not dominate a round); the result is the median
+    over rounds of each timer's mean call time.
     """
-    for fn in timers.values():
+    calls: dict[str, int] = {}
+    for name, fn in timers.items():
         for _ in range(warmup):
             fn()
+        start = time.perf_counter()
+        fn()
+        calls[name] = max(1, round(slice_seconds / max(time.perf_counter() - start, 1e-6)))
     samples: dict[str, list[float]] = {name: [] for name in timers}
     for _ in range(rounds):
         for name, fn in timers.items():
             start = time.perf_counter()
-            for _ in range(per_round):
+            for _ in range(calls[name]):
                 fn()
-            samples[name].append((time.perf_counter() - start) / per_round)
+            samples[name].append((time.perf_counter() - start) / calls[name])
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -71,6 +77,9 @@ def _ort_timer(model, x: np.ndarray, w: np.ndarray | None):
     options.intra_op_num_threads = THREADS
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    # Idle ORT threads spin for a while after each run; with several sessions timed in turn,
+    # one session's spinning threads would steal the cores of the next one's timing.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     binding = session.io_binding()
     keep = []
@@ -134,7 +143,7 @@ def _row(dtype, spec, what, seconds, nbytes, *, fastest=None, copy=None, note=""
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="8x512x4096")
-    parser.add_argument("--rounds", type=int, default=15, help="round-robin rounds (5 calls of each per round)")
+    parser.add_argument("--rounds", type=int, default=21, help="round-robin rounds (~50 ms of calls of each per round)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "lowerings_ort_cpu"))
     args = parser.parse_args()
     shape = tuple(int(d) for d in args.shape.split("x"))

@@ -181,6 +181,9 @@ def session(path: str, profile_prefix: str | None = None):
     options.intra_op_num_threads = THREADS
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    # Idle ORT threads spin after each run; with the exports timed in turn, one session's
+    # spinning threads would steal the cores of the next one's timing.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
