@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import io
 import json
 import logging
 import os
@@ -42,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from rmsnorm_deploy.environment import package_version  # noqa: E402
+from rmsnorm_deploy.export import quiet_exporter  # noqa: E402
 from rmsnorm_deploy.inputs import token_ids  # noqa: E402
 from rmsnorm_deploy.table import format_table  # noqa: E402
 
@@ -75,20 +74,15 @@ KINDS = {
 KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
 
 
-@contextlib.contextmanager
 def quiet():
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch._export", "torch.export", "onnxscript", "onnx_ir",
-                                              "onnxruntime")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    """torch.onnx's chatter off the terminal, as the export pipeline keeps it (and ONNX Runtime's)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(quiet_exporter())
+    for name in ("onnx_ir", "onnxruntime"):
+        logger = logging.getLogger(name)
+        stack.callback(logger.setLevel, logger.level)
+        logger.setLevel(logging.ERROR)
+    return stack
 
 
 def log(message: str) -> None:

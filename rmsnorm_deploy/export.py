@@ -170,7 +170,7 @@ def swapped_modules(model: torch.nn.Module, replacements: dict[str, torch.nn.Mod
 
 
 @contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
+def quiet_exporter() -> Iterator[None]:
     """Keep torch.onnx's chatter (stdout prints, warnings, log lines) off the user's terminal:
     stdout is the result table's. A failure still surfaces, as :class:`ExportError`."""
     loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch._export", "torch.export", "onnxscript")]
@@ -350,7 +350,7 @@ def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids:
     from rmsnorm_deploy.torch_op import TRANSLATION_TABLE
 
     replacements = {n.path: export_norm(n.spec, n.weight, n.path) for n in norms}
-    with swapped_modules(module, replacements), _quiet_exporter():
+    with swapped_modules(module, replacements), quiet_exporter():
         try:
             program = torch.onnx.export(
                 module, (), kwargs={INPUT_NAME: input_ids}, dynamo=True, opset_version=opset,
