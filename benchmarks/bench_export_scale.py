@@ -83,7 +83,7 @@ def onnxruntime_alone(model: Path, env: dict) -> int | None:
 
 def run(layers: int, keep: bool) -> dict:
     sys.path.insert(0, str(ROOT))
-    from rmsnorm_deploy.presets import parse_preset
+    from rmsnorm_deploy.exporter.presets import parse_preset
 
     text = PRESET.format(layers=layers)
     args = parse_preset(text, name="llama-1b").args

@@ -51,9 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from rmsnorm_deploy.contract.inputs import token_ids  # noqa: E402
 from rmsnorm_deploy.environment import package_version  # noqa: E402
-from rmsnorm_deploy.export import quiet_exporter  # noqa: E402
-from rmsnorm_deploy.inputs import token_ids  # noqa: E402
+from rmsnorm_deploy.exporter.surgery import quiet_exporter  # noqa: E402
 from rmsnorm_deploy.table import format_table  # noqa: E402
 
 THREADS = 2
@@ -91,7 +91,7 @@ def log(message: str) -> None:
 
 # -- the models ---------------------------------------------------------------------------
 def load_models() -> dict[str, Any]:
-    from rmsnorm_deploy import hf, presets
+    from rmsnorm_deploy.exporter import hf, presets
 
     return {
         "hf-llama (hidden 256, 4 layers, GQA 4:2)": hf.from_config(HF_LLAMA, "float32", seed=0),
@@ -109,7 +109,8 @@ def shapes_for(loaded: Any) -> list[tuple[int, int]]:
 
 # -- the exports --------------------------------------------------------------------------
 def export_ours(loaded: Any, out: Path, fuse: bool) -> dict[str, Any]:
-    from rmsnorm_deploy.export import ExportOptions, export_model
+    from rmsnorm_deploy.exporter.pipeline import export_model
+    from rmsnorm_deploy.exporter.plan import ExportOptions
 
     result = export_model(loaded, out / "model.onnx", ExportOptions(fuse_attention=fuse, force=True))
     return {"path": str(out / "model.onnx"), "parity": result.parity.status,
@@ -119,7 +120,7 @@ def export_ours(loaded: Any, out: Path, fuse: bool) -> dict[str, Any]:
 def export_torch(loaded: Any, out: Path, opset: int) -> dict[str, Any]:
     """``torch.onnx.export(dynamo=True)`` of the same module as a user would call it (its default
     optimizations on), with dynamic batch and sequence."""
-    from rmsnorm_deploy.export import example_input_ids
+    from rmsnorm_deploy.exporter.pipeline import example_input_ids
 
     ids = example_input_ids(2, 16, loaded.vocab_size, 0)
     with quiet():
@@ -241,14 +242,14 @@ def profile(path: str, feeds: dict[str, np.ndarray], out_shape: tuple[int, ...],
 
 
 def float64_logits(loaded: Any, norms: Any, ids: np.ndarray) -> np.ndarray:
-    from rmsnorm_deploy.upcast import float64_outputs
+    from rmsnorm_deploy.exporter.upcast import float64_outputs
 
     return float64_outputs(loaded.module, norms, input_ids=torch.from_numpy(ids))["logits"].numpy()
 
 
 # -- the run ------------------------------------------------------------------------------
 def bench_model(name: str, loaded: Any, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from rmsnorm_deploy.detect import detect_norms
+    from rmsnorm_deploy.exporter.detect import detect_norms
 
     norms = detect_norms(loaded.module, dtype="float32").norms
     exports: dict[str, dict[str, Any]] = {}

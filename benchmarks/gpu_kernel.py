@@ -141,12 +141,12 @@ def check_correctness(device: str, *, quick: bool) -> tuple[list[dict[str, Any]]
     import torch
 
     from rmsnorm_deploy import RMSNormSpec
-    from rmsnorm_deploy.compare import compare
-    from rmsnorm_deploy.dtypes import torch_dtype
-    from rmsnorm_deploy.inputs import activations
+    from rmsnorm_deploy.contract.compare import compare
+    from rmsnorm_deploy.contract.dtypes import torch_dtype
+    from rmsnorm_deploy.contract.inputs import activations
+    from rmsnorm_deploy.contract.reference import oracle, reference
+    from rmsnorm_deploy.contract.tolerances import tolerance_for
     from rmsnorm_deploy.kernels.functional import rms_norm
-    from rmsnorm_deploy.reference import oracle, reference
-    from rmsnorm_deploy.tolerances import tolerance_for
 
     every_shape = {  # spec -> weight dtype ("same": the input's); run on every shape
         "llama": (RMSNormSpec.llama(1e-6), "same"),
@@ -276,10 +276,10 @@ def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_referenc
     import torch.nn.functional as F
 
     from rmsnorm_deploy import RMSNormSpec
-    from rmsnorm_deploy.dtypes import torch_dtype
+    from rmsnorm_deploy.contract.dtypes import torch_dtype
+    from rmsnorm_deploy.contract.reference import reference
     from rmsnorm_deploy.kernels.functional import rms_norm
     from rmsnorm_deploy.kernels.triton_rmsnorm import launch_config
-    from rmsnorm_deploy.reference import reference
 
     spec = RMSNormSpec(**BENCH_SPEC_ARGS)
     shapes = [(64, 128), (8, 4096)] if quick else BENCH_SHAPES
@@ -382,7 +382,7 @@ def format_rows(rows: list[dict[str, Any]], columns: list[str]) -> str:
 def write_results(out_dir: Path, env: dict[str, Any], bench_rows: list[dict[str, Any]],
                   correctness_rows: list[dict[str, Any]], report: str) -> None:
     """CSV of every timing, CSV of the correctness checks, the report as Markdown, and a PNG."""
-    from rmsnorm_deploy.modelio import atomic_path
+    from rmsnorm_deploy.graph.onnx_file import atomic_path
 
     slug = re.sub(r"[^A-Za-z0-9]+", "-", str(env["gpu"])).strip("-").lower()
     stem = out_dir / f"gpu_kernel-{slug}-{env['time'].replace(':', '').replace('-', '')}"

@@ -28,9 +28,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 def main() -> int:
     sys.path.insert(0, str(ROOT))
     warnings.simplefilter("ignore")
-    from rmsnorm_deploy import hf
-    from rmsnorm_deploy.export import ExportOptions, export_model
-    from rmsnorm_deploy.metadata import tool_versions
+    from rmsnorm_deploy.exporter import hf
+    from rmsnorm_deploy.exporter.pipeline import export_model
+    from rmsnorm_deploy.exporter.plan import ExportOptions
+    from rmsnorm_deploy.graph.metadata import tool_versions
 
     rows = []
     for family in hf.TINY_CONFIGS:
@@ -63,7 +64,7 @@ def main() -> int:
     lines = [
         "# Hugging Face families: ONNX Runtime CPU against transformers' eager logits",
         "",
-        "Tiny random configs (`rmsnorm_deploy.hf.TINY_CONFIGS`: 2 layers, hidden 64), `function` lowering, opset 18; "
+        "Tiny random configs (`rmsnorm_deploy.exporter.hf.TINY_CONFIGS`: 2 layers, hidden 64), `function` lowering, opset 18; "
         "logits on input_ids of shapes 2x16 and 3x21. "
         f"torch {out['versions'].get('torch')}, transformers {out['versions'].get('transformers')}, "
         f"onnxscript {out['versions'].get('onnxscript')}.",

@@ -9,7 +9,7 @@ The image is what docker/requirements-gpu.txt and the base image say, or the bui
 * every pin of the requirements file is installed at exactly its version;
 * rmsnorm-deploy is installed and its command line starts.
 
-``read_pins`` is also what tests/test_docker.py uses to read the requirements file, so the
+``read_pins`` is also what tests/docker/test_docker.py uses to read the requirements file, so the
 file is parsed one way everywhere.
 """
 

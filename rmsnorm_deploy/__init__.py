@@ -5,8 +5,8 @@ Only torch, onnx and onnxscript are needed to import this package; onnxruntime, 
 triton and transformers are loaded when a feature that needs them is used.
 """
 
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.spec import RMSNormSpec
 
 __version__ = "0.1.0"
 
@@ -16,11 +16,11 @@ __all__ = ["RMSNormSpec", "UserError", "rmsnorm_model", "reference", "oracle", "
 def __getattr__(name: str):
     # Heavier pieces load on first use so that `import rmsnorm_deploy` stays light.
     if name == "rmsnorm_model":
-        from rmsnorm_deploy.standalone import rmsnorm_model
+        from rmsnorm_deploy.graph.standalone import rmsnorm_model
 
         return rmsnorm_model
     if name in ("reference", "oracle"):
-        from rmsnorm_deploy import reference as _reference
+        from rmsnorm_deploy.contract import reference as _reference
 
         return getattr(_reference, name)
     raise AttributeError(f"module 'rmsnorm_deploy' has no attribute {name!r}")

@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.errors import UserError, one_line
 
 NOT_INSTALLED = "not installed"
 
@@ -223,12 +223,6 @@ def _describe(value: Any) -> str:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return ", ".join(f"{f.name}={getattr(value, f.name)}" for f in dataclasses.fields(value))
     return str(value)
-
-
-def one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    return text[:300]
 
 
 def require_gpu(info: dict[str, Any]) -> None:

@@ -39,3 +39,16 @@ class InputError(UserError):
 
 class OutputExistsError(UserError, FileExistsError):
     """An output file exists and ``--force`` was not given."""
+
+
+def one_line(exc: BaseException, *, limit: int = 400) -> str:
+    """An exception's message folded onto one line, for errors that quote a library's reason.
+
+    ONNX Runtime's source locations and C++ signatures are dropped: the sentence after them is
+    what the user needs. An empty message gives the exception's type name.
+    """
+    import re
+
+    text = " ".join(str(exc).split())
+    text = re.sub(r"/onnxruntime_src/\S+:\d+ (?:[^()]*\([^()]*\) )?", "", text)
+    return text[:limit] if text else type(exc).__name__

@@ -1,4 +1,4 @@
-"""Shared test settings: Hypothesis profile and the odd shapes every numeric test runs over."""
+"""Shared test settings: the Hypothesis profile, and Triton's interpreter where there is no GPU."""
 
 from __future__ import annotations
 
@@ -28,7 +28,3 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("ci")
-
-#: hidden 1, 7, 760, 4096 (odd and power-of-two) x rows 1 and 199
-ODD_SHAPES = [(rows, hidden) for rows in (1, 199) for hidden in (1, 7, 760, 4096)]
-DTYPES = ["float32", "float16", "bfloat16"]

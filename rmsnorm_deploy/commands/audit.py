@@ -26,8 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.audit import audit_after_onnxruntime, audit_model, low_precision_reductions
-    from rmsnorm_deploy.modelio import atomic_path, ensure_writable, load_model
+    from rmsnorm_deploy.graph.audit import (
+        audit_after_onnxruntime,
+        audit_model,
+        low_precision_reductions,
+    )
+    from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable, load_onnx
     from rmsnorm_deploy.table import format_table
 
     if args.output:
@@ -43,11 +47,15 @@ def run(args: argparse.Namespace) -> int:
         from rmsnorm_deploy.errors import UserError
 
         raise UserError(f"--onnxruntime-version {version!r} is not a version like 1.26 or 1.26.0")
-    model = load_model(args.model, load_external=False)
+    model = load_onnx(args.model, load_external=False)
     reductions = audit_model(model, onnxruntime_version=version)
     errors: list[str] = []
     if levels:
-        from rmsnorm_deploy.errors import MissingDependencyError, ProviderError, UserError
+        from rmsnorm_deploy.errors import (
+            MissingDependencyError,
+            ProviderError,
+            UserError,
+        )
         from rmsnorm_deploy.runners.onnxruntime import set_onnxruntime_log_level
 
         set_onnxruntime_log_level()

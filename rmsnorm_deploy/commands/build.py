@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(report.summary())
     if args.json:
-        from rmsnorm_deploy.modelio import atomic_path
+        from rmsnorm_deploy.graph.onnx_file import atomic_path
 
         with atomic_path(args.json, force=True) as tmp:
             tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n")

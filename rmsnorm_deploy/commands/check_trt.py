@@ -21,14 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.modelio import load_model
+    from rmsnorm_deploy.graph.onnx_file import load_onnx
     from rmsnorm_deploy.table import format_table
-    from rmsnorm_deploy.tensorrt.compat import DEFAULT_VERSIONS, check_model, parse_version, summarize
+    from rmsnorm_deploy.tensorrt.compat import (
+        DEFAULT_VERSIONS,
+        check_model,
+        parse_version,
+        summarize,
+    )
 
     versions = args.versions or list(DEFAULT_VERSIONS)
     for v in versions:
         parse_version(v)  # one-line error before reading the model
-    model = load_model(args.model, load_external=False)
+    model = load_onnx(args.model, load_external=False)
     reports = check_model(model, versions)
     if args.json:
         print(json.dumps([r.to_dict() for r in reports], indent=1))

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.environment import collect, require_gpu
-    from rmsnorm_deploy.modelio import atomic_path, ensure_writable
+    from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable
     from rmsnorm_deploy.table import format_table
 
     if args.output:

@@ -12,8 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from rmsnorm_deploy.dtypes import MODEL_DTYPES
-from rmsnorm_deploy.lowerings import LOWERINGS
+from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
+from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ
+from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,40 +29,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-attention", action="store_true",
                         help="write attention and rotary embeddings as ONNX opset-23 Attention and RotaryEmbedding "
                              "(faster in ONNX Runtime; TensorRT imports them from 10.15 on); implies --opset 23")
-    parser.add_argument("--batch", type=int, default=2, help="example batch size: traced and checked (default 2)")
-    parser.add_argument("--seq", type=int, default=16, help="example sequence length: traced and checked (default 16)")
+    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                        help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
+    parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
+                        help=f"example sequence length: traced and checked (default {DEFAULT_SEQ})")
     parser.add_argument("--force", action="store_true", help="replace an existing model and report")
 
 
-def model_name(ref: str) -> str:
-    """The name of MODEL in the default output path, found without loading the model."""
-    from rmsnorm_deploy.presets import find_preset
-
-    path = Path(ref)
-    if path.is_dir():
-        return path.resolve().name
-    return find_preset(ref).stem
-
-
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.export import REPORT_NAME, ExportOptions, check_options, export_model, load_model, output_path
-    from rmsnorm_deploy.modelio import ensure_writable
+    from rmsnorm_deploy.exporter.pipeline import run_export
+    from rmsnorm_deploy.exporter.plan import (
+        ExportOptions,
+        load_torch_model,
+        plan_export,
+    )
     from rmsnorm_deploy.progress import Progress
     from rmsnorm_deploy.table import format_table
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
                             seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention)
-    check_options(options)
-    name = model_name(args.model)
-    target = output_path(args.output, name, options.dtype, options.lowering)
-    ensure_writable(target, force=options.force)
-    ensure_writable(target.parent / REPORT_NAME, force=options.force)
+    plan = plan_export(options, model_ref=args.model, output=args.output)
+    target = plan.target
 
     progress = Progress(prefix="export ")
     with progress.stage(f"loading {args.model} in {options.dtype}") as st:
-        loaded = load_model(args.model, options.dtype)
+        loaded = load_torch_model(args.model, options.dtype)
         st.note(f"{loaded.parameter_count() / 1e6:.1f}M parameters")
-    result = export_model(loaded, target, options, progress=progress)
+    result = run_export(loaded, plan, progress=progress)
 
     size = target.stat().st_size + _size(target.parent / (target.name + ".data"))
     print(f"exported {target} ({size / 2**20:.1f} MiB, opset {result.report['opset']}, {options.dtype}, "

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from rmsnorm_deploy.dtypes import MODEL_DTYPES
-from rmsnorm_deploy.lowerings import LOWERINGS
+from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
+from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rmsnorm_deploy.spec import named_specs
+    from rmsnorm_deploy.contract.spec import named_specs
 
     parser.add_argument("--spec", action="append", choices=sorted(named_specs()), help="spec(s) to check (default: all)")
     parser.add_argument("--dtype", action="append", choices=MODEL_DTYPES, help="dtype(s) (default: all)")
@@ -26,9 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rmsnorm_deploy.contract.spec import named_specs
     from rmsnorm_deploy.errors import UserError
-    from rmsnorm_deploy.parity import cases, parity_table, run_case, summary_table
-    from rmsnorm_deploy.spec import named_specs
+    from rmsnorm_deploy.validate.lowering_sweep import (
+        cases,
+        parity_table,
+        run_case,
+        summary_table,
+    )
 
     try:
         shape = tuple(int(d) for d in args.shape.lower().split("x"))
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['refused']} refused by the lowering, "
           f"{counts['unsupported']} not runnable by ONNX Runtime CPU")
     if args.json:
-        from rmsnorm_deploy.modelio import atomic_path
+        from rmsnorm_deploy.graph.onnx_file import atomic_path
 
         with atomic_path(args.json, force=True) as tmp:
             tmp.write_text(json.dumps([r.to_dict() for r in rows], indent=1))

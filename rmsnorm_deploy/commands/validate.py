@@ -56,8 +56,8 @@ def parse_provider_options(items: list[str]) -> dict[str, dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.modelio import atomic_path, ensure_writable
-    from rmsnorm_deploy.validate import parse_backends, parse_dims, validate_model
+    from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable
+    from rmsnorm_deploy.validate.run import parse_backends, parse_dims, validate_model
 
     backends = parse_backends(args.providers)
     if args.output:

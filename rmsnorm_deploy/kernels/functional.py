@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from rmsnorm_deploy._optional import require
-from rmsnorm_deploy.dtypes import dtype_name
+from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import InputError
-from rmsnorm_deploy.spec import RMSNormSpec
+from rmsnorm_deploy.optional import require
 
 #: Dtypes the kernel reads and writes.
 KERNEL_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")

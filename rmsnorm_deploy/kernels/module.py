@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rmsnorm_deploy.contract.reference import SpecRMSNorm
 from rmsnorm_deploy.kernels.functional import rms_norm
-from rmsnorm_deploy.reference import SpecRMSNorm
 
 
 class TritonRMSNorm(SpecRMSNorm):

@@ -3,7 +3,7 @@
 One pass over each row: the row is loaded once, its sum of squares accumulated in the
 spec's accumulation dtype (float32, or float64), epsilon, the gain and the rounding back
 to the input dtype applied in the spec's order, and the row written once. Every field of
-the :class:`~rmsnorm_deploy.spec.RMSNormSpec` reaches the kernel as a ``tl.constexpr``
+the :class:`~rmsnorm_deploy.contract.spec.RMSNormSpec` reaches the kernel as a ``tl.constexpr``
 (:func:`kernel_constants`), so each spec compiles to its own straight-line kernel.
 
 The kernel follows the steps of ``formula.rms_norm`` (which Triton cannot trace) in the op
@@ -224,7 +224,7 @@ def launch(spec: Any, x2d: Any, weight: Any, y2d: Any, config: LaunchConfig | No
     Triton interprets, any tensors run in the interpreter; CPU tensors otherwise are an
     error, never a silent fallback.
     """
-    from rmsnorm_deploy.dtypes import dtype_name
+    from rmsnorm_deploy.contract.dtypes import dtype_name
     from rmsnorm_deploy.errors import InputError
 
     n_rows, n_cols = x2d.shape

@@ -3,6 +3,14 @@
 A runner is a context manager (``with OnnxRuntimeRunner(path) as r: r.infer(feed)``), as in
 Polygraphy: ``activate`` loads the backend and ``deactivate`` frees it. Backends load lazily,
 so a missing optional dependency is a clear error at activation, not at import.
+
+===========  ================================================================================
+base         ``Runner``: the activate/infer/deactivate template every runner follows
+onnxruntime  ``OnnxRuntimeRunner``: CPU, CUDA and TensorRT providers, bf16 through IOBinding,
+             never a silent provider fallback
+tensorrt     ``TensorRTRunner``: a built engine, its sidecar checked before deserializing
+torch        ``TorchRunner``: a PyTorch module (a rebuilt source) in its dtype or float64
+===========  ================================================================================
 """
 
 from rmsnorm_deploy.runners.base import Runner

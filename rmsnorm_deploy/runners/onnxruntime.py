@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import io
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,9 +23,9 @@ import ml_dtypes
 import numpy as np
 import onnx
 
-from rmsnorm_deploy._optional import require
-from rmsnorm_deploy.dtypes import dtype_name
-from rmsnorm_deploy.errors import InputError, ProviderError, UserError
+from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.errors import InputError, ProviderError, UserError, one_line
+from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.base import Runner
 
 PROVIDERS = {
@@ -139,9 +138,9 @@ class OnnxRuntimeRunner(Runner):
         except Exception as exc:
             failing = [p for p in self.requested if p != PROVIDERS["cpu"]]
             if failing and _looks_like_provider_failure(exc):
-                raise ProviderError(f"{', '.join(failing)} failed to start: {_one_line(exc)}; "
+                raise ProviderError(f"{', '.join(failing)} failed to start: {one_line(exc)}; "
                                     + _why_provider_cannot_load(failing[0])) from None
-            raise UserError(f"ONNX Runtime cannot load the model: {_one_line(exc)}") from None
+            raise UserError(f"ONNX Runtime cannot load the model: {one_line(exc)}") from None
         actual = self.session.get_providers()
         missing = [p for p in self.requested if p not in actual]
         if missing:
@@ -195,7 +194,7 @@ class OnnxRuntimeRunner(Runner):
         try:
             self.session.run_with_iobinding(binding)
         except Exception as exc:
-            raise UserError(f"ONNX Runtime failed to run the model: {_one_line(exc)}") from None
+            raise UserError(f"ONNX Runtime failed to run the model: {one_line(exc)}") from None
         return {name: ortvalue_to_numpy(v) for name, v in zip(self.output_names(), binding.get_outputs())}
 
 
@@ -221,7 +220,7 @@ def _session_source(model: str | os.PathLike | bytes | onnx.ModelProto) -> str |
         return model.SerializeToString()
     if isinstance(model, bytes):
         return model
-    from rmsnorm_deploy.modelio import check_model_file
+    from rmsnorm_deploy.graph.onnx_file import check_model_file
 
     return str(check_model_file(Path(model)))
 
@@ -294,13 +293,6 @@ def _looks_like_provider_failure(exc: BaseException) -> bool:
     text = str(exc)
     return any(k in text for k in ("Please install", "Failed to load library", "provider_bridge", "EP Error",
                                    "RegisterTensorRTPluginsAsCustomOps", "Failed to create"))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    # Drop ONNX Runtime's source location and C++ signature: the sentence after them is the news.
-    text = re.sub(r"/onnxruntime_src/\S+:\d+ (?:[^()]*\([^()]*\) )?", "", text)
-    return text[:400]
 
 
 def set_onnxruntime_log_level(default: int = 4) -> None:

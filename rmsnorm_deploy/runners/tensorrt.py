@@ -22,12 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from rmsnorm_deploy.dtypes import dtype_name, to_numpy, to_torch
+from rmsnorm_deploy.contract.dtypes import dtype_name, to_numpy, to_torch
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.runners.base import Runner
 from rmsnorm_deploy.tensorrt.profiles import Profiles
 from rmsnorm_deploy.tensorrt.runtime import PluginError
-from rmsnorm_deploy.tensorrt.sidecar import Device, check_compatible, check_engine_hash, read_sidecar
+from rmsnorm_deploy.tensorrt.sidecar import (
+    Device,
+    check_compatible,
+    check_engine_hash,
+    read_sidecar,
+)
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "int8", "uint8")
 
@@ -59,7 +64,12 @@ class TensorRTRunner(Runner):
         if self.plugin and not built_with_plugin:
             raise PluginError(f"the plugin was requested but {self.engine_path} was built without it; rebuild it with "
                               "`rmsnorm-deploy build --plugin` or run it without the plugin")
-        from rmsnorm_deploy.tensorrt.runtime import import_tensorrt, load_plugin, make_logger, trt_version
+        from rmsnorm_deploy.tensorrt.runtime import (
+            import_tensorrt,
+            load_plugin,
+            make_logger,
+            trt_version,
+        )
 
         trt = import_tensorrt("the TensorRT runner")
         check_compatible(sidecar, Device.current(trt_version(trt)), engine_path=self.engine_path)

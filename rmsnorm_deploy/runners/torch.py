@@ -1,6 +1,6 @@
 """Torch runner: an ``nn.Module`` behind the runner interface, on the CPU or a CUDA GPU.
 
-The module is what :func:`rmsnorm_deploy.sources.rebuild_source` returns: its ``forward``
+The module is what :func:`rmsnorm_deploy.exporter.rebuild.rebuild_source` returns: its ``forward``
 takes the ONNX inputs as keyword arguments and returns a dict keyed by the ONNX output
 names. numpy goes in and comes out (bfloat16 as ``ml_dtypes.bfloat16``).
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rmsnorm_deploy.dtypes import dtype_name, to_numpy, to_torch
+from rmsnorm_deploy.contract.dtypes import dtype_name, to_numpy, to_torch
 from rmsnorm_deploy.errors import ProviderError, UserError
 from rmsnorm_deploy.runners.base import Runner
 
@@ -89,7 +89,7 @@ def float64_copy(module: Any) -> Any:
     """A float64 copy of ``module`` whose RMSNorm specs accumulate in float64 (their oracle)."""
     import torch
 
-    from rmsnorm_deploy.spec import RMSNormSpec
+    from rmsnorm_deploy.contract.spec import RMSNormSpec
 
     wide = copy.deepcopy(module).to(torch.float64)
     for sub in wide.modules():
@@ -100,6 +100,6 @@ def float64_copy(module: Any) -> Any:
 
 
 def _torch_dtype(name: str) -> Any:
-    from rmsnorm_deploy.dtypes import torch_dtype
+    from rmsnorm_deploy.contract.dtypes import torch_dtype
 
     return torch_dtype(name)

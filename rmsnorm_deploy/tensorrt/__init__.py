@@ -11,5 +11,6 @@ sidecar     the JSON beside each engine (TensorRT version, GPU, profile, plugin,
 build       ``build_engine``: parse, check, build, inspect, write (the ``build`` command)
 runtime     shared TensorRT pieces: logger, plugin loading, dtype names
 progress    the build progress bar fed by ``IProgressMonitor``
+_qdp        the plugin's ``tensorrt.plugin`` registration (imported only with TensorRT)
 ==========  ===================================================================================
 """

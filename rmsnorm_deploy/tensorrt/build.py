@@ -38,10 +38,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import onnx
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.metadata import ModelMetadata
-from rmsnorm_deploy.modelio import atomic_path, check_model_file, ensure_writable, load_model
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import (
+    atomic_path,
+    check_model_file,
+    ensure_writable,
+    load_onnx,
+)
 from rmsnorm_deploy.table import format_table
-from rmsnorm_deploy.tensorrt.prepare import PreparedModel, prepare_for_tensorrt
 from rmsnorm_deploy.tensorrt.precision import (
     LayerRecord,
     NormPrecision,
@@ -50,8 +54,16 @@ from rmsnorm_deploy.tensorrt.precision import (
     engine_record,
     raise_on_failures,
 )
+from rmsnorm_deploy.tensorrt.prepare import PreparedModel, prepare_for_tensorrt
 from rmsnorm_deploy.tensorrt.profiles import Profiles, resolve_profiles
-from rmsnorm_deploy.tensorrt.sidecar import Device, Sidecar, sha256_bytes, sha256_file, sidecar_path, write_sidecar
+from rmsnorm_deploy.tensorrt.sidecar import (
+    Device,
+    Sidecar,
+    sha256_bytes,
+    sha256_file,
+    sidecar_path,
+    write_sidecar,
+)
 
 
 class ParseError(UserError):
@@ -157,7 +169,7 @@ def build_engine(
     (exit code 1) if a norm's reduction would run below float32.
     """
     onnx_path = check_model_file(onnx_path)
-    model = load_model(onnx_path, load_external=False)
+    model = load_onnx(onnx_path, load_external=False)
     meta = ModelMetadata.read(model)
     resolved = resolve_profiles(model, profiles, meta.dims if meta else None)
     prepared = prepare_for_tensorrt(model, plugin=plugin)
@@ -170,7 +182,12 @@ def build_engine(
     if cache_path is not None and cache_path.is_dir():
         raise UserError(f"--timing-cache {cache_path} is a folder; give a file path")
 
-    from rmsnorm_deploy.tensorrt.runtime import import_tensorrt, load_plugin, make_logger, trt_version
+    from rmsnorm_deploy.tensorrt.runtime import (
+        import_tensorrt,
+        load_plugin,
+        make_logger,
+        trt_version,
+    )
 
     trt = import_tensorrt("building a TensorRT engine")
     device = Device.current(trt_version(trt))

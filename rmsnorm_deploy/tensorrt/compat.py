@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 import onnx
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.onnx_function import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE
+from rmsnorm_deploy.graph.function import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE
 
 #: ONNX ops onnx-tensorrt's docs/operators.md marks "Y" in the TensorRT 10.15 release
 #: (minus those added in 10.14/10.15, listed in _ADDED below). The list is the same in the
@@ -163,7 +163,7 @@ class CompatReport:
 
 
 _FIX_LOWERING = "re-export with --lowering function (TensorRT inlines it) or --lowering plugin"
-#: Ops the export's ``--fuse-attention`` writes (``rmsnorm_deploy/fusions.py``).
+#: Ops the export's ``--fuse-attention`` writes (``rmsnorm_deploy/exporter/fusions.py``).
 _FUSED_ATTENTION_OPS = frozenset({"Attention", "RotaryEmbedding"})
 
 

@@ -37,9 +37,9 @@ from typing import Any, Mapping
 
 import onnx
 
-from rmsnorm_deploy._optional import require
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.onnx_function import (
+from rmsnorm_deploy.graph.function import (
     OP_TYPE,
     PLUGIN_NAMESPACE,
     PLUGIN_NAMESPACE_NO_WEIGHT,
@@ -48,7 +48,7 @@ from rmsnorm_deploy.onnx_function import (
     rmsnorm_node,
     spec_from_attributes,
 )
-from rmsnorm_deploy.spec import RMSNormSpec
+from rmsnorm_deploy.optional import require
 
 PLUGIN_NAME = OP_TYPE
 #: (namespace, inputs) of each registration.

@@ -22,7 +22,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.onnx_function import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from rmsnorm_deploy.graph.function import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
 from rmsnorm_deploy.tensorrt.prepare import NormSite
 
 LOW_PRECISION = ("float16", "bfloat16", "fp8", "int8", "fp4", "int4")

@@ -12,9 +12,9 @@ import os
 import sys
 from typing import Any
 
-from rmsnorm_deploy._optional import require
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.onnx_function import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from rmsnorm_deploy.graph.function import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.tensorrt.precision import TRT_DTYPE_NAMES
 
 PLUGIN_MODULE = "rmsnorm_deploy.tensorrt.plugin"

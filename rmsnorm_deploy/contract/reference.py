@@ -1,0 +1,118 @@
+"""References derived from a spec: a rounding-faithful torch one and a float64 oracle.
+
+``reference(spec, x, w)`` rounds exactly where the spec says, so it is bit-equal to the
+module the spec was taken from (torch.nn.RMSNorm, HF LlamaRMSNorm, GemmaRMSNorm, ...):
+the tests prove it. ``oracle(spec, x, w)`` evaluates the same formula in float64 with no
+rounding back: the ideal value that every backend is measured against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rmsnorm_deploy.contract import formula
+from rmsnorm_deploy.contract.dtypes import torch_dtype
+from rmsnorm_deploy.contract.spec import RMSNormSpec
+
+
+class TorchOps:
+    """Torch primitives in the op forms the HF and torch modules use (``x * rsqrt(v)``)."""
+
+    def __init__(self, spec: RMSNormSpec):
+        self.spec = spec
+        self.acc = torch_dtype(spec.accumulation)
+
+    def to_accumulation(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.acc)
+
+    def to_input_dtype(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t.to(like.dtype)
+
+    def round_to_input_dtype(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t.to(like.dtype).to(self.acc)
+
+    def mean_square(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        return t.pow(2).mean(dim=axes, keepdim=True)
+
+    def add_epsilon(self, t: torch.Tensor) -> torch.Tensor:
+        return t + self.spec.epsilon_float32
+
+    def add_one(self, t: torch.Tensor) -> torch.Tensor:
+        return 1.0 + t
+
+    def sqrt(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(t)
+
+    def normalize(self, t: torch.Tensor, mean_square_plus_eps: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(mean_square_plus_eps)
+
+    def divide(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a / b
+
+    def multiply(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+class Float64Ops(TorchOps):
+    """The same formula in float64, never rounded back: the oracle."""
+
+    def __init__(self, spec: RMSNormSpec):
+        super().__init__(spec)
+        self.acc = torch.float64
+
+    def to_input_dtype(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def round_to_input_dtype(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def normalize(self, t: torch.Tensor, mean_square_plus_eps: torch.Tensor) -> torch.Tensor:
+        return t / torch.sqrt(mean_square_plus_eps)
+
+
+def reference(spec: RMSNormSpec, x: Any, weight: Any = None) -> torch.Tensor:
+    """The spec evaluated with torch, rounding where the spec rounds; output dtype = ``x``'s."""
+    x_t, w_t = _as_tensors(x, weight)
+    return formula.rms_norm(TorchOps(spec), spec, x_t, w_t)
+
+
+def oracle(spec: RMSNormSpec, x: Any, weight: Any = None) -> torch.Tensor:
+    """The spec evaluated in float64 with no rounding back: a float64 tensor."""
+    x_t, w_t = _as_tensors(x, weight)
+    return formula.rms_norm(Float64Ops(spec), spec, x_t, w_t)
+
+
+class SpecRMSNorm(torch.nn.Module):
+    """An ``nn.Module`` that computes :func:`reference` for its spec (weight as a parameter)."""
+
+    def __init__(self, spec: RMSNormSpec, normalized_shape: int | tuple[int, ...], dtype: Any = torch.float32):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if len(shape) != spec.normalized_dims:
+            raise ValueError(f"normalized_shape {shape} has {len(shape)} dims but the spec normalizes {spec.normalized_dims}")
+        self.spec = spec
+        self.normalized_shape = shape
+        if spec.has_gain:
+            init = torch.zeros if spec.gain == "offset" else torch.ones
+            self.weight = torch.nn.Parameter(init(shape, dtype=torch_dtype(dtype)))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reference(self.spec, x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, {self.spec.describe()}"
+
+
+def _as_tensors(x: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from rmsnorm_deploy.contract.dtypes import to_torch
+
+    def conv(a: Any) -> torch.Tensor | None:
+        if a is None or isinstance(a, torch.Tensor):
+            return a
+        return to_torch(a)
+
+    return conv(x), conv(weight)

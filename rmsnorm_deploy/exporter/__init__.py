@@ -1,0 +1,18 @@
+"""From a PyTorch model to an ONNX graph whose every norm is its exact spec.
+
+=============  ==============================================================================
+plan           ``plan_export``: options, model name and output paths checked once; defaults
+pipeline       ``run_export``: detect, run, export, canonicalize, check, save, parity
+detect         norms of a module mapped to specs and confirmed bit for bit
+torch_op       the ``torch.library`` op carrying a spec, and its ONNX translation
+surgery        swapping submodules, silencing torch.onnx, freeing weights
+fusions        rewrite rules for ``--fuse-attention``: opset-23 Attention and RotaryEmbedding
+upcast         the float64 run of a model (norms swapped for their oracle)
+parity         export-time parity: ONNX Runtime CPU against PyTorch and float64
+loaded_model   ``LoadedModel``: a module with its name, dtype, vocabulary and source
+blocks         the pre-norm LLaMA-style block and stack
+presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)
+hf             Hugging Face folders (config.json + safetensors), no Hub access
+rebuild        the PyTorch source of an exported model, rebuilt from its metadata
+=============  ==============================================================================
+"""

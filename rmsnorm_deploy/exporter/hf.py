@@ -1,0 +1,171 @@
+"""Hugging Face causal language models: from a local folder, or from a config with random weights.
+
+A folder must hold ``config.json`` and safetensors weights (``*.safetensors``, or a sharded set
+with its index); nothing is fetched from the Hub (``local_files_only``), no pickled ``.bin``
+weights are read and no remote code runs. The exported signature is ``input_ids`` ->
+``logits`` of ``model(input_ids=..., use_cache=False)``: the full causal-LM logits, no cache.
+
+``from_config`` builds a model with random weights for tests: transformers' own
+initialization under ``torch.manual_seed(seed)``, then every norm gain moved off its
+initial value by seeded noise (N(0, 0.1^2)), because gains of exactly 1 (or 0 for Gemma's
+``1 + w``) would hide the difference between rounding orders. The metadata keeps the
+config and the seed, so the same model can be rebuilt for validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rmsnorm_deploy.contract.dtypes import torch_dtype
+from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
+from rmsnorm_deploy.exporter.rebuild import source_builder
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.optional import require
+
+#: The gain noise of random-weight models (see the module docstring).
+NORM_GAIN_NOISE = 0.1
+
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+#: Tiny random configs of the families the exporter supports (tests and benchmarks build them with
+#: :func:`from_config`): 2 layers, hidden 64, 4 heads over 2 KV heads, vocabulary 256.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_TINY, "model_type": "llama"},
+    "mistral": {**_TINY, "model_type": "mistral", "sliding_window": None},
+    "qwen2": {**_TINY, "model_type": "qwen2"},
+    "qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16},
+    "gemma3": {**_TINY, "model_type": "gemma3_text", "head_dim": 16},
+    "phi3": {**_TINY, "model_type": "phi3", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1},
+    "olmo2": {**_TINY, "model_type": "olmo2", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1},
+}
+
+
+class HFModelError(UserError):
+    """A Hugging Face folder or config that cannot be loaded as a causal LM."""
+
+
+class HFTokenLogits(TokenLogits):
+    """A transformers causal LM as ``input_ids -> {"logits": ...}`` without a KV cache."""
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def check_folder(folder: str | os.PathLike) -> Path:
+    """A folder with config.json and safetensors weights, or a one-line error saying what is missing."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise HFModelError(f"{path}: not a folder; give a Hugging Face model folder (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise HFModelError(f"{path}: no config.json; give a Hugging Face model folder with config.json and "
+                           "*.safetensors weights")
+    if not any(path.glob("*.safetensors")):
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {', '.join(bins[:3])}: pickled weights are not loaded; convert them to safetensors)" if bins else ""
+        raise HFModelError(f"{path}: no *.safetensors weights{hint}")
+    return path
+
+
+def load_folder(folder: str | os.PathLike, dtype: str) -> LoadedModel:
+    """The causal LM saved in ``folder``, in ``dtype``, in eval mode."""
+    path = check_folder(folder)
+    transformers = require("transformers", "exporting a Hugging Face model")
+    require("safetensors", "exporting a Hugging Face model")
+    config = _load_config(path, transformers)
+    model_cls = _causal_lm_class(config, transformers, str(path))
+    try:
+        model = model_cls.from_pretrained(
+            str(path), config=config, local_files_only=True, use_safetensors=True, dtype=torch_dtype(dtype),
+            trust_remote_code=False,
+        )
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise HFModelError(f"{path}: transformers cannot load the weights ({one_line(exc)})") from None
+    source = {"kind": "hf", "path": str(path.resolve()), "model_type": config.model_type}
+    return _loaded(model, config, dtype, name=path.resolve().name, source=source)
+
+
+def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = None) -> LoadedModel:
+    """A causal LM of ``config`` (a transformers config or its dict) with seeded random weights."""
+    transformers = require("transformers", "building a Hugging Face model from a config")
+    config = _config_from(config, transformers)
+    model_cls = _causal_lm_class(config, transformers, f"config {config.model_type!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        _perturb_norm_gains(model, seed)
+    model = model.to(torch_dtype(dtype))
+    source = {"kind": "hf", "config": json.loads(config.to_json_string(use_diff=False)), "seed": int(seed)}
+    return _loaded(model, config, dtype, name=name or f"hf-{config.model_type}", source=source)
+
+
+def _loaded(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
+    model.eval()
+    max_pos = getattr(config, "max_position_embeddings", None) or 2048
+    return LoadedModel(
+        name=name, module=HFTokenLogits(model).eval(), dtype=dtype, source=source,
+        vocab_size=int(config.vocab_size), max_seq_len=int(max_pos),
+        description=f"{type(model).__name__} ({config.model_type})",
+    )
+
+
+def _load_config(path: Path, transformers: Any) -> Any:
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HFModelError(f"{path}/config.json: not readable JSON ({one_line(exc)})") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise HFModelError(f"{path}/config.json: has no model_type; is this a transformers model folder?")
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise HFModelError(f"{path}: unsupported architecture {raw.get('model_type')!r} ({one_line(exc)})") from None
+
+
+def _config_from(config: Any, transformers: Any) -> Any:
+    if isinstance(config, dict):
+        data = dict(config)
+        model_type = data.pop("model_type", None)
+        if not model_type:
+            raise HFModelError("a config dict needs a model_type (e.g. 'llama')")
+        try:
+            return transformers.AutoConfig.for_model(model_type, **data)
+        except (ValueError, KeyError) as exc:
+            raise HFModelError(f"unsupported architecture {model_type!r} ({one_line(exc)})") from None
+    return config
+
+
+def _causal_lm_class(config: Any, transformers: Any, where: str) -> Any:
+    mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise HFModelError(
+            f"{where}: unsupported architecture {config.model_type!r}: transformers has no causal-LM class for it"
+        ) from None
+
+
+@torch.no_grad()
+def _perturb_norm_gains(model: torch.nn.Module, seed: int) -> None:
+    from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
+
+    gen = torch.Generator().manual_seed(seed + 7919)
+    for _, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if class_path(type(module)) in KNOWN_CLASSES and isinstance(weight, torch.Tensor):
+            weight.add_(torch.randn(weight.shape, generator=gen, dtype=torch.float32).to(weight.dtype) * NORM_GAIN_NOISE)
+
+
+@source_builder("hf")
+def _rebuild(meta: ModelMetadata) -> torch.nn.Module:
+    source = meta.source
+    if source.get("path"):
+        return load_folder(source["path"], meta.dtype).module
+    if isinstance(source.get("config"), dict):
+        return from_config(source["config"], meta.dtype, seed=int(source.get("seed", 0))).module
+    raise UserError("the model's Hugging Face source has neither a folder path nor a config; export it again")

@@ -1,0 +1,423 @@
+"""The export pipeline: a pre-norm model to an ONNX graph whose every norm is its exact spec.
+
+Steps (each one a line of progress on stderr):
+
+1. **Detect** every norm of the module and confirm its spec bit for bit (``detect.py``);
+   refuse the lowering early if it cannot represent a spec (``lowerings.refusal``).
+2. **Run** the module once in its dtype on the example input: a model that cannot run in
+   the requested dtype stops here, before anything is written. The PyTorch side of the
+   parity check (step 7) runs here too, so that the module's weights can be freed once the
+   graph holds its own copy (``release_model``).
+3. **Export**: each norm is swapped for :class:`~rmsnorm_deploy.exporter.torch_op.ExportRMSNorm` (the
+   custom op carrying the spec); ``torch.onnx.export(dynamo=True)`` with the custom
+   translation emits one ``rmsnorm_deploy::RMSNorm`` node per norm call, with dynamic
+   ``batch`` and ``seq`` axes. The exporter's own fusions are not run (at opset 23 its
+   rotary-embedding fusion produces a graph ONNX Runtime rejects at batch > 1); onnxscript's
+   constant folding is. With ``fuse_attention`` (opset 23) the rules of ``fusions.py`` write
+   rotary embeddings as ``RotaryEmbedding`` with caches valid at every batch size, and give
+   ``Attention`` the key/value heads unrepeated; the norms are opaque nodes while they run.
+4. **Canonicalize** the graph, serialized without its weights: each node gets exactly the
+   attributes and overload ``onnx_function.rmsnorm_node`` gives it, and its module path as
+   name; the nodes are counted against the detected norms; ``lowerings.lower_model`` writes
+   the lowering; the norm reductions ``audit`` finds must equal the norm calls and all
+   accumulate in float32 (or wider); metadata (``metadata.ModelMetadata``). Then the
+   weights are added, one tensor at a time; past 2 GB they go to ``model.onnx.data``,
+   written straight from the exporter's tensors so the weights are never held twice.
+5. **Check** the written file with ``onnx.checker`` (full check; not for the ``ort``
+   lowering, whose ``SimplifiedLayerNormalization`` is an ONNX Runtime op the checker does
+   not know) before it replaces anything.
+6. **Save** atomically (``modelio``), never over an existing file without ``force``.
+7. **Parity** (``model_parity.py``): ONNX Runtime CPU against the module in its dtype and
+   against a float64 run, on the example shape and a larger one; ``report.json`` beside the
+   model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.errors import LoweringError, UserError, one_line
+from rmsnorm_deploy.exporter.detect import DetectedNorm, Detection, detect_norms
+from rmsnorm_deploy.exporter.fusions import (
+    FusionCounts,
+    FusionError,
+)
+from rmsnorm_deploy.exporter.loaded_model import INPUT_NAME, OUTPUT_NAME, LoadedModel
+from rmsnorm_deploy.exporter.plan import (
+    MAX_BATCH,
+    MAX_SEQ,
+    ExportError,
+    ExportOptions,
+    ExportPlan,
+    plan_export,
+)
+from rmsnorm_deploy.exporter.surgery import (
+    quiet_exporter,
+    quiet_logger,
+    release_weights,
+    swapped_modules,
+)
+from rmsnorm_deploy.graph.function import (
+    is_rmsnorm_node,
+    rmsnorm_node,
+    spec_from_node,
+)
+from rmsnorm_deploy.graph.lowerings import lower_model, model_opset, refusal
+from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
+from rmsnorm_deploy.graph.onnx_file import (
+    EXTERNAL_DATA_THRESHOLD,
+    atomic_path,
+    save_onnx,
+)
+from rmsnorm_deploy.graph.standalone import ir_version_for
+from rmsnorm_deploy.progress import Progress
+
+
+@dataclasses.dataclass
+class ExportResult:
+    path: Path
+    report_path: Path | None
+    detection: Detection
+    report: dict[str, Any]
+    parity: Any = None  # model_parity.ModelParity
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    fusions: FusionCounts | None = None  # with fuse_attention
+
+    @property
+    def parity_failed(self) -> bool:
+        return self.parity is not None and self.parity.failed
+
+
+# -- the pipeline -------------------------------------------------------------------------
+def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOptions,
+                 *, progress: Progress | None = None) -> ExportResult:
+    """The Python API: plan the export of ``loaded`` to ``path``, then run it (:func:`run_export`)."""
+    return run_export(loaded, plan_export(options, target=path), progress=progress)
+
+
+def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | None = None) -> ExportResult:
+    """Export ``loaded`` to ``path`` (see the module docstring); raises :class:`UserError` on bad input.
+
+    Nothing is written unless every check before the save passes. The parity check's
+    failure is not an exception: see ``ExportResult.parity_failed``.
+    """
+    from rmsnorm_deploy.exporter.torch_op import ExportRMSNorm
+
+    options = plan.options
+    progress = progress or Progress(enabled=False)
+    dtype, lowering, opset = options.dtype, options.lowering, options.resolved_opset()
+    if dtype_name(loaded.dtype) != dtype:
+        raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {dtype}")
+    if options.seq > loaded.max_seq_len:
+        raise UserError(f"--seq {options.seq} is longer than the model's {loaded.max_seq_len} positions")
+    target, report_path = plan.target, plan.report_path
+    timings: dict[str, float] = {}
+    module = loaded.module
+
+    with progress.stage("detecting norms and confirming their specs") as st:
+        detection = detect_norms(module, dtype=dtype)
+        if not detection.norms:
+            raise ExportError(f"{loaded.name}: no RMSNorm found; nothing for this exporter to guarantee")
+        for norm in detection.norms:
+            reason = refusal(lowering, norm.spec, norm.spec.upcasts(dtype), opset)
+            if reason:
+                raise LoweringError(f"cannot lower norm {norm.path!r} ({norm.class_name}) to {lowering!r}: {reason}")
+        st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)")
+    timings["detect_s"] = st.seconds
+
+    input_ids = example_input_ids(options.batch, options.seq, loaded.vocab_size, options.seed)
+    with progress.stage(f"running the PyTorch model in {dtype} on input_ids {list(input_ids.shape)}") as st:
+        try:
+            with torch.no_grad():
+                torch_out = module(**{INPUT_NAME: input_ids})[OUTPUT_NAME]
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
+                            "choose another --dtype") from None
+    timings["torch_run_s"] = st.seconds
+
+    expected = None
+    if options.parity:
+        # The PyTorch side of the parity check runs first, so that the module's weights can be
+        # freed (release_model) as soon as the graph holds its own copy.
+        from rmsnorm_deploy.exporter.parity import torch_expectations
+
+        batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
+        feeds = [{INPUT_NAME: input_ids}, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
+        with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
+            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype,
+                                          torch_outputs=[{OUTPUT_NAME: torch_out}])
+        timings["parity_torch_s"] = st.seconds
+
+    with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
+        program = _torch_export(module, detection.norms, input_ids, opset, ExportRMSNorm)
+    timings["torch_onnx_export_s"] = st.seconds
+    fusions = None
+    if options.fuse_attention:
+        with progress.stage("fusing attention and rotary embeddings (Attention, RotaryEmbedding)") as st:
+            fusions = _fuse_attention(program, loaded.name)
+            st.note(fusions.describe())
+        timings["fuse_attention_s"] = st.seconds
+
+    report: dict[str, Any] = {
+        "model": str(target),
+        "name": loaded.name,
+        "description": loaded.description,
+        "source": {k: v for k, v in loaded.source.items() if k != "toml"},
+        "dtype": dtype,
+        "lowering": lowering,
+        "opset": opset,
+        "fuse_attention": options.fuse_attention,
+        "fusions": fusions.to_dict() if fusions is not None else None,
+        "parameters": loaded.parameter_count(),
+        "weight_bytes": loaded.weight_bytes(),
+        "norms": [n.to_dict() for n in detection.norms],
+        "other_norms": [{"path": p, "class": c} for p, c in detection.other_norms],
+        "versions": tool_versions(),
+    }
+    meta = ModelMetadata(
+        specs=detection.specs,
+        lowering=lowering,
+        dtype=dtype,
+        source=loaded.source,
+        inputs={INPUT_NAME: {"dtype": "int64", "shape": ["batch", "seq"], "kind": "token_ids",
+                             "high": int(loaded.vocab_size)}},
+        dims={"batch": [1, options.batch, max(options.batch, MAX_BATCH)],
+              "seq": [1, options.seq, max(options.seq, min(loaded.max_seq_len, MAX_SEQ))]},
+        versions=tool_versions(),
+    )
+    staged_data: Path | None = None
+    try:
+        with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
+            model, staged_data = _finish_graph(program, detection, options, target, meta, st)
+            del program
+        timings["onnx_graph_s"] = st.seconds
+        del module
+        if options.release_model:
+            release_weights(loaded, detection)
+        with progress.stage(f"saving {target} (onnx.checker full check first)") as st:
+            save_onnx(model, target, force=options.force, staged_data=staged_data,
+                       check=lambda tmp: _checker(tmp, options, stage=st))
+            staged_data = None
+            del model
+        timings["save_s"] = st.seconds
+    finally:
+        if staged_data is not None and staged_data.exists():
+            staged_data.unlink()
+
+    result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
+    if expected is not None:
+        from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
+
+        with progress.stage("parity: ONNX Runtime CPU vs PyTorch and vs float64") as st:
+            result.parity = compare_with_onnxruntime(target, expected, dtype=dtype)
+            st.note(result.parity.status)
+        timings["parity_onnxruntime_s"] = st.seconds
+        report["parity"] = result.parity.to_dict()
+        report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+        with atomic_path(report_path, force=options.force) as tmp:
+            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        result.report_path = report_path
+    report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+    return result
+
+
+def second_shape(batch: int, seq: int, max_seq: int) -> tuple[int, int]:
+    """A second parity shape, other than the traced one in both dynamic axes."""
+    return batch + 1, (seq + 5 if seq + 5 <= max_seq else max(1, seq - 1))
+
+
+def example_input_ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    from rmsnorm_deploy.contract.inputs import token_ids
+
+    return torch.from_numpy(token_ids((batch, seq), vocab, seed=seed))
+
+
+def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor, opset: int,
+                  export_norm: type) -> Any:
+    from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE
+
+    replacements = {n.path: export_norm(n.spec, n.weight, n.path) for n in norms}
+    with swapped_modules(module, replacements), quiet_exporter():
+        try:
+            program = torch.onnx.export(
+                module, (), kwargs={INPUT_NAME: input_ids}, dynamo=True, opset_version=opset,
+                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                dynamic_shapes={INPUT_NAME: {0: "batch", 1: "seq"}},
+                custom_translation_table=TRANSLATION_TABLE, optimize=False, verbose=False,
+            )
+        except Exception as exc:  # torch raises many kinds; the user needs the first line of why
+            raise ExportError(f"torch.onnx.export failed: {_export_reason(exc)}") from None
+        import onnxscript.optimizer
+
+        onnxscript.optimizer.optimize_ir(program.model)
+    return program
+
+
+def _fuse_attention(program: Any, name: str) -> FusionCounts:
+    """Run the attention and rotary fusions on the exported graph; refuse a graph with no
+    ``Attention`` (the option would otherwise do nothing, silently)."""
+    import onnxscript.optimizer
+
+    from rmsnorm_deploy.exporter.fusions import fuse_attention
+    from rmsnorm_deploy.graph.function import DOMAIN, OP_TYPE
+
+    counts = fuse_attention(program.model, norm_op=(DOMAIN, OP_TYPE))
+    if counts.attention == 0:
+        raise FusionError(f"{name}: --fuse-attention found no attention to fuse: the model does not call "
+                          "torch's scaled_dot_product_attention (for a transformers model, load it with "
+                          "attn_implementation='sdpa'); export it without --fuse-attention")
+    onnxscript.optimizer.optimize_ir(program.model)
+    return counts
+
+
+#: Initializers above this size are held apart while the graph is rewritten and checked.
+_WEIGHT_BYTES = 1024
+
+
+def _finish_graph(program: Any, detection: Detection, options: ExportOptions, target: Path,
+                  meta: ModelMetadata, stage: Any) -> tuple[onnx.ModelProto, Path | None]:
+    """The exported graph as a checked ModelProto with canonical, lowered norm nodes and metadata.
+
+    The graph is serialized without its weights, rewritten and audited, and only then are the
+    weights added, one tensor at a time (each folded copy freed as it goes): inline, or past the
+    2 GB protobuf limit written to a staging file beside ``target`` (returned; the caller renames
+    or removes it) straight from the exporter's tensors.
+    """
+    from onnxscript import ir
+
+    model_ir = program.model
+    weights = {name: v for name, v in model_ir.graph.initializers.items()
+               if v.const_value is not None and v.const_value.nbytes > _WEIGHT_BYTES}
+    tensors = {}
+    for name, value in weights.items():
+        tensors[name] = value.const_value
+        value.const_value = None
+    total = sum(t.nbytes for t in tensors.values())
+    clock = time.perf_counter()
+    with quiet_logger("onnx_ir"):  # it warns about each initializer left without data, on purpose here
+        model = ir.serde.serialize_model(model_ir)
+    # onnxscript's rewrite rules keep a reference to the last graph they matched: leave it no tensors.
+    for value in model_ir.graph.initializers.values():
+        value.const_value = None
+    del model_ir
+    model.producer_name = "rmsnorm-deploy"
+    nodes = _canonicalize_norm_nodes(model, detection, options.dtype)
+    model.ir_version = max(model.ir_version, ir_version_for(model.opset_import))
+    model = lower_model(model, options.lowering)
+    _check_norms(model, nodes, options, stage)
+    stage.note(f"{nodes} norm nodes lowered and audited in {time.perf_counter() - clock:.1f}s")
+    meta.write(model)
+
+    clock = time.perf_counter()
+    staged = None
+    try:
+        if total >= EXTERNAL_DATA_THRESHOLD:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f".{target.name}.data.", suffix=".tmp", dir=target.parent)
+            os.close(fd)
+            staged = Path(name)
+            names = list(tensors)
+            externals = ir.external_data.convert_tensors_to_external(
+                [tensors.pop(n) for n in names], base_dir=str(target.parent), relative_path=staged.name)
+            for n, tensor in zip(names, externals):
+                tensor.name = n
+                ir.serde.serialize_tensor_into(model.graph.initializer.add(), from_=tensor)
+            stage.note(f"{total / 2**30:.2f} GiB of weights written to external data in {time.perf_counter() - clock:.1f}s")
+        else:
+            for n in list(tensors):
+                tensor = tensors.pop(n)  # each folded copy is freed once serialized
+                tensor.name = n
+                ir.serde.serialize_tensor_into(model.graph.initializer.add(), from_=tensor)
+    except BaseException:
+        if staged is not None and staged.exists():
+            staged.unlink()
+        raise
+    return model, staged
+
+
+def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype: str) -> int:
+    """Give each exported norm node ``rmsnorm_node``'s attributes and its module path as name.
+
+    Returns the number of norm nodes: one per call of a detected norm, each norm at least once.
+    """
+    from rmsnorm_deploy.exporter.torch_op import norm_name_of
+
+    expected = {n.path: n for n in detection.norms}
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in
+             list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
+    seen: dict[str, int] = {}
+    for node in model.graph.node:
+        if not is_rmsnorm_node(node):
+            continue
+        path = norm_name_of(node)
+        if path not in expected:
+            raise ExportError(f"the exported graph holds an RMSNorm node for {path!r}, which is not a detected norm")
+        spec = expected[path].spec
+        carried = spec_from_node(node)  # epsilon travels as a float32 attribute
+        if carried != dataclasses.replace(spec, epsilon=spec.epsilon_float32):
+            raise ExportError(f"norm {path!r}: the exported node says {carried}, detection said {spec}")
+        elem = types.get(node.input[0])
+        input_dtype = dtype_name(elem) if elem else dtype_name(expected[path].dtype)
+        count = seen.get(path, 0)
+        seen[path] = count + 1
+        name = path if count == 0 else f"{path}#{count + 1}"
+        node.CopyFrom(rmsnorm_node(spec, input_dtype, list(node.input), list(node.output), name=name))
+    missing = [p for p in expected if p not in seen]
+    if missing:
+        raise ExportError(f"{len(missing)} detected norm(s) are missing from the exported graph "
+                          f"({', '.join(missing[:3])}); the model's forward does not call them")
+    return sum(seen.values())
+
+
+def norm_node_count(model: onnx.ModelProto) -> int:
+    return sum(1 for n in model.graph.node if is_rmsnorm_node(n))
+
+
+def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions, stage: Any = None) -> None:
+    """As many RMSNorm reductions as norm calls, every one accumulating in float32 or wider."""
+    from rmsnorm_deploy.graph.audit import audit_model
+
+    reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
+    if len(reductions) != norm_nodes:
+        raise ExportError(f"the {options.lowering} graph holds {len(reductions)} RMSNorm reductions for "
+                          f"{norm_nodes} norm calls in the model")
+    low = [r for r in reductions if r.low_precision]
+    if low:
+        raise ExportError(f"{len(low)} RMSNorm reduction(s) of the graph accumulate in {low[0].accumulation} "
+                          f"(first: {low[0].node}); the export must keep them in float32")
+    if model_opset(model) != options.resolved_opset():
+        raise ExportError(f"the exporter wrote opset {model_opset(model)}, not the requested {options.resolved_opset()}")
+
+
+def _checker(path: Path, options: ExportOptions, *, stage: Any = None) -> None:
+    """``onnx.checker`` full check of a written model file (its external data resolved beside it);
+    not for the ``ort`` lowering, whose ``SimplifiedLayerNormalization`` the checker does not know."""
+    if options.lowering == "ort":
+        return
+    clock = time.perf_counter()
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ExportError(f"the exported graph fails onnx.checker: {one_line(exc)}") from None
+    if stage is not None:
+        stage.note(f"onnx.checker full check in {time.perf_counter() - clock:.1f}s")
+
+
+def _export_reason(exc: BaseException) -> str:
+    """The innermost cause of a torch.onnx failure, in one line."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 20:
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    return f"{type(root).__name__}: {one_line(root)}"
+

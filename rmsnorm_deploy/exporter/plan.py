@@ -1,0 +1,131 @@
+"""What an export will do, decided and checked once before any work.
+
+``plan_export`` checks the options, finds the model's name and the output paths, and checks
+that they can be written; the CLI and the Python API both go through it, and the pipeline
+(``pipeline.run_export``) trusts the plan it is given. Every default lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.fusions import FUSED_OPSET, check_fusion_opset
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.graph.function import check_opset
+from rmsnorm_deploy.graph.lowerings import LOWERINGS
+from rmsnorm_deploy.graph.onnx_file import ensure_writable
+from rmsnorm_deploy.graph.standalone import default_opset
+
+#: Largest batch the metadata declares by default (TensorRT profiles are built from it).
+MAX_BATCH = 8
+#: Longest sequence the metadata declares by default; a model's own limit can be lower.
+MAX_SEQ = 4096
+DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
+REPORT_NAME = "report.json"
+
+
+class ExportError(UserError):
+    """A model the pipeline cannot export, with the reason in one line."""
+
+
+@dataclasses.dataclass
+class ExportOptions:
+    dtype: str = "float32"
+    lowering: str = "function"
+    opset: int | None = None  # None: 18, or 23 for the native lowering or fuse_attention
+    #: Attention and rotary embeddings as ONNX opset-23 ``Attention`` and ``RotaryEmbedding``
+    #: (``fusions.py``): faster in ONNX Runtime; TensorRT imports them from 10.15 only.
+    fuse_attention: bool = False
+    batch: int = DEFAULT_BATCH  # example shape: traced, and the parity check's input
+    seq: int = DEFAULT_SEQ
+    seed: int = 0  # parity inputs
+    force: bool = False
+    parity: bool = True
+    #: Free the PyTorch module (``loaded.module`` and the detected norms' references) once its
+    #: outputs are computed, so ONNX Runtime's copy of the weights does not sit beside it.
+    release_model: bool = False
+
+    def resolved_opset(self) -> int:
+        if self.opset is not None:
+            return self.opset
+        return FUSED_OPSET if self.fuse_attention else default_opset(self.lowering)
+
+
+def load_torch_model(ref: str, dtype: str) -> LoadedModel:
+    """MODEL of the CLI: a preset name, a preset TOML path, or a Hugging Face folder."""
+    from rmsnorm_deploy.exporter import hf, presets
+
+    if Path(ref).is_dir():
+        return hf.load_folder(ref, dtype)
+    return presets.build_preset(presets.load_preset(ref), dtype)
+
+
+def default_output(name: str, dtype: str, lowering: str) -> Path:
+    return Path("export") / name / f"{dtype}-{lowering}" / "model.onnx"
+
+
+def output_path(out: str | os.PathLike | None, name: str, dtype: str, lowering: str) -> Path:
+    """OUT of the CLI: a ``.onnx`` file, or a folder that gets ``model.onnx``; default under ``export/``."""
+    if out is None:
+        return default_output(name, dtype, lowering)
+    p = Path(out)
+    if p.suffix == ".onnx":
+        return p
+    if p.exists() and not p.is_dir():
+        raise UserError(f"output {p} exists and is not a folder; give a folder or a path ending in .onnx")
+    return p / "model.onnx"
+
+
+def check_options(options: ExportOptions) -> None:
+    """Every option problem, before any work: one line each."""
+    if options.dtype not in MODEL_DTYPES:
+        raise UserError(f"dtype {options.dtype!r} is not exportable; choose one of {', '.join(MODEL_DTYPES)}")
+    if options.lowering not in LOWERINGS:
+        raise UserError(f"unknown lowering {options.lowering!r}; choose one of {', '.join(LOWERINGS)}")
+    check_opset(options.resolved_opset())
+    if options.fuse_attention:
+        check_fusion_opset(options.resolved_opset())
+    for name in ("batch", "seq"):
+        value = getattr(options, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"--{name} must be an integer >= 1, got {value!r}")
+
+
+def model_name(ref: str) -> str:
+    """The name of MODEL in the default output path, found without loading the model."""
+    from rmsnorm_deploy.exporter.presets import find_preset
+
+    path = Path(ref)
+    if path.is_dir():
+        return path.resolve().name
+    return find_preset(ref).stem
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportPlan:
+    """A checked export: the options, the model file to write and the report beside it."""
+
+    options: ExportOptions
+    target: Path
+    name: str = ""
+
+    @property
+    def report_path(self) -> Path:
+        return self.target.parent / REPORT_NAME
+
+
+def plan_export(options: ExportOptions, *, target: str | os.PathLike | None = None, model_ref: str | None = None,
+                output: str | os.PathLike | None = None) -> ExportPlan:
+    """Check ``options`` and the output paths once. Give ``target`` (a model file path), or
+    ``model_ref`` and the CLI's ``output`` (a file, a folder or None for the default)."""
+    check_options(options)
+    name = model_name(model_ref) if model_ref is not None else ""
+    path = Path(target) if target is not None else output_path(output, name, options.dtype, options.lowering)
+    ensure_writable(path, force=options.force)
+    if options.parity:
+        ensure_writable(path.parent / REPORT_NAME, force=options.force)
+    return ExportPlan(options, path, name)

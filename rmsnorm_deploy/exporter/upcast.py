@@ -1,0 +1,127 @@
+"""Run a model in float64 without holding a float64 copy of it.
+
+The export-time parity check compares the ONNX model with the PyTorch module in its own
+dtype *and* with a float64 run of the same module, whose norms compute the spec's
+float64 oracle (``reference.oracle``: no rounding at all). A 1B-parameter float16 model
+would need 8 GB more to be copied to float64, so :func:`float64_view` upcasts one module
+at a time, only while that module runs:
+
+* exact ``nn.Linear``: the float64 product computed over chunks of output rows, so at most
+  :data:`CHUNK_BYTES` of a weight is widened at once;
+* exact ``nn.Embedding``: rows gathered in the weight's dtype, then widened (exact);
+* detected norms: replaced by :class:`OracleRMSNorm`;
+* any other module with its own floating-point parameters or buffers: those are widened
+  for the duration of its forward and put back afterwards.
+
+The result equals ``copy.deepcopy(model).double()`` with oracle norms (tests/exporter/test_pipeline.py
+checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rmsnorm_deploy.contract.reference import oracle
+from rmsnorm_deploy.contract.spec import RMSNormSpec
+
+#: At most this many bytes of a Linear weight are widened to float64 at once.
+CHUNK_BYTES = 64 << 20
+
+
+class OracleRMSNorm(torch.nn.Module):
+    """A norm computing its spec's float64 oracle (the ideal the runtimes are measured against)."""
+
+    def __init__(self, spec: RMSNormSpec, weight: torch.Tensor | None):
+        super().__init__()
+        self.spec = spec
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return oracle(self.spec, x, self.weight if self.spec.has_gain else None)
+
+
+def _linear64(module: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x64 = x.to(torch.float64)
+        weight = module.weight
+        rows = max(1, CHUNK_BYTES // max(1, weight.shape[1] * 8))
+        parts = [x64 @ weight[i:i + rows].to(torch.float64).T for i in range(0, weight.shape[0], rows)]
+        out = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+        if module.bias is not None:
+            out = out + module.bias.to(torch.float64)
+        return out
+
+    return forward
+
+
+def _embedding64(module: torch.nn.Embedding):
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, module.weight, module.padding_idx).to(torch.float64)
+
+    return forward
+
+
+@contextlib.contextmanager
+def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[torch.nn.Module]:
+    """``model`` computing in float64 inside the block; restored exactly on exit.
+
+    ``norms``: :class:`~rmsnorm_deploy.exporter.detect.DetectedNorm` objects (``path``, ``spec``,
+    ``weight``) whose modules become :class:`OracleRMSNorm`.
+    """
+    from rmsnorm_deploy.exporter.surgery import swapped_modules
+
+    replacements = {n.path: OracleRMSNorm(n.spec, n.weight) for n in norms}
+    patched: list[torch.nn.Module] = []
+    handles: list[Any] = []
+    saved: dict[int, dict[str, Any]] = {}
+    norm_paths = set(replacements)
+
+    def widen(module: torch.nn.Module, _inputs: Any) -> None:
+        store = saved.setdefault(id(module), {})
+        for group in ("_parameters", "_buffers"):
+            table = getattr(module, group)
+            for name, t in table.items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                    store[(group, name)] = t
+                    table[name] = t.detach().to(torch.float64)
+
+    def restore(module: torch.nn.Module, *_: Any) -> None:
+        for (group, name), t in saved.pop(id(module), {}).items():
+            getattr(module, group)[name] = t
+
+    try:
+        with swapped_modules(model, replacements):
+            for path, module in model.named_modules():
+                if path in norm_paths or isinstance(module, OracleRMSNorm):
+                    continue
+                if type(module) is torch.nn.Linear:
+                    module.forward = _linear64(module)  # type: ignore[method-assign]
+                    patched.append(module)
+                elif type(module) is torch.nn.Embedding:
+                    module.forward = _embedding64(module)  # type: ignore[method-assign]
+                    patched.append(module)
+                elif any(t.is_floating_point() for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))):
+                    handles.append(module.register_forward_pre_hook(widen))
+                    handles.append(module.register_forward_hook(restore, always_call=True))
+            yield model
+    finally:
+        for h in handles:
+            h.remove()
+        for module in patched:
+            del module.forward
+        for key in list(saved):
+            for (group, name), t in saved.pop(key).items():  # a forward that raised midway
+                for m in model.modules():
+                    if id(m) == key:
+                        getattr(m, group)[name] = t
+
+
+@torch.no_grad()
+def float64_outputs(model: torch.nn.Module, norms: Sequence[Any], **inputs: Any) -> Any:
+    """``model(**inputs)`` computed in float64 (see :func:`float64_view`)."""
+    with float64_view(model, norms) as m:
+        return m(**inputs)

@@ -1,0 +1,13 @@
+"""ONNX graphs: the RMSNorm function, its lowerings, our metadata, model files and the audit.
+
+===========  ================================================================================
+function     the ``rmsnorm_deploy::RMSNorm`` node and its FunctionProto overloads, traced from
+             the contract's formula
+lowerings    how a norm node is written: function, plugin, inline, native, ort; ``refusal()``
+standalone   ``rmsnorm_model``: a one-norm model for parity sweeps and benchmarks
+metadata     ``ModelMetadata``: spec, lowering, dtype, source and dims stored in the model
+onnx_file    ``load_onnx``/``save_onnx``: safe reads (external data kept in its folder) and
+             atomic writes
+audit        every normalization reduction of any graph and the dtype it accumulates in
+===========  ================================================================================
+"""

@@ -1,0 +1,119 @@
+"""What our ONNX files say about themselves, in ``metadata_props`` under ``rmsnorm_deploy.*``.
+
+Writers (the standalone builder, the export pipeline) and readers (``validate``, ``build``,
+``audit``) share this one description, so a model file alone is enough to rebuild its
+source, generate valid inputs and choose TensorRT profiles.
+
+=================  ==========================================================================
+key                value (JSON unless noted)
+=================  ==========================================================================
+format             ``"1"`` (plain string): the version of this layout
+specs              ``{norm name: RMSNormSpec.to_dict()}``, one entry per norm in the graph; in
+                   exported models the name is the norm's module path, also its node's name
+lowering           plain string: function, native, ort, inline or plugin
+dtype              plain string: the activation dtype (float32, float16, bfloat16)
+source             ``{"kind": "standalone" | "preset" | "hf", ...}``: enough to rebuild the
+                   PyTorch module (``sources.rebuild_source``):
+                   ``{"kind": "preset", "name": str, "toml": str (the preset's whole TOML text),
+                   "seed": int}``; ``{"kind": "hf", "path": str (absolute folder),
+                   "model_type": str}`` for a saved model, or ``{"kind": "hf", "config": {...}
+                   (the full transformers config), "seed": int}`` for random weights
+inputs             ``{input name: {"dtype": str, "shape": [int | str], "kind": "activations" |
+                   "token_ids" | "weight", "high": int (token_ids only)}}``; strings are dynamic dims.
+                   Exported language models take ``input_ids`` (int64 ``["batch", "seq"]``,
+                   ``kind: token_ids``, ids in ``[0, high)``) and return ``logits``
+dims               ``{dynamic dim name: [min, opt, max]}``: the range the model supports, the
+                   defaults for TensorRT optimization profiles. For exported language models
+                   ``opt`` is the example shape the export traced and checked; ``max`` is
+                   ``max(8, batch)`` for ``batch`` and the model's positions (at most 4096) for
+                   ``seq``
+versions           ``{package: version}`` of the tools that wrote the file
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import onnx
+
+from rmsnorm_deploy.contract.spec import RMSNormSpec
+from rmsnorm_deploy.errors import ModelFileError
+
+PREFIX = "rmsnorm_deploy."
+FORMAT = "1"
+_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions")
+_TEXT_KEYS = ("format", "lowering", "dtype")
+
+
+@dataclasses.dataclass
+class ModelMetadata:
+    specs: dict[str, RMSNormSpec]
+    lowering: str
+    dtype: str
+    source: dict[str, Any] = dataclasses.field(default_factory=lambda: {"kind": "standalone"})
+    inputs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_props(self) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "specs": json.dumps({k: v.to_dict() for k, v in self.specs.items()}, sort_keys=True),
+            "lowering": self.lowering,
+            "dtype": self.dtype,
+            "source": json.dumps(self.source, sort_keys=True),
+            "inputs": json.dumps(self.inputs, sort_keys=True),
+            "dims": json.dumps(self.dims, sort_keys=True),
+            "versions": json.dumps(self.versions, sort_keys=True),
+        }
+
+    def write(self, model: onnx.ModelProto) -> None:
+        """Replace the model's ``rmsnorm_deploy.*`` entries with these."""
+        kept = [p for p in model.metadata_props if not p.key.startswith(PREFIX)]
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
+        for key, value in self.to_props().items():
+            model.metadata_props.add(key=PREFIX + key, value=value)
+
+    @classmethod
+    def read(cls, model: onnx.ModelProto) -> ModelMetadata | None:
+        """The metadata of a model this project wrote, or ``None`` for any other model."""
+        raw = {p.key[len(PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(PREFIX)}
+        if "specs" not in raw:
+            return None
+        try:
+            parsed = {k: json.loads(raw[k]) for k in _JSON_KEYS if k in raw}
+            specs = {name: RMSNormSpec.from_dict(d) for name, d in parsed.get("specs", {}).items()}
+        except (ValueError, TypeError) as exc:
+            raise ModelFileError(f"the model's rmsnorm_deploy metadata is damaged ({exc}); export it again") from None
+        return cls(
+            specs=specs,
+            lowering=raw.get("lowering", ""),
+            dtype=raw.get("dtype", ""),
+            source=parsed.get("source", {"kind": "unknown"}),
+            inputs=parsed.get("inputs", {}),
+            dims=parsed.get("dims", {}),
+            versions=parsed.get("versions", {}),
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str], ...]:
+    from rmsnorm_deploy import __version__
+    from rmsnorm_deploy.environment import package_version
+
+    versions = {"rmsnorm-deploy": __version__}
+    for dist in ("torch", "onnx", "onnxscript", "transformers"):
+        version = package_version(dist)
+        if version != "not installed":
+            versions[dist] = version
+    return tuple(versions.items())
+
+
+def tool_versions() -> dict[str, str]:
+    """Versions of the packages that shape an exported graph."""
+    return dict(_versions())

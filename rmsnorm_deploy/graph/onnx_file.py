@@ -1,0 +1,198 @@
+"""Reading and writing ONNX files safely.
+
+Reading: a path that is not a file, a file that is not ONNX or is truncated, and external
+data that points outside the model's folder are one-line errors, checked before any
+runtime opens the file. Writing: atomically (a temporary file in the same folder, then a
+rename), never over an existing file unless ``force``, with external data past 2 GB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import onnx
+from onnx import external_data_helper
+
+from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, one_line
+
+#: Protobuf cannot serialize a message of 2 GB or more: past this, weights go to a side file.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
+
+
+def check_model_file(path: str | os.PathLike) -> Path:
+    """Check that ``path`` is a readable ONNX file whose external data stays in its folder."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelFileError(f"{p}: no such file; give the path of an .onnx model")
+    if not p.is_file():
+        raise ModelFileError(f"{p}: not a file; give the path of an .onnx model, not a folder")
+    model = _parse(p, load_external=False)
+    check_external_data(model, p.parent)
+    return p
+
+
+def load_onnx(path: str | os.PathLike, *, load_external: bool = True) -> onnx.ModelProto:
+    """Load an ONNX file after :func:`check_model_file`; external data is loaded only from inside its folder."""
+    p = check_model_file(path)
+    model = _parse(p, load_external=False)
+    if load_external and _has_external_data(model):
+        try:
+            external_data_helper.load_external_data_for_model(model, str(p.parent))
+        except (OSError, ValueError) as exc:
+            raise ModelFileError(f"{p}: cannot read its external data ({exc}); keep the data file beside the model") from None
+    return model
+
+
+def _parse(p: Path, *, load_external: bool) -> onnx.ModelProto:
+    try:
+        model = onnx.load(str(p), load_external_data=load_external)
+    except Exception as exc:  # protobuf raises DecodeError, onnx raises ValueError/OSError
+        raise ModelFileError(f"{p}: not a readable ONNX model ({type(exc).__name__}: {one_line(exc)}); "
+                             "the file may be truncated or not ONNX") from None
+    if not model.graph.node and not model.graph.output:
+        raise ModelFileError(f"{p}: parses as protobuf but holds no ONNX graph; the file may be truncated or not ONNX")
+    if not model.opset_import:
+        raise ModelFileError(f"{p}: has no opset import, so it is not a valid ONNX model")
+    return model
+
+
+def _has_external_data(model: onnx.ModelProto) -> bool:
+    return any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model))
+
+
+def check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Refuse external-data locations that are absolute or lead outside ``base_dir``."""
+    base = base_dir.resolve()
+    for tensor in external_data_helper._get_all_tensors(model):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        if not location or os.path.isabs(location) or Path(location).drive:
+            raise ModelFileError(
+                f"tensor {tensor.name!r}: external data location {location!r} is not a relative path inside the "
+                "model's folder; refusing to read it"
+            )
+        target = (base / location).resolve()
+        if target != base and base not in target.parents:
+            raise ModelFileError(
+                f"tensor {tensor.name!r}: external data {location!r} points outside the model's folder {base}; "
+                "refusing to read it"
+            )
+
+
+def ensure_writable(path: str | os.PathLike, *, force: bool) -> Path:
+    """Refuse to replace an existing file unless ``force``; create the parent folder."""
+    p = Path(path)
+    if p.exists() and not force:
+        raise OutputExistsError(f"{p} exists; pass --force to replace it or choose another output")
+    if p.exists() and p.is_dir():
+        raise OutputExistsError(f"{p} is a folder; give a file path for the model")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` in one rename."""
+    target = ensure_writable(path, force=force)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        if target.exists() and not force:  # appeared while we were writing
+            raise OutputExistsError(f"{target} appeared while writing; pass --force to replace it")
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_onnx(
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    force: bool = False,
+    staged_data: Path | None = None,
+    check: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it past 2 GB.
+
+    ``check``: called with the path of the written temporary file (its external data in
+    place) before it replaces ``path``; if it raises, nothing is replaced. Checking the file
+    rather than the in-memory model spares a serialized copy of the weights.
+
+    ``staged_data``: a file in the target's folder that already holds the model's external
+    data (the export pipeline writes weights there straight from torch, so they are never
+    copied into a protobuf); the model's references to it are renamed to ``<name>.data`` and
+    the file moves into place together with the model. A stale ``<name>.data`` left by a
+    replaced large model is removed when the new model keeps its weights inline.
+    """
+    target = Path(path)
+    data_name = target.name + ".data"
+    data_path = target.parent / data_name
+    if staged_data is not None:
+        ensure_writable(data_path, force=force)
+        with atomic_path(target, force=force) as tmp:
+            if check is not None:  # checked while it still points at the staged data
+                onnx.save_model(model, str(tmp))
+                check(tmp)
+            _set_external_location(model, staged_data.name, data_name)
+            onnx.save_model(model, str(tmp))
+            os.replace(staged_data, data_path)
+        return target
+    large = model.ByteSize() >= EXTERNAL_DATA_THRESHOLD if _small_enough_to_size(model) else True
+    if large:
+        ensure_writable(data_path, force=force)
+    with atomic_path(target, force=force) as tmp:
+        if large:
+            with atomic_path(data_path, force=force) as tmp_data:
+                onnx.save_model(
+                    model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=tmp_data.name, size_threshold=1024,
+                )
+                if check is not None:
+                    check(tmp)
+                # The model names its data file; point it at the final name before the renames.
+                _rename_external_location(tmp, tmp_data.name, data_name)
+        else:
+            onnx.save_model(model, str(tmp))
+            if check is not None:
+                check(tmp)
+    if not large and force and data_path.is_file() and not _references(model, data_name):
+        data_path.unlink()
+    return target
+
+
+def _references(model: onnx.ModelProto, location: str) -> bool:
+    for tensor in external_data_helper._get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == location:
+                return True
+    return False
+
+
+def _set_external_location(model: onnx.ModelProto, old: str, new: str) -> None:
+    for tensor in external_data_helper._get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+
+
+def _small_enough_to_size(model: onnx.ModelProto) -> bool:
+    try:
+        model.ByteSize()
+        return True
+    except Exception:  # pragma: no cover - protobuf refuses to size messages past 2 GB on some builds
+        return False
+
+
+def _rename_external_location(model_path: Path, old: str, new: str) -> None:
+    model = onnx.load(str(model_path), load_external_data=False)
+    _set_external_location(model, old, new)
+    onnx.save_model(model, str(model_path))

@@ -1,0 +1,135 @@
+"""The package's layout: subpackages that follow the data, no import cycle, a small public root.
+
+Imports are read from the source (every ``import`` statement, those inside functions too), so
+a cycle hidden behind a lazy import is found as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "rmsnorm_deploy"
+NAME = PACKAGE.name
+#: the package root keeps only the public surface
+MAX_ROOT_MODULES = 10
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``module`` imports, at its top or inside any function."""
+    is_package = path.name == "__init__.py"
+    here = module if is_package else module.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import name` imports pkg.name when that is a module, else pkg itself
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name.startswith(NAME) and name != module:
+                targets.add(name)
+    return targets
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(p, m, modules) for m, p in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    graph = _import_graph()
+    # A package's __init__ is imported before its modules by Python itself: an edge from a module
+    # to its own parent package is not an import the code chose, so it does not count.
+    for module, targets in graph.items():
+        targets -= {p for p in targets if module.startswith(p + ".")}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
+    # the finder itself must be able to fail: a known two-module cycle
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from rmsnorm_deploy.exporter import plan\n")
+    modules = {"rmsnorm_deploy.exporter.plan": source, "rmsnorm_deploy.exporter": source, "x.m": source}
+    assert _imports(source, "x.m", modules) == {"rmsnorm_deploy.exporter.plan"}
+
+
+def test_the_package_root_keeps_the_public_surface_only():
+    root_modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root_modules) <= MAX_ROOT_MODULES, root_modules
+
+
+SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_each_subpackage_says_what_each_of_its_modules_holds(package):
+    init = PACKAGE / package / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    modules = sorted(p.stem for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__")
+    unnamed = [m for m in modules if m.lstrip("_") not in doc]
+    assert doc and not unnamed, f"{package}/__init__.py does not describe {unnamed}"
+
+
+def test_tests_mirror_the_packages():
+    tests = Path(__file__).resolve().parent
+    missing = [p for p in SUBPACKAGES if not (tests / p).is_dir()]
+    assert not missing, f"no tests/<package>/ folder for {missing}"
