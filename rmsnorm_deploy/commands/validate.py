@@ -57,7 +57,9 @@ def parse_provider_options(items: list[str]) -> dict[str, dict[str, str]]:
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable
-    from rmsnorm_deploy.validate.run import parse_backends, parse_dims, validate_model
+    from rmsnorm_deploy.validate.backends import parse_backends
+    from rmsnorm_deploy.validate.feeds import parse_dims
+    from rmsnorm_deploy.validate.run import validate_model
 
     backends = parse_backends(args.providers)
     if args.output:

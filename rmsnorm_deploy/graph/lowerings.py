@@ -42,7 +42,7 @@ LOWERINGS: tuple[str, ...] = ("function", "native", "ort", "inline", "plugin")
 
 
 @dataclasses.dataclass(frozen=True)
-class NormSite:
+class NormNode:
     """One RMSNorm node to lower: its spec, whether its input is converted, its tensor names."""
 
     spec: RMSNormSpec
@@ -125,7 +125,7 @@ def model_opset(model: onnx.ModelProto) -> int:
     raise LoweringError("model has no default-domain opset import; it is not a valid ONNX model")
 
 
-def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormSite:
+def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormNode:
     spec = spec_from_node(node)
     declared = _value_dtype(model, node.input[0])
     from_overload = node_upcasts(node)
@@ -143,7 +143,7 @@ def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormSite:
     weight = node.input[1] if len(node.input) > 1 and node.input[1] else None
     if spec.has_gain and weight is None:
         raise LoweringError(f"RMSNorm node {node.name!r} has gain {spec.gain!r} but no weight input")
-    return NormSite(spec, upcast, node.input[0], weight, node.output[0], node.name or node.output[0])
+    return NormNode(spec, upcast, node.input[0], weight, node.output[0], node.name or node.output[0])
 
 
 def _value_dtype(model: onnx.ModelProto, name: str) -> str | None:
@@ -159,7 +159,7 @@ def _value_dtype(model: onnx.ModelProto, name: str) -> str | None:
     return None
 
 
-def _attach_functions(model: onnx.ModelProto, sites: list[tuple[int, NormSite]], opset: int) -> None:
+def _attach_functions(model: onnx.ModelProto, sites: list[tuple[int, NormNode]], opset: int) -> None:
     present = {(f.domain, f.name, f.overload) for f in model.functions}
     for i, site in sites:
         node = model.graph.node[i]
@@ -198,7 +198,7 @@ def drop_unused_domain(model: onnx.ModelProto) -> None:
 
 
 # -- replacement nodes --------------------------------------------------------------------
-def _scale_input(site: NormSite, name: Callable[[str], str], *, scale_in_float32: bool) -> tuple[list[onnx.NodeProto], str]:
+def _scale_input(site: NormNode, name: Callable[[str], str], *, scale_in_float32: bool) -> tuple[list[onnx.NodeProto], str]:
     """Nodes computing the tensor that multiplies the normalized value, and its name.
 
     ``scale_in_float32``: the op applies the gain in float32 (SimplifiedLayerNormalization on
@@ -233,11 +233,11 @@ def _scale_input(site: NormSite, name: Callable[[str], str], *, scale_in_float32
     return nodes, name("gain")
 
 
-def _namer(site: NormSite) -> Callable[[str], str]:
+def _namer(site: NormNode) -> Callable[[str], str]:
     return lambda suffix: f"{site.y}__{suffix}"
 
 
-def _native_nodes(site: NormSite) -> list[onnx.NodeProto]:
+def _native_nodes(site: NormNode) -> list[onnx.NodeProto]:
     name = _namer(site)
     nodes, scale = _scale_input(site, name, scale_in_float32=False)
     nodes.append(
@@ -254,7 +254,7 @@ def _native_nodes(site: NormSite) -> list[onnx.NodeProto]:
     return nodes
 
 
-def _ort_nodes(site: NormSite) -> list[onnx.NodeProto]:
+def _ort_nodes(site: NormNode) -> list[onnx.NodeProto]:
     name = _namer(site)
     scale_f32 = site.spec.gain == "offset" and site.upcast
     nodes, scale = _scale_input(site, name, scale_in_float32=scale_f32)

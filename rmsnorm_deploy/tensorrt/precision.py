@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.function import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERSION
-from rmsnorm_deploy.tensorrt.prepare import NormSite
+from rmsnorm_deploy.tensorrt.prepare import EngineNorm
 
 LOW_PRECISION = ("float16", "bfloat16", "fp8", "int8", "fp4", "int4")
 #: ``trt.DataType`` member names -> our dtype names.
@@ -120,7 +120,7 @@ def _name_pattern(names: Iterable[str]) -> re.Pattern[str] | None:
     return re.compile(rf"(?<![\w/:-])(?<!\w\.)(?:{alternatives})(?:_\d+)?(?![\w/:-]|\.\w)")
 
 
-def layers_of(site: NormSite, records: Sequence[LayerRecord]) -> list[LayerRecord]:
+def layers_of(site: EngineNorm, records: Sequence[LayerRecord]) -> list[LayerRecord]:
     """The layers whose metadata or name names one of ``site``'s ONNX nodes."""
     pattern = _name_pattern(site.nodes)
     if pattern is None:
@@ -132,7 +132,7 @@ def layers_of(site: NormSite, records: Sequence[LayerRecord]) -> list[LayerRecor
     return found
 
 
-def check_network(sites: Sequence[NormSite], records: Sequence[LayerRecord]) -> list[NormPrecision]:
+def check_network(sites: Sequence[EngineNorm], records: Sequence[LayerRecord]) -> list[NormPrecision]:
     """The precision of each norm in the (strongly typed) network."""
     results = []
     for site in sites:
@@ -173,7 +173,7 @@ def check_network(sites: Sequence[NormSite], records: Sequence[LayerRecord]) -> 
     return results
 
 
-def check_engine(norms: Sequence[NormPrecision], sites: Sequence[NormSite], records: Sequence[LayerRecord]) -> None:
+def check_engine(norms: Sequence[NormPrecision], sites: Sequence[EngineNorm], records: Sequence[LayerRecord]) -> None:
     """Attach the engine's layers to each norm (``norms`` in the order of ``sites``, as
     :func:`check_network` returns them); an unfused reduction below float32 is a problem."""
     for norm, site in zip(norms, sites, strict=True):

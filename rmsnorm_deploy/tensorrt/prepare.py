@@ -16,7 +16,7 @@ So the graph is prepared here, with no TensorRT needed:
 * with the plugin, every ``rmsnorm_deploy::RMSNorm`` node gets the plugin fields
   (``plugin_namespace``, ``plugin_version``), so each one maps to the plugin.
 
-Each norm becomes a :class:`NormSite`: the ONNX node names TensorRT will name its layers after
+Each norm becomes a :class:`EngineNorm`: the ONNX node names TensorRT will name its layers after
 (the parser names a layer after its node, or ``node_of_<first output>`` for an unnamed node),
 and which of them holds the reduction.
 """
@@ -44,7 +44,7 @@ REDUCTION_OPS = ("ReduceMean", "ReduceSumSquare", "ReduceL2")
 
 
 @dataclasses.dataclass(frozen=True)
-class NormSite:
+class EngineNorm:
     """One norm of the prepared graph.
 
     ``kind``: ``plugin`` (our node, mapped to the plugin), ``function`` (our node, inlined),
@@ -63,7 +63,7 @@ class NormSite:
 @dataclasses.dataclass
 class PreparedModel:
     model: onnx.ModelProto
-    sites: list[NormSite]
+    sites: list[EngineNorm]
     plugin: bool
     notes: list[str]
 
@@ -84,7 +84,7 @@ def prepare_for_tensorrt(model: onnx.ModelProto, *, plugin: bool) -> PreparedMod
         node.name = parser_node_name(node)
     ours = [node for node in graph.node if is_rmsnorm_node(node)]
     notes: list[str] = []
-    sites: list[NormSite] = []
+    sites: list[EngineNorm] = []
     if plugin:
         if not ours:
             raise UserError(
@@ -94,7 +94,7 @@ def prepare_for_tensorrt(model: onnx.ModelProto, *, plugin: bool) -> PreparedMod
         for node in ours:
             spec = _checked_spec(node)
             set_plugin_fields(node, spec)
-            sites.append(NormSite(node.name, "plugin", frozenset([node.name]), frozenset(), spec.to_dict(),
+            sites.append(EngineNorm(node.name, "plugin", frozenset([node.name]), frozenset(), spec.to_dict(),
                                   spec.accumulation))
         namespaces = sorted({plugin_namespace(_checked_spec(node)) for node in ours})
         notes.append(f"{len(ours)} rmsnorm_deploy::RMSNorm node(s) mapped to the plugin "
@@ -111,7 +111,7 @@ def prepare_for_tensorrt(model: onnx.ModelProto, *, plugin: bool) -> PreparedMod
                 node.name = f"{label}/{node.name or node.op_type}"
             names = frozenset(n.name for n in members)
             reductions = frozenset(n.name for n in members if n.op_type in REDUCTION_OPS)
-            sites.append(NormSite(label, "function", names, reductions, spec.to_dict(), spec.accumulation))
+            sites.append(EngineNorm(label, "function", names, reductions, spec.to_dict(), spec.accumulation))
         for node in graph.node:
             node.name = parser_node_name(node)
         notes.append(f"{len(ours)} rmsnorm_deploy::RMSNorm node(s) inlined before parsing ({len(overloads)} "
@@ -161,7 +161,7 @@ def _body_nodes(graph: onnx.GraphProto, output: str, stop: set[str]) -> list[onn
     return sorted(members, key=lambda n: order[id(n)])
 
 
-def _other_norms(model: onnx.ModelProto, taken: Iterable[str]) -> list[NormSite]:
+def _other_norms(model: onnx.ModelProto, taken: Iterable[str]) -> list[EngineNorm]:
     """Norms the audit finds outside our nodes: fused ops and decomposed chains."""
     from rmsnorm_deploy.graph.audit import audit_model
 
@@ -172,5 +172,5 @@ def _other_norms(model: onnx.ModelProto, taken: Iterable[str]) -> list[NormSite]
             continue  # one of ours: located above
         # A decomposed chain is named after the tensor it produces; a fused op after its node.
         label = red.note[3:] if red.note.startswith("-> ") else red.node
-        sites.append(NormSite(label, red.op, frozenset([red.node]), frozenset([red.node]), None, red.accumulation))
+        sites.append(EngineNorm(label, red.op, frozenset([red.node]), frozenset([red.node]), None, red.accumulation))
     return sites

@@ -1,7 +1,13 @@
 """Validation: a model run on each backend and compared with its source or its float64 oracle.
 
 ==============  ===========================================================================
-run             ``validate_model``: outputs and every norm, on each backend
+run             ``validate_model``: the whole run, from the model file to the report
+backends        ``Backend`` and ``BACKENDS``: what each ``--providers`` key runs, its label,
+                its tolerance column and its runner
+feeds           inputs from the metadata, the graph or an ``.npz`` file, checked against it
+norms           the norms checked one by one: boundary tensors exposed, what ONNX Runtime ran
+rows            ``ValidationRun`` and its comparison rows (outputs, then each norm)
+report          ``CheckRow``, ``NormReport``, ``ValidationReport`` (table and JSON)
 lowering_sweep  the ``parity`` command's sweep: the standalone model of each lowering in
                 ONNX Runtime CPU against the float64 oracle
 ==============  ===========================================================================

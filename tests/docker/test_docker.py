@@ -462,8 +462,8 @@ def test_suite_commands_are_accepted_by_the_real_command_line(subcommand):
     parser = build_parser()
     for call in calls:
         parser.parse_args(call)  # exits with code 2 on an option the command does not have
-    if subcommand == "validate" and importlib.util.find_spec("rmsnorm_deploy.validate.run"):
-        from rmsnorm_deploy.validate.run import parse_backends
+    if subcommand == "validate" and importlib.util.find_spec("rmsnorm_deploy.validate.backends"):
+        from rmsnorm_deploy.validate.backends import parse_backends
 
         for call in calls + _cli_calls("validate", _dry_run("--ort-tensorrt")):
             providers = call[call.index("--providers") + 1]

@@ -33,7 +33,7 @@ from rmsnorm_deploy.tensorrt.precision import (
     engine_record,
     raise_on_failures,
 )
-from rmsnorm_deploy.tensorrt.prepare import NormSite
+from rmsnorm_deploy.tensorrt.prepare import EngineNorm
 from rmsnorm_deploy.tensorrt.progress import BuildProgress
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -159,7 +159,7 @@ def test_engine_layer_records_read_the_inspector_fields():
     assert engine_record("layer 7").name == "layer 7"
 
 
-SITE = NormSite("norm_a", "function", frozenset({"norm_a/Cast", "norm_a/ReduceMean"}), frozenset({"norm_a/ReduceMean"}))
+SITE = EngineNorm("norm_a", "function", frozenset({"norm_a/Cast", "norm_a/ReduceMean"}), frozenset({"norm_a/ReduceMean"}))
 
 
 def reduce_layer(dtype: str, *, name="norm_a/ReduceMean", metadata="[ONNX Layer: norm_a/ReduceMean]") -> LayerRecord:
@@ -189,7 +189,7 @@ def test_the_reduction_dtype_decides():
 
 
 def test_a_plugin_norm_must_be_a_plugin_layer():
-    site = NormSite("norm_a", "plugin", frozenset({"norm_a"}), frozenset())
+    site = EngineNorm("norm_a", "plugin", frozenset({"norm_a"}), frozenset())
     plugin = LayerRecord("norm_a", "PLUGIN_V3", "[ONNX Layer: norm_a]", ("float16", "float16"), ("float16",))
     (ok,) = check_network([site], [plugin])
     assert ok.ok and ok.implementation == "plugin (PLUGIN_V3, float16 in)"

@@ -22,15 +22,10 @@ from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import save_onnx
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
-from rmsnorm_deploy.validate.run import (
-    _output_rows,
-    check_feed,
-    generate_feed,
-    load_feed,
-    parse_backends,
-    parse_dims,
-    validate_model,
-)
+from rmsnorm_deploy.validate.backends import parse_backends
+from rmsnorm_deploy.validate.feeds import check_feed, generate_feed, load_feed, parse_dims
+from rmsnorm_deploy.validate.rows import ValidationRun, output_rows
+from rmsnorm_deploy.validate.run import validate_model
 from tests.cases import DTYPES
 
 pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'rmsnorm-deploy[onnxruntime]'")
@@ -156,8 +151,8 @@ def test_backends_are_compared_with_the_first_one(tmp_path):
         with OnnxRuntimeRunner(path, optimization=level) as runner:
             results[level] = runner.infer(feed)
     notes: list[str] = []
-    rows = _output_rows(["cpu", "cpu"], ["disable", "all"], results, None, "", "backends", None, ["y"],
-                        {"y": "float16"}, notes)
+    rows = output_rows(ValidationRun(["cpu", "cpu"], ["disable", "all"], results, feed, ["y"], {"y": "float16"},
+                                     notes))
     (row,) = rows
     assert (row.backend, row.against, row.check, row.status) == ("all", "disable", "backends", "pass"), row
     assert row.result.tolerance.reason

@@ -1,0 +1,105 @@
+"""The norms ``validate`` checks one by one: found by the audit, their boundary tensors exposed as
+graph outputs, and what each became in the graph ONNX Runtime ran."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterable
+
+import onnx
+from onnx import helper
+
+from rmsnorm_deploy.contract.dtypes import onnx_type
+from rmsnorm_deploy.graph.audit import Reduction, audit_model
+from rmsnorm_deploy.validate.feeds import FLOAT_DTYPES
+from rmsnorm_deploy.validate.report import NormReport
+
+
+@dataclasses.dataclass
+class NormUnderTest:
+    """A norm the audit found, the spec its oracle uses (``None`` for a LayerNorm), the tensors
+    made graph outputs to compare it, or why it cannot be compared."""
+
+    reduction: Reduction
+    spec: Any  # RMSNormSpec, or None for a LayerNorm
+    exposed: list[str]
+    skip_reason: str = ""
+
+
+def norms_under_test(model: onnx.ModelProto, reductions: list[Reduction]) -> list[NormUnderTest]:
+    """The norms that can be checked against an oracle, and why the others cannot."""
+    from rmsnorm_deploy.graph.audit import _Graph  # the same typing pass the audit used
+
+    graph = _Graph(model)
+    initializers = {i.name for i in model.graph.initializer}
+    graph_io = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
+    sites = []
+    for red in reductions:
+        tensors = red.tensors
+        spec = red.implied_spec() if red.kind.startswith("RMSNorm") else None
+        reason = ""
+        if tensors is None:
+            reason = "its output could not be traced in the graph"
+        elif red.kind.startswith("LayerNorm") and (red.normalized_dims is None or red.epsilon is None):
+            reason = "its axes are not the trailing dims"
+        elif red.kind.startswith("RMSNorm") and spec is None:
+            reason = "its axes are not the trailing dims or its epsilon is not a constant"
+        elif red.kind == "LayerNorm" and red.op not in ("LayerNormalization", "SkipLayerNormalization"):
+            reason = "decomposed LayerNorm chains are audited but not compared"
+        exposed: list[str] = []
+        if not reason and tensors is not None:
+            for name in tensors.names():
+                if name in initializers or name in graph_io:
+                    continue
+                if graph.dtype(name) not in FLOAT_DTYPES:
+                    reason = f"the dtype of tensor {name!r} is unknown"
+                    break
+                exposed.append(name)
+        sites.append(NormUnderTest(red, spec, exposed, reason))
+    return sites
+
+
+def with_exposed_tensors(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose outputs also include ``names`` (boundary tensors of the norms)."""
+    from rmsnorm_deploy.graph.audit import _Graph
+
+    names = [n for n in dict.fromkeys(names)]
+    if not names:
+        return model
+    graph = _Graph(model)
+    augmented = onnx.ModelProto()
+    augmented.CopyFrom(model)
+    existing = {o.name for o in augmented.graph.output}
+    for name in names:
+        if name not in existing:
+            augmented.graph.output.append(helper.make_tensor_value_info(name, onnx_type(graph.dtype(name)), None))
+    return augmented
+
+
+def norm_report(red: Reduction) -> NormReport:
+    spec = red.implied_spec()
+    return NormReport(red.node, red.kind, red.op, red.precision, red.epsilon, red.axes,
+                      spec.describe() if spec is not None else "-")
+
+
+def record_what_ran(optimized: Path, label: str, sites: list[NormUnderTest], norms: list[NormReport],
+                     optimization: str) -> None:
+    """Which op each norm became in the graph ONNX Runtime ran, matched by the norm's output tensor."""
+    ran_model = onnx.load(str(optimized), load_external_data=False)
+    ran = audit_model(ran_model, stage=f"after onnxruntime ({optimization})")
+    casts_of: dict[str, set[str]] = {}
+    for node in ran_model.graph.node:
+        if node.op_type in ("Cast", "CastLike") and node.input:
+            casts_of.setdefault(node.input[0], set()).add(node.output[0])
+    by_output: dict[str, Reduction] = {}
+    for red in ran:
+        if red.tensors is None:
+            continue
+        names = {red.tensors.output} | casts_of.get(red.tensors.output, set())
+        for name in names:
+            by_output[name] = red
+    for site, report in zip(sites, norms):
+        out = site.reduction.tensors.output if site.reduction.tensors else None
+        red = by_output.get(out or "")
+        report.ran[label] = f"{red.op} ({red.precision})" if red else "?"
