@@ -133,3 +133,12 @@ def test_tests_mirror_the_packages():
     tests = Path(__file__).resolve().parent
     missing = [p for p in SUBPACKAGES if not (tests / p).is_dir()]
     assert not missing, f"no tests/<package>/ folder for {missing}"
+
+
+def test_the_readme_is_a_front_door():
+    """At most 300 lines, with the two set-up commands on its first screen (40 lines)."""
+    lines = (PACKAGE.parent / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, len(lines)
+    first_screen = "\n".join(lines[:40])
+    assert "make run" in first_screen and "make test" in first_screen
+
