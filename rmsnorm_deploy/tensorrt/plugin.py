@@ -35,6 +35,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import onnx
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
@@ -117,16 +118,32 @@ class PluginInfo:
 
 # -- fields -> spec -> kernel (no tensorrt needed) ----------------------------------------------
 def spec_from_fields(fields: Mapping[str, Any]) -> RMSNormSpec:
-    """The spec from the plugin fields TensorRT hands over (``float``, an int32 array, ``str``).
+    """The spec from the plugin fields as ``tensorrt.plugin`` hands them to ``_qdp.py``.
 
-    Raises ``UserError`` (a spec or lowering error) naming the bad field.
+    TensorRT's ONNX parser passes a FLOAT attribute as a 1-element float32 field, and
+    ``_qdp.py`` declares it ``npt.NDArray[np.float32]``, so each FLOAT field arrives as a
+    1-element array and its element 0 is the value (a plain number is taken too). INTS arrive
+    as an int32 array, STRING as ``str``. Raises ``UserError`` (a spec or lowering error)
+    naming the bad field.
     """
     missing = [name for name in PLUGIN_FIELDS if name not in fields]
     if missing:
         raise UserError(f"TensorRT plugin {PLUGIN_NAME}: fields {missing} are missing; the node must carry the spec")
     values = {k: (v.rstrip("\x00") if isinstance(v, str) else v) for k, v in fields.items()}
+    for name, kind in PLUGIN_FIELDS.items():
+        if kind == "FLOAT":
+            values[name] = _scalar_field(name, values[name])
     values["axes"] = [int(a) for a in list(values["axes"])]
     return spec_from_attributes(values, f"TensorRT plugin {PLUGIN_NAME}")
+
+
+def _scalar_field(name: str, value: Any) -> float:
+    """Element 0 of a 1-element FLOAT field (TensorRT's shape for a FLOAT attribute)."""
+    array = np.asarray(value)
+    if array.size != 1:
+        raise UserError(f"TensorRT plugin {PLUGIN_NAME}: field {name!r} has {array.size} values {array.tolist()}; "
+                        "the node's FLOAT attribute carries exactly one")
+    return float(array.reshape(-1)[0])
 
 
 def check_io(spec: RMSNormSpec, dtype: str, weight_dtype: str | None) -> None:

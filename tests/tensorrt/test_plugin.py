@@ -15,9 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 import pytest
 
@@ -38,20 +40,72 @@ SPECS = {
 }
 
 
-def _fields_as_tensorrt_passes_them(node: onnx.NodeProto) -> dict:
-    """What TensorRT's ONNX parser hands a plugin: the node attributes the plugin declares as
-    fields, FLOAT as float32, INTS as int32, STRING as characters (onnx-tensorrt loadFields)."""
+def _qdp_annotations() -> dict:
+    """Each plugin field's annotation in ``_qdp.py`` (read, not imported: it imports tensorrt),
+    evaluated to the object ``tensorrt.plugin`` sees."""
+    tree = ast.parse((REPO / "rmsnorm_deploy" / "tensorrt" / "_qdp.py").read_text())
+    fn = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "rmsnorm_desc")
+    names = {"np": np, "npt": npt, "float": float, "int": int, "str": str}
+    return {a.arg: eval(ast.unparse(a.annotation), names) for a in fn.args.args if a.arg in plugin.PLUGIN_FIELDS}
+
+
+def _parser_fields(node: onnx.NodeProto) -> dict:
+    """The ``PluginField`` data TensorRT's ONNX parser builds from the node attributes the plugin
+    declares (onnx-tensorrt's plugin importer): FLOAT as a 1-element float32 field, INTS as
+    int32, STRING as characters. ``trt.PluginField.data`` reads them back as numpy arrays."""
     out = {}
     for attr in node.attribute:
         if attr.name not in plugin.PLUGIN_FIELDS:
             continue
         if attr.type == onnx.AttributeProto.FLOAT:
-            out[attr.name] = float(np.float32(attr.f))
+            out[attr.name] = np.array([attr.f], dtype=np.float32)
         elif attr.type == onnx.AttributeProto.INTS:
             out[attr.name] = np.asarray(attr.ints, dtype=np.int32)
         elif attr.type == onnx.AttributeProto.STRING:
-            out[attr.name] = attr.s.decode()
+            out[attr.name] = np.frombuffer(attr.s, dtype=np.int8)
     return out
+
+
+def _creator_converts(annotation, data: np.ndarray):
+    """What ``tensorrt.plugin``'s creator makes of one field for an argument annotated
+    ``annotation``: the logic of ``_TemplatePluginCreator.create_plugin`` in NVIDIA/TensorRT
+    ``python/packaging/bindings_wheel/tensorrt/plugin/_lib.py`` (``_is_numpy_array`` and
+    ``_infer_numpy_type`` in ``_utils.py`` beside it): an ``npt.NDArray[dtype]`` field is
+    ``data.astype(dtype)``, a ``str`` is the bytes decoded, any other type is ``type(data)``."""
+    if annotation is np.ndarray or typing.get_origin(annotation) is np.ndarray:
+        np_type = typing.get_args(typing.get_args(annotation)[1])[0]
+        return data.astype(np_type)
+    if issubclass(annotation, str):
+        return data.tobytes().decode("utf-8")
+    return annotation(data)
+
+
+def _fields_as_tensorrt_passes_them(node: onnx.NodeProto) -> dict:
+    """The arguments ``_qdp.py``'s functions receive: the parser's fields, converted by the
+    creator according to ``_qdp.py``'s annotations."""
+    annotations = _qdp_annotations()
+    return {name: _creator_converts(annotations[name], data) for name, data in _parser_fields(node).items()}
+
+
+def test_tensorrt_plugins_creator_takes_every_field_as_the_parser_passes_it():
+    """A FLOAT attribute reaches the creator as a 1-element float32 array; an annotation ``float``
+    would call ``float()`` on it, which numpy >= 2.4 refuses, and every ``build --plugin`` failed."""
+    node = rmsnorm_node(SPECS["llama"], "float16", ["x", "w"], ["y"], plugin=True)
+    annotations = _qdp_annotations()
+    fields = _parser_fields(node)
+    assert fields["epsilon"].shape == (1,) and fields["epsilon"].dtype == np.float32
+    converted = {name: _creator_converts(annotations[name], data) for name, data in fields.items()}
+    assert converted["epsilon"].shape == (1,)
+    assert plugin.spec_from_fields(converted).epsilon_float32 == SPECS["llama"].epsilon_float32
+
+
+@pytest.mark.parametrize("epsilon", [np.array([1e-5, 1e-6], dtype=np.float32), np.array([], dtype=np.float32)],
+                         ids=["two", "none"])
+def test_an_epsilon_field_without_exactly_one_value_is_refused(epsilon):
+    fields = _fields_as_tensorrt_passes_them(rmsnorm_node(SPECS["llama"], "float16", ["x", "w"], ["y"], plugin=True))
+    fields["epsilon"] = epsilon
+    with pytest.raises(UserError, match=f"field 'epsilon' has {epsilon.size} values"):
+        plugin.spec_from_fields(fields)
 
 
 def test_plugin_fields_are_the_spec_attributes_of_our_nodes():
@@ -84,7 +138,7 @@ def test_fields_parse_back_to_the_same_kernel_parameters(name):
     [
         ({"axes": np.array([0], dtype=np.int32)}, LoweringError, "axes \\[0\\] are not the trailing dims"),
         ({"gain": "scale"}, SpecError, "unknown gain 'scale'"),
-        ({"epsilon": 0.0}, SpecError, "epsilon must be finite and > 0"),
+        ({"epsilon": np.array([0.0], dtype=np.float32)}, SpecError, "epsilon must be finite and > 0"),
         ({"order": None}, UserError, "fields \\['order'\\] are missing"),
     ],
     ids=["axes", "gain", "epsilon", "missing"],
@@ -162,7 +216,7 @@ def test_the_plugin_graph_runs_in_onnxruntime_like_the_function_graph(name):
 def test_the_qdp_definitions_declare_exactly_the_plugin_fields():
     """_qdp.py imports tensorrt, so it is read, not imported: every decorated function takes the
     plugin's fields, typed as the ONNX parser converts them."""
-    annotation = {"FLOAT": "float", "INTS": "npt.NDArray[np.int32]", "STRING": "str"}
+    annotation = {"FLOAT": "npt.NDArray[np.float32]", "INTS": "npt.NDArray[np.int32]", "STRING": "str"}
     tree = ast.parse((REPO / "rmsnorm_deploy" / "tensorrt" / "_qdp.py").read_text())
     decorated = {}
     for fn in ast.walk(tree):
