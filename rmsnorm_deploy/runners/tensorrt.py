@@ -8,7 +8,7 @@ tensors; shapes are checked against the engine's optimization profile before
 ``set_input_shape``; float32, float16 and bfloat16 (``ml_dtypes.bfloat16`` in numpy) go in
 and come out.
 
-TensorRT API used (10.8 to 11.x): ``Runtime.deserialize_cuda_engine``,
+TensorRT API used (10.9 to 11.x): ``Runtime.deserialize_cuda_engine``,
 ``ICudaEngine.num_io_tensors/get_tensor_name/get_tensor_mode/get_tensor_dtype/
 get_tensor_profile_shape``, ``create_execution_context``, ``set_input_shape``,
 ``get_tensor_shape``, ``set_tensor_address``, ``execute_async_v3``.

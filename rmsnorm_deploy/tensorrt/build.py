@@ -17,7 +17,7 @@ a bad flag fails in a second, not after a build):
 5. inspect the built engine (``IEngineInspector``) and attach the layers of each norm;
 6. write the engine and its JSON sidecar (``sidecar.py``) atomically.
 
-TensorRT API used (10.8 to 11.x, from the TensorRT Python API docs and the bindings in
+TensorRT API used (10.9 to 11.x, from the TensorRT Python API docs and the bindings in
 NVIDIA/TensorRT ``python/src``): ``Builder``, ``create_network``, ``OnnxParser.parse(model,
 path)``, ``get_error(i).node_name()/node_operator()/desc()``, ``create_builder_config``,
 ``set_memory_pool_limit``, ``create_timing_cache``/``set_timing_cache``/``get_timing_cache``,

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -55,6 +56,10 @@ PLUGIN_NAME = OP_TYPE
 #: (namespace, inputs) of each registration.
 REGISTRATIONS: dict[str, tuple[str, ...]] = {PLUGIN_NAMESPACE: ("x", "weight"), PLUGIN_NAMESPACE_NO_WEIGHT: ("x",)}
 IMPLEMENTATIONS = ("aot", "jit")
+#: The first TensorRT whose ``tensorrt.plugin`` compiles Python plugins ahead of time
+#: (``@trtp.aot_impl``, ``QuickPluginCreationRequest``); also the ``tensorrt`` extra's lower bound.
+AOT_SINCE = (10, 9)
+_AOT_TEXT = f"{AOT_SINCE[0]}.{AOT_SINCE[1]}"
 #: The NetworkDefinitionCreationFlag a builder sets to pick an implementation (both are defined).
 _NETWORK_FLAGS = {"aot": ("PREFER_AOT_PYTHON_PLUGINS",), "jit": ("PREFER_JIT_PYTHON_PLUGINS",), "library": ()}
 #: Node attributes that address the plugin rather than describe the spec.
@@ -217,12 +222,14 @@ def load_plugin(library: str | Path | None = None, *, implementation: str = "aot
             trtp = importlib.import_module("tensorrt.plugin")
         except ImportError as exc:
             raise UserError(
-                f"TensorRT {trt.__version__} has no tensorrt.plugin module ({exc}); the RMSNorm plugin needs TensorRT >= 10.8"
+                f"TensorRT {trt.__version__} has no tensorrt.plugin module ({exc}); the RMSNorm plugin needs TensorRT "
+                f">= {_AOT_TEXT}"
             ) from None
         if implementation == "aot" and not aot_supported(trt, trtp):
             raise UserError(
-                f"TensorRT {trt.__version__} cannot compile Python plugins ahead of time (no tensorrt.plugin.aot_impl); "
-                "use TensorRT >= 10.8, or implementation='jit' for an engine that needs Python at run time"
+                f"TensorRT {trt.__version__} cannot compile Python plugins ahead of time (they exist from TensorRT "
+                f"{_AOT_TEXT}); use TensorRT >= {_AOT_TEXT}, or --plugin-impl jit for an engine that needs Python at "
+                "run time"
             )
         importlib.import_module("rmsnorm_deploy.tensorrt._qdp")
         info = PluginInfo(
@@ -237,7 +244,10 @@ def load_plugin(library: str | Path | None = None, *, implementation: str = "aot
 
 
 def aot_supported(trt: Any, trtp: Any) -> bool:
-    """Whether this TensorRT's ``tensorrt.plugin`` compiles plugins ahead of time."""
+    """Whether this TensorRT's ``tensorrt.plugin`` compiles plugins ahead of time (10.9 and later)."""
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(trt, "__version__", "")))
+    if match is None or (int(match.group(1)), int(match.group(2))) < AOT_SINCE:
+        return False
     return hasattr(trt, "QuickPluginCreationRequest") and hasattr(trtp, "aot_impl")
 
 

@@ -389,3 +389,52 @@ def test_compiling_ahead_of_time_is_refused_in_an_interpreting_process():
         pytest.skip("Triton compiles in this process (a GPU machine): nothing to refuse")
     with pytest.raises(RuntimeError, match="compile ahead of time in a process without it"):
         compile_aot(SPECS["llama"], dtype="float16", weight_dtype="float16", n_cols=64, arch=90)
+
+
+def test_the_tensorrt_extra_asks_for_the_first_release_with_ahead_of_time_python_plugins():
+    """Python plugins compile ahead of time from TensorRT 10.9 (not 10.8): the extra, the
+    compatibility table's oldest release and the plugin's gate say the same."""
+    from packaging.requirements import Requirement
+
+    from rmsnorm_deploy.tensorrt.compat import OLDEST
+
+    text = (REPO / "pyproject.toml").read_text()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("tensorrt = ")]
+    (requirement,) = [Requirement(r) for r in json.loads(line.split("=", 1)[1])]
+    assert plugin.AOT_SINCE == (10, 9) and OLDEST == plugin.AOT_SINCE
+    assert requirement.specifier.contains("10.9.0") and not requirement.specifier.contains("10.8.0")
+
+
+def _fake_tensorrt(monkeypatch, version: str, *, aot: bool):
+    """A ``tensorrt`` module of ``version`` whose ``tensorrt.plugin`` has ``aot_impl`` when ``aot``."""
+    import types
+
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = version
+    trt.get_plugin_registry = lambda: types.SimpleNamespace(get_creator=lambda *a: object())
+    trtp = types.ModuleType("tensorrt.plugin")
+    if aot:
+        trt.QuickPluginCreationRequest = object()
+        trtp.aot_impl = lambda *a: None
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    return trt, trtp
+
+
+@pytest.mark.parametrize("version, aot, supported", [
+    ("10.8.0.43", False, False),
+    ("10.8.0.43", True, False),  # whatever the module holds, 10.8 has no AOT Python plugins
+    ("10.9.0.34", True, True),
+    ("11.1.0.106", True, True),
+    ("11.1.0.106", False, False),
+])
+def test_aot_is_supported_from_tensorrt_10_9(monkeypatch, version, aot, supported):
+    trt, trtp = _fake_tensorrt(monkeypatch, version, aot=aot)
+    assert plugin.aot_supported(trt, trtp) is supported
+
+
+def test_an_ahead_of_time_plugin_on_tensorrt_10_8_names_10_9_and_the_jit_choice(monkeypatch):
+    _fake_tensorrt(monkeypatch, "10.8.0.43", aot=False)
+    with pytest.raises(UserError, match=r"TensorRT 10.8.0.43 cannot compile Python plugins ahead of time \(they exist "
+                       r"from TensorRT 10.9\); use TensorRT >= 10.9, or --plugin-impl jit"):
+        plugin.load_plugin(implementation="aot")
