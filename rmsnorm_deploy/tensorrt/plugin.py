@@ -51,11 +51,12 @@ from rmsnorm_deploy.graph.function import (
     spec_from_attributes,
 )
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
 
 PLUGIN_NAME = OP_TYPE
 #: (namespace, inputs) of each registration.
 REGISTRATIONS: dict[str, tuple[str, ...]] = {PLUGIN_NAMESPACE: ("x", "weight"), PLUGIN_NAMESPACE_NO_WEIGHT: ("x",)}
-IMPLEMENTATIONS = ("aot", "jit")
+IMPLEMENTATIONS = PLUGIN_IMPLEMENTATIONS
 #: The first TensorRT whose ``tensorrt.plugin`` compiles Python plugins ahead of time
 #: (``@trtp.aot_impl``, ``QuickPluginCreationRequest``); also the ``tensorrt`` extra's lower bound.
 AOT_SINCE = (10, 9)
