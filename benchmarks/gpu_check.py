@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         try:
             result = RUNNERS[step](args, limit)
-        except Exception as exc:  # a step that breaks is reported as failed, the others still run
+        except Exception as exc:  # noqa: BLE001 - a step that breaks is reported as failed, the others still run
             (args.out_dir / f"{step}.log").write_text(traceback.format_exc())
             result = {"status": "FAIL", "detail": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"}
         result = {"step": step, **result, "seconds": round(time.monotonic() - start, 1), "limit_s": round(limit)}
@@ -153,7 +153,7 @@ def _version(module: str) -> str:
         return "absent"
     try:
         return str(getattr(__import__(module), "__version__", "present"))
-    except Exception as exc:  # a module that is there but does not import
+    except Exception as exc:  # noqa: BLE001 - a module that is there but does not import
         return f"broken ({type(exc).__name__})"
 
 
@@ -172,8 +172,8 @@ def _run(cmd: list[str], log: Path, limit: float, dry_run: bool) -> tuple[int | 
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
-            done = subprocess.run(cmd, cwd=REPO, env=_subprocess_env(dry_run), stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=limit)
+            done = subprocess.run(cmd, check=False, cwd=REPO, env=_subprocess_env(dry_run), stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=limit)
             code: int | None = done.returncode
         except subprocess.TimeoutExpired:
             code = None
@@ -343,7 +343,8 @@ RUNNERS = {"kernel-tests": kernel_tests, "bandwidth": bandwidth, "model": model_
 def write_summary(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     env = summary["environment"]
     lines = [f"# GPU check on {env['gpu']}", "", *[f"- {k}: {v}" for k, v in env.items()],
-             f"- dry run: {summary['dry_run']}", "", "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
+             f"- dry run: {summary['dry_run']}", "",
+             "| step | status | seconds | detail |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['step']} | {r['status']} | {r['seconds']} | {r['detail'].replace('|', '/')} |"
               for r in summary["steps"]]
     for r in summary["steps"]:

@@ -136,7 +136,7 @@ def node_placement(session: Any) -> NodePlacement | None:
         return None
     try:
         subgraphs = getter()
-    except Exception:
+    except Exception:  # noqa: BLE001 - ORT raises its own Fail type: no placement, said so
         return None
     nodes = []
     for subgraph in subgraphs:
@@ -152,11 +152,11 @@ def _node_output_types(model: Any) -> dict[str, tuple[int, ...]]:
         try:
             model = onnx.load(model if isinstance(model, (str, os.PathLike)) else io.BytesIO(model),
                               load_external_data=False)
-        except Exception:
+        except Exception:  # noqa: BLE001 - an unreadable model: no types, so every node counts
             return {}
     try:
         model = onnx.shape_inference.infer_shapes(model)
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - inference is best effort: untyped nodes count
         pass
     g = model.graph
     types = {v.name: v.type.tensor_type.elem_type for v in list(g.input) + list(g.output) + list(g.value_info)}
@@ -260,7 +260,7 @@ class OnnxRuntimeRunner(Runner):
             # NVIDIA's pip wheels (nvidia-*-cu13) are found only after this, or after importing torch.
             try:
                 ort.preload_dlls()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported as a ProviderError
                 raise ProviderError(f"onnxruntime.preload_dlls() failed: {one_line(exc)}; "
                                     + _why_provider_cannot_load(self.requested[0])) from None
         source = _session_source(self.model)

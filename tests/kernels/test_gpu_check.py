@@ -160,7 +160,8 @@ def test_the_kernel_tests_need_neither_hypothesis_nor_xdist_nor_transformers():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(REPO), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # no hypothesis/xdist plugins either
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert re.search(r"\b\d+ tests collected", done.stdout)
 
