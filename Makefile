@@ -5,6 +5,9 @@
 # constraints.txt change).
 #   make lint-docker   lint the GPU image's Dockerfile (hadolint) and its scripts (shellcheck);
 #                      the linters go into .venv-lint (docker/requirements-lint.txt)
+#   make gpu-check     on a machine with a CUDA GPU, torch and Triton: the kernel compiled on the GPU,
+#                      its bandwidth, an exported model on torch CUDA vs ONNX Runtime CPU (docs/gpu.md);
+#                      uses $(PYTHON) as it is (no venv: such machines may install nothing)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +17,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench-export-scale bench-peers lint-docker clean
+.PHONY: run test parity bench-export-scale bench-peers lint-docker gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +54,11 @@ bench-export-scale: $(STAMP)
 # Runtime CPU. optimum-onnx needs transformers < 4.58: give its Python with OPTIMUM_PYTHON=...
 bench-peers: $(STAMP)
 	$(PY) benchmarks/bench_peers_ort.py $(if $(OPTIMUM_PYTHON),--optimum-python $(OPTIMUM_PYTHON))
+
+# No $(STAMP): runs from the checkout with PYTHONPATH=. on the machine's own Python. Results under
+# $$OUT/gpu-check when OUT is set, else benchmarks/results/gpu/, copied into benchmarks/results/.
+gpu-check:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -1,10 +1,17 @@
-"""Shared test settings: the Hypothesis profile, and Triton's interpreter where there is no GPU."""
+"""Shared test settings: the Hypothesis profile, and Triton's interpreter where there is no GPU.
+
+Hypothesis is a test extra; the GPU check (``benchmarks/gpu_check.py``) runs the kernel tests on
+machines that may lack it, so its profile is registered only where it is installed.
+"""
 
 from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # only the tests that use it need it, and they import it themselves
+    settings = None
 
 
 def _cuda_available() -> bool:
@@ -20,11 +27,12 @@ def _cuda_available() -> bool:
 if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-settings.register_profile(
-    "ci",
-    deadline=None,
-    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "60")),
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
-)
-settings.load_profile("ci")
+if settings is not None:
+    settings.register_profile(
+        "ci",
+        deadline=None,
+        max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "60")),
+        suppress_health_check=[HealthCheck.too_slow],
+        derandomize=True,
+    )
+    settings.load_profile("ci")

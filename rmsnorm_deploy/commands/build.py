@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="range of a dynamic dim, e.g. d0:1,64,256 (repeatable; default: the model's metadata)")
     parser.add_argument("--plugin", action="store_true",
                         help="run every rmsnorm_deploy::RMSNorm node as the fused RMSNorm plugin")
+    parser.add_argument("--plugin-impl", choices=("aot", "jit"), default="aot",
+                        help="with --plugin: aot = the kernel compiled into the engine, which runs without Python "
+                        "(default; TensorRT >= 10.9), jit = the kernel called from Python at run time")
     parser.add_argument("--timing-cache", metavar="PATH", help="tactic timing cache: read if present, updated after")
     parser.add_argument("--workspace", metavar="SIZE", help="workspace memory limit, e.g. 4G or 512M")
     parser.add_argument("--force", action="store_true", help="replace an existing engine and sidecar")
@@ -33,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         args.output,
         profiles=args.profile,
         plugin=args.plugin,
+        plugin_impl=args.plugin_impl,
         timing_cache=args.timing_cache,
         workspace=args.workspace,
         force=args.force,

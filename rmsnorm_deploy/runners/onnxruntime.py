@@ -4,6 +4,16 @@ onnxruntime-gpu asked for CUDA without the CUDA libraries logs an error and runs
 model on the CPU. This runner compares the providers the session really uses with the ones
 that were asked for and raises :class:`ProviderError` naming what is missing.
 
+ONNX Runtime may also place single nodes on the CPU provider while the session reports CUDA
+(only a warning says so). The runner records which provider runs each node (ONNX Runtime's
+``session.record_ep_graph_assignment_info`` and ``get_provider_graph_assignment_info``, in
+1.32) into :attr:`OnnxRuntimeRunner.placement`; with ``require_all_nodes_on_provider`` any
+compute node off the requested providers is a :class:`ProviderError` naming the nodes.
+
+Before a CUDA or TensorRT session, ``onnxruntime.preload_dlls()`` (where it exists) loads the
+CUDA and cuDNN libraries of NVIDIA's pip wheels, which ONNX Runtime finds only then (or after
+torch was imported).
+
 bfloat16 has no numpy dtype in ONNX Runtime's Python API: inputs go in as ``OrtValue``s made
 from a uint16 view, outputs come back through an ``IOBinding`` and are read from memory.
 """
@@ -12,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import io
 import os
 import shutil
@@ -44,6 +55,113 @@ _ORT_TYPE_NAMES = {
     "tensor(bool)": "bool",
 }
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+#: The session option that makes ONNX Runtime keep each node's provider for
+#: ``InferenceSession.get_provider_graph_assignment_info()``.
+RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
+#: Providers whose libraries ``onnxruntime.preload_dlls()`` helps find.
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+#: Ops that only move data between devices (inserted by ONNX Runtime), and ops that only
+#: compute shapes or constants, which GPU providers leave on the CPU on purpose.
+_TRANSFER_OPS = frozenset({"MemcpyToHost", "MemcpyFromHost"})
+_SHAPE_OPS = frozenset({"Shape", "Size", "Constant", "ConstantOfShape", "Range"})
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                          onnx.TensorProto.DOUBLE})
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignedNode:
+    """One node of the session's (optimized) graph and the provider ONNX Runtime gave it."""
+
+    name: str
+    op_type: str
+    domain: str
+    provider: str
+
+    def describe(self) -> str:
+        op = f"{self.domain}::{self.op_type}" if self.domain not in ("", "ai.onnx") else self.op_type
+        return f"{self.name or '(unnamed)'} ({op}) on {short_provider_name(self.provider)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlacement:
+    """Which provider runs each node of a session, as ONNX Runtime assigned them."""
+
+    nodes: tuple[AssignedNode, ...]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Nodes per provider (short names: ``cpu``, ``cuda``, ``tensorrt``), most first."""
+        counts: dict[str, int] = {}
+        for node in self.nodes:
+            key = short_provider_name(node.provider)
+            counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def describe(self) -> str:
+        return ", ".join(f"{n} on {p}" for p, n in self.counts.items()) or "no nodes"
+
+    def off_providers(self, providers: Sequence[str], model: Any = None) -> list[AssignedNode]:
+        """The compute nodes not on ``providers`` (ONNX Runtime's names).
+
+        Not compute: device copies, and shape/constant ops. A node that is in ``model``
+        (found by name) computes when one of its outputs is a floating-point tensor; a node
+        ONNX Runtime made (a fusion) computes unless it is a shape op. Unknown types count as
+        compute: a node is never excused without evidence.
+        """
+        wanted = set(providers)
+        off = [n for n in self.nodes if n.provider not in wanted and n.op_type not in _TRANSFER_OPS]
+        if not off:
+            return []
+        output_types = _node_output_types(model) if model is not None else {}
+        found = []
+        for node in off:
+            types = output_types.get(node.name)
+            if types is None:
+                if node.op_type in _SHAPE_OPS:
+                    continue
+            elif types and not any(t in _FLOAT_TYPES or t == 0 for t in types):
+                continue
+            found.append(node)
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counts": self.counts, "nodes": [dataclasses.asdict(n) for n in self.nodes]}
+
+
+def node_placement(session: Any) -> NodePlacement | None:
+    """The session's node assignment, or ``None`` where this ONNX Runtime cannot report it
+    (``get_provider_graph_assignment_info`` missing, or the session option was not set)."""
+    getter = getattr(session, "get_provider_graph_assignment_info", None)
+    if getter is None:
+        return None
+    try:
+        subgraphs = getter()
+    except Exception:  # noqa: BLE001 - ORT raises its own Fail type: no placement, said so
+        return None
+    nodes = []
+    for subgraph in subgraphs:
+        provider = str(subgraph.ep_name)
+        for node in subgraph.get_nodes():
+            nodes.append(AssignedNode(str(node.name), str(node.op_type), str(node.domain), provider))
+    return NodePlacement(tuple(nodes))
+
+
+def _node_output_types(model: Any) -> dict[str, tuple[int, ...]]:
+    """Node name -> its outputs' element types (0 where unknown), from the model with inferred shapes."""
+    if not isinstance(model, onnx.ModelProto):
+        try:
+            model = onnx.load(model if isinstance(model, (str, os.PathLike)) else io.BytesIO(model),
+                              load_external_data=False)
+        except Exception:  # noqa: BLE001 - an unreadable model: no types, so every node counts
+            return {}
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001, S110 - inference is best effort: untyped nodes count
+        pass
+    g = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in list(g.input) + list(g.output) + list(g.value_info)}
+    types.update({i.name: i.data_type for i in g.initializer})
+    return {n.name: tuple(types.get(o, 0) for o in n.output if o) for n in g.node if n.name}
 
 
 def short_provider_name(full: str) -> str:
@@ -82,6 +200,7 @@ class OnnxRuntimeRunner(Runner):
         provider_options: dict[str, dict[str, Any]] | None = None,
         optimized_model_path: str | os.PathLike | None = None,
         intra_op_threads: int | None = None,
+        require_all_nodes_on_provider: bool = False,
     ):
         super().__init__()
         if optimization not in OPTIMIZATION_LEVELS:
@@ -99,8 +218,11 @@ class OnnxRuntimeRunner(Runner):
                             f"{', '.join(self.requested)}")
         self.optimized_model_path = optimized_model_path
         self.intra_op_threads = intra_op_threads
+        self.require_all_nodes_on_provider = require_all_nodes_on_provider
         self.session: Any = None
         self.actual_providers: list[str] = []
+        #: Which provider runs each node (``None``: this ONNX Runtime cannot say).
+        self.placement: NodePlacement | None = None
 
     @property
     def name(self) -> str:
@@ -127,6 +249,20 @@ class OnnxRuntimeRunner(Runner):
         if self.intra_op_threads is not None:
             options.intra_op_num_threads = self.intra_op_threads
         options.log_severity_level = 3
+        can_record = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
+        if can_record:
+            options.add_session_config_entry(RECORD_ASSIGNMENT, "1")
+        elif self.require_all_nodes_on_provider:
+            raise ProviderError(f"onnxruntime {getattr(ort, '__version__', '?')} cannot report which provider runs "
+                                "each node (no InferenceSession.get_provider_graph_assignment_info); install "
+                                "onnxruntime >= 1.32 or drop --require-all-nodes-on-provider")
+        if any(p in _GPU_PROVIDERS for p in self.requested) and hasattr(ort, "preload_dlls"):
+            # NVIDIA's pip wheels (nvidia-*-cu13) are found only after this, or after importing torch.
+            try:
+                ort.preload_dlls()
+            except Exception as exc:  # noqa: BLE001 - reported as a ProviderError
+                raise ProviderError(f"onnxruntime.preload_dlls() failed: {one_line(exc)}; "
+                                    + _why_provider_cannot_load(self.requested[0])) from None
         source = _session_source(self.model)
         providers = [(p, self.provider_options.get(p, {})) for p in self.requested]
         # enable_fallback=0: ONNX Runtime's Python layer would otherwise retry a failing
@@ -150,6 +286,24 @@ class OnnxRuntimeRunner(Runner):
                 f"{_why_provider_cannot_load(missing[0])}; refusing to report CPU numbers as GPU numbers"
             )
         self.actual_providers = actual
+        self.placement = node_placement(self.session) if can_record else None
+        if self.require_all_nodes_on_provider:
+            self._check_placement()
+
+    def _check_placement(self) -> None:
+        """Refuse a session in which a compute node runs on a provider that was not requested."""
+        if self.placement is None:
+            self.session = None
+            raise ProviderError("ONNX Runtime did not report which provider runs each node; cannot check "
+                                "--require-all-nodes-on-provider")
+        off = self.placement.off_providers(self.requested, self.model)
+        if off:
+            self.session = None
+            shown = "; ".join(n.describe() for n in off[:8]) + (f"; +{len(off) - 8} more" if len(off) > 8 else "")
+            wanted = ", ".join(short_provider_name(p) for p in self.requested)
+            raise ProviderError(f"{len(off)} of {len(self.placement.nodes)} nodes run outside the requested "
+                                f"provider(s) {wanted}: {shown}; the provider has no kernel for them (run with "
+                                "RMSNORM_DEPLOY_ORT_LOG_LEVEL=1 for ONNX Runtime's reason)")
 
     def _deactivate(self) -> None:
         self.session = None

@@ -6,9 +6,12 @@ and the plugin must be requested exactly when the engine holds it (asking for th
 and getting an engine without it is as wrong as the reverse). Buffers are torch CUDA
 tensors; shapes are checked against the engine's optimization profile before
 ``set_input_shape``; float32, float16 and bfloat16 (``ml_dtypes.bfloat16`` in numpy) go in
-and come out.
+and come out. The runner owns a CUDA stream (``torch.cuda.Stream``): the copies, the engine
+and the synchronization run on it, not on the legacy default stream, which synchronizes with
+every other stream of the device (and TensorRT warns that it costs extra synchronization).
+The plugin is loaded with the implementation (``aot``/``jit``) the engine was built with.
 
-TensorRT API used (10.8 to 11.x): ``Runtime.deserialize_cuda_engine``,
+TensorRT API used (10.9 to 11.x): ``Runtime.deserialize_cuda_engine``,
 ``ICudaEngine.num_io_tensors/get_tensor_name/get_tensor_mode/get_tensor_dtype/
 get_tensor_profile_shape``, ``create_execution_context``, ``set_input_shape``,
 ``get_tensor_shape``, ``set_tensor_address``, ``execute_async_v3``.
@@ -75,7 +78,7 @@ class TensorRTRunner(Runner):
         check_compatible(sidecar, Device.current(trt_version(trt)), engine_path=self.engine_path)
         check_engine_hash(sidecar, self.engine_path)
         if self.plugin:
-            load_plugin()
+            load_plugin(implementation=str((sidecar.plugin or {}).get("implementation") or "aot"))
         self.logger = make_logger(trt)
         self.runtime = trt.Runtime(self.logger)
         engine = self.runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
@@ -86,6 +89,7 @@ class TensorRTRunner(Runner):
             raise UserError(f"TensorRT cannot create an execution context for {self.engine_path} (out of GPU memory?): "
                             f"{self.logger.last_errors()}")
         self.trt, self.engine, self.context, self.sidecar = trt, engine, context, sidecar
+        self.stream = _new_stream(_cuda_device())
         self.profiles = Profiles.from_dict(sidecar.profiles)
         self.io = self._io_tensors()
 
@@ -111,6 +115,7 @@ class TensorRTRunner(Runner):
         return io
 
     def _deactivate(self) -> None:
+        self.stream = None
         self.context = None
         self.engine = None
         self.runtime = None
@@ -122,14 +127,19 @@ class TensorRTRunner(Runner):
         return [n for n, e in self.io.items() if not e["input"]]
 
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
-
         inputs = self.input_names()
         unknown, missing = sorted(set(feed) - set(inputs)), sorted(set(inputs) - set(feed))
         if unknown or missing:
             raise InputError(f"inputs do not match the engine: missing {missing}, unexpected {unknown}; "
                              f"the engine takes {sorted(inputs)}")
         device = _cuda_device()
+        with _on_stream(self.stream):
+            return self._run(feed, inputs, device)
+
+    def _run(self, feed: dict[str, np.ndarray], inputs: list[str], device: Any) -> dict[str, np.ndarray]:
+        """Copies in, the engine, copies out: all on the runner's stream (the current one here)."""
+        import torch
+
         keep: dict[str, torch.Tensor] = {}
         for name in inputs:
             array = np.ascontiguousarray(feed[name])
@@ -153,7 +163,7 @@ class TensorRTRunner(Runner):
             tensor = torch.empty(shape, dtype=_torch_dtype(self.io[name]["dtype"]), device=device)
             outputs[name] = tensor
             self.context.set_tensor_address(name, tensor.data_ptr())
-        stream = torch.cuda.current_stream(device)
+        stream = self.stream
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise UserError(f"TensorRT failed to run {self.engine_path}: {self.logger.last_errors()}")
         stream.synchronize()
@@ -174,6 +184,20 @@ def _cuda_device():
     import torch
 
     return torch.device("cuda", 0)
+
+
+def _new_stream(device: Any) -> Any:
+    """A CUDA stream of the runner's own on ``device`` (never the legacy default stream 0)."""
+    import torch
+
+    return torch.cuda.Stream(device=device)
+
+
+def _on_stream(stream: Any) -> Any:
+    """Make ``stream`` current, so that torch's copies and allocations are ordered on it."""
+    import torch
+
+    return torch.cuda.stream(stream)
 
 
 def _dtype_of(array: np.ndarray) -> str:

@@ -3,9 +3,13 @@
 Importing this module registers the plugin in both namespaces (with and without a weight
 input). It imports tensorrt, and its annotations must stay real objects (no postponed
 evaluation): ``tensorrt.plugin`` validates them. The attribute parameters are the plugin's
-fields, :data:`plugin.PLUGIN_FIELDS` (checked below); the ONNX parser converts FLOAT to
-``float``, INTS to an int32 array, STRING to ``str``. Each decorated function only
-unpacks its arguments; the work is done in ``plugin.py``, which runs without tensorrt.
+fields, :data:`plugin.PLUGIN_FIELDS` (checked below). TensorRT's ONNX parser hands a FLOAT
+attribute over as a 1-element float32 field, INTS as an int32 array, STRING as characters;
+``tensorrt.plugin``'s creator then converts each field by its annotation here (``tensorrt/plugin/_lib.py``,
+``_TemplatePluginCreator.create_plugin``; :func:`plugin.spec_from_fields` reads it back): FLOAT is therefore declared ``npt.NDArray[np.float32]`` (an
+annotation ``float`` would call ``float()`` on a 1-D array, which numpy >= 2.4 refuses). Each
+decorated function only unpacks its arguments; the work is done in ``plugin.py``, which runs
+without tensorrt.
 """
 
 import inspect
@@ -21,7 +25,7 @@ from rmsnorm_deploy.tensorrt import plugin as _plugin
 WEIGHTED = f"{_plugin.PLUGIN_NAMESPACE}::{_plugin.PLUGIN_NAME}"
 UNWEIGHTED = f"{_plugin.PLUGIN_NAMESPACE_NO_WEIGHT}::{_plugin.PLUGIN_NAME}"
 
-#: TensorRT builds whose tensorrt.plugin can compile ahead of time (10.8 and later).
+#: TensorRT builds whose tensorrt.plugin can compile ahead of time (10.9 and later).
 AOT = _plugin.aot_supported(trt, trtp)
 _DTYPES = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
 
@@ -69,16 +73,16 @@ def _compile(spec, x, weight):
 # -- with a weight: (x, weight) ---------------------------------------------------------------
 @trtp.register(WEIGHTED)
 def rmsnorm_desc(
-    x: trtp.TensorDesc, weight: trtp.TensorDesc, epsilon: float, axes: npt.NDArray[np.int32], gain: str, order: str,
-    accumulation: str, epsilon_placement: str,
+    x: trtp.TensorDesc, weight: trtp.TensorDesc, epsilon: npt.NDArray[np.float32], axes: npt.NDArray[np.int32],
+    gain: str, order: str, accumulation: str, epsilon_placement: str,
 ) -> trtp.TensorDesc:
     return _describe(_spec(epsilon, axes, gain, order, accumulation, epsilon_placement), x, weight)
 
 
 @trtp.impl(WEIGHTED)
 def rmsnorm_impl(
-    x: trtp.Tensor, weight: trtp.Tensor, epsilon: float, axes: npt.NDArray[np.int32], gain: str, order: str,
-    accumulation: str, epsilon_placement: str, outputs: Tuple[trtp.Tensor], stream: int,
+    x: trtp.Tensor, weight: trtp.Tensor, epsilon: npt.NDArray[np.float32], axes: npt.NDArray[np.int32],
+    gain: str, order: str, accumulation: str, epsilon_placement: str, outputs: Tuple[trtp.Tensor], stream: int,
 ) -> None:
     _plugin.run_jit(_spec(epsilon, axes, gain, order, accumulation, epsilon_placement), x, weight, outputs[0], stream)
 
@@ -87,8 +91,9 @@ if AOT:
 
     @trtp.aot_impl(WEIGHTED)
     def rmsnorm_aot_impl(
-        x: trtp.TensorDesc, weight: trtp.TensorDesc, epsilon: float, axes: npt.NDArray[np.int32], gain: str,
-        order: str, accumulation: str, epsilon_placement: str, outputs: Tuple[trtp.TensorDesc], tactic: int,
+        x: trtp.TensorDesc, weight: trtp.TensorDesc, epsilon: npt.NDArray[np.float32], axes: npt.NDArray[np.int32],
+        gain: str, order: str, accumulation: str, epsilon_placement: str, outputs: Tuple[trtp.TensorDesc],
+        tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         return _compile(_spec(epsilon, axes, gain, order, accumulation, epsilon_placement), x, weight)
 
@@ -96,16 +101,16 @@ if AOT:
 # -- without a weight (gain "none"): (x) ------------------------------------------------------
 @trtp.register(UNWEIGHTED)
 def rmsnorm_noweight_desc(
-    x: trtp.TensorDesc, epsilon: float, axes: npt.NDArray[np.int32], gain: str, order: str, accumulation: str,
-    epsilon_placement: str,
+    x: trtp.TensorDesc, epsilon: npt.NDArray[np.float32], axes: npt.NDArray[np.int32], gain: str, order: str,
+    accumulation: str, epsilon_placement: str,
 ) -> trtp.TensorDesc:
     return _describe(_spec(epsilon, axes, gain, order, accumulation, epsilon_placement), x, None)
 
 
 @trtp.impl(UNWEIGHTED)
 def rmsnorm_noweight_impl(
-    x: trtp.Tensor, epsilon: float, axes: npt.NDArray[np.int32], gain: str, order: str, accumulation: str,
-    epsilon_placement: str, outputs: Tuple[trtp.Tensor], stream: int,
+    x: trtp.Tensor, epsilon: npt.NDArray[np.float32], axes: npt.NDArray[np.int32], gain: str, order: str,
+    accumulation: str, epsilon_placement: str, outputs: Tuple[trtp.Tensor], stream: int,
 ) -> None:
     _plugin.run_jit(_spec(epsilon, axes, gain, order, accumulation, epsilon_placement), x, None, outputs[0], stream)
 
@@ -114,8 +119,8 @@ if AOT:
 
     @trtp.aot_impl(UNWEIGHTED)
     def rmsnorm_noweight_aot_impl(
-        x: trtp.TensorDesc, epsilon: float, axes: npt.NDArray[np.int32], gain: str, order: str, accumulation: str,
-        epsilon_placement: str, outputs: Tuple[trtp.TensorDesc], tactic: int,
+        x: trtp.TensorDesc, epsilon: npt.NDArray[np.float32], axes: npt.NDArray[np.int32], gain: str, order: str,
+        accumulation: str, epsilon_placement: str, outputs: Tuple[trtp.TensorDesc], tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         return _compile(_spec(epsilon, axes, gain, order, accumulation, epsilon_placement), x, None)
 

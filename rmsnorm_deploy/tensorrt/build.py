@@ -7,9 +7,10 @@ a bad flag fails in a second, not after a build):
    optimization profile (``profiles.py``); prepare the graph for the parser (``prepare.py``:
    our functions inlined, or mapped to the plugin); refuse outputs that exist without ``force``;
 2. import TensorRT, find the GPU, load the plugin when asked;
-3. parse with a strongly typed network (``NetworkDefinitionCreationFlag.STRONGLY_TYPED``:
-   required for strong typing on 10.x, always on and ignored in 11.x, where weak typing and
-   ``BuilderFlag.FP16`` are gone). Precision is what the graph says, so an fp16 graph with
+3. parse with a strongly typed network (:func:`network_flags`: ``STRONGLY_TYPED`` on 10.x, where
+   it is required for strong typing; not set on 11.x, where it is deprecated and ignored because
+   weak typing and ``BuilderFlag.FP16`` are gone; and the plugin's ``PREFER_AOT``/``PREFER_JIT``
+   flag for the implementation asked for). Precision is what the graph says, so an fp16 graph with
    float32 casts around its norm gives an fp16 engine whose reduction runs in float32. Every
    parser error is reported with its node name and op;
 4. check each norm's reduction dtype in the network (``precision.py``), then build with a
@@ -17,7 +18,7 @@ a bad flag fails in a second, not after a build):
 5. inspect the built engine (``IEngineInspector``) and attach the layers of each norm;
 6. write the engine and its JSON sidecar (``sidecar.py``) atomically.
 
-TensorRT API used (10.8 to 11.x, from the TensorRT Python API docs and the bindings in
+TensorRT API used (10.9 to 11.x, from the TensorRT Python API docs and the bindings in
 NVIDIA/TensorRT ``python/src``): ``Builder``, ``create_network``, ``OnnxParser.parse(model,
 path)``, ``get_error(i).node_name()/node_operator()/desc()``, ``create_builder_config``,
 ``set_memory_pool_limit``, ``create_timing_cache``/``set_timing_cache``/``get_timing_cache``,
@@ -56,6 +57,7 @@ from rmsnorm_deploy.tensorrt.precision import (
 )
 from rmsnorm_deploy.tensorrt.prepare import PreparedModel, prepare_for_tensorrt
 from rmsnorm_deploy.tensorrt.profiles import Profiles, resolve_profiles
+from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
 from rmsnorm_deploy.tensorrt.sidecar import (
     Device,
     Sidecar,
@@ -154,6 +156,7 @@ def build_engine(
     *,
     profiles: Mapping[str, Sequence[int]] | Iterable[str] | None = None,
     plugin: bool = False,
+    plugin_impl: str = "aot",
     timing_cache: str | Path | None = None,
     workspace: int | str | None = None,
     force: bool = False,
@@ -163,11 +166,17 @@ def build_engine(
 
     ``profiles``: ``{"d0": (1, 64, 256)}`` or ``["d0:1,64,256"]``, per dynamic dim; dims not
     given take the range in the model's metadata. ``plugin``: map every
-    ``rmsnorm_deploy::RMSNorm`` node to the RMSNorm plugin (loaded here). ``timing_cache``: a
+    ``rmsnorm_deploy::RMSNorm`` node to the RMSNorm plugin (loaded here); ``plugin_impl``: its
+    ``aot`` implementation (compiled into the engine) or ``jit`` (Python at run time). ``timing_cache``: a
     file read if present and updated after the build. ``workspace``: a byte count or
     ``"4G"``. Raises :class:`UserError` (one line) for bad input, :class:`PrecisionError`
     (exit code 1) if a norm's reduction would run below float32.
     """
+    if plugin_impl not in PLUGIN_IMPLEMENTATIONS:
+        raise UserError(f"unknown plugin implementation {plugin_impl!r}; choose one of "
+                        f"{', '.join(PLUGIN_IMPLEMENTATIONS)}")
+    if plugin_impl != "aot" and not plugin:
+        raise UserError(f"--plugin-impl {plugin_impl} chooses how the plugin runs; add --plugin")
     onnx_path = check_model_file(onnx_path)
     model = load_onnx(onnx_path, load_external=False)
     meta = ModelMetadata.read(model)
@@ -191,10 +200,11 @@ def build_engine(
 
     trt = import_tensorrt("building a TensorRT engine")
     device = Device.current(trt_version(trt))
-    plugin_info = load_plugin() if plugin else None
+    plugin_info = load_plugin(implementation=plugin_impl) if plugin else None
+    flags = network_flags(trt, plugin_info)
     logger = make_logger(trt)
     builder = trt.Builder(logger)
-    network = _parse(trt, builder, logger, prepared, onnx_path, plugin)
+    network = _parse(trt, builder, logger, prepared, onnx_path, flags)
     norms = check_network(prepared.sites, _network_records(trt, network))
     raise_on_failures(norms, "TensorRT's network")
 
@@ -256,15 +266,37 @@ def _built_by() -> str:
     return f"rmsnorm-deploy {__version__}"
 
 
-def _parse(trt: Any, builder: Any, logger: Any, prepared: PreparedModel, onnx_path: Path, plugin: bool) -> Any:
+def network_flags(trt: Any, plugin_info: Mapping[str, Any] | None) -> int:
+    """The ``NetworkDefinitionCreationFlag`` bits for ``builder.create_network``.
+
+    ``STRONGLY_TYPED`` only on TensorRT 10.x and only where the enum has it: TensorRT 11
+    deprecates it (every network is strongly typed) and ignores it. With the plugin, the flag
+    its ``network_flags`` name (``PREFER_AOT_PYTHON_PLUGINS`` or ``PREFER_JIT_PYTHON_PLUGINS``):
+    TensorRT needs it to choose between a plugin's two implementations, and a flag this TensorRT
+    lacks for a requested implementation is an error, not a silent other choice.
+    """
+    from rmsnorm_deploy.tensorrt.runtime import PluginError, trt_version
+
+    enum = trt.NetworkDefinitionCreationFlag
+    flags = 0
+    major = re.match(r"\d+", trt_version(trt))
+    strongly_typed = getattr(enum, "STRONGLY_TYPED", None)
+    if strongly_typed is not None and (major is None or int(major.group()) < 11):
+        flags |= 1 << int(strongly_typed)
+    if plugin_info:
+        names = plugin_info.get("network_flags") or []
+        for name in [names] if isinstance(names, str) else names:
+            member = getattr(enum, name, None)
+            if member is None:
+                raise PluginError(f"TensorRT {trt_version(trt)} has no NetworkDefinitionCreationFlag.{name}, which "
+                                  f"the plugin's {plugin_info.get('implementation')} implementation needs")
+            flags |= 1 << int(member)
+    return flags
+
+
+def _parse(trt: Any, builder: Any, logger: Any, prepared: PreparedModel, onnx_path: Path, flags: int) -> Any:
     from rmsnorm_deploy.tensorrt.runtime import trt_version
 
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    prefer_aot = getattr(trt.NetworkDefinitionCreationFlag, "PREFER_AOT_PYTHON_PLUGINS", None)
-    if plugin and prefer_aot is not None:
-        # A plugin with both a JIT and an ahead-of-time implementation: keep the one that
-        # runs without Python (TensorRT 10.9+).
-        flags |= 1 << int(prefer_aot)
     network = builder.create_network(flags)
     if hasattr(trt, "init_libnvinfer_plugins"):
         trt.init_libnvinfer_plugins(logger, "")

@@ -64,10 +64,11 @@ class _Release:
     added_source: str = ""
 
 
-#: Parser releases from 10.8 (the oldest this project supports, pyproject ``tensorrt>=10.8``).
+#: Parser releases from 10.9 (the oldest this project supports, pyproject ``tensorrt>=10.9``: the first
+#: TensorRT with ahead-of-time Python plugins, ``plugin.AOT_SINCE``).
 _RELEASES: tuple[_Release, ...] = (
-    _Release((10, 8), 22, "inferred: the parser bundles ONNX 1.17 (opset 22) since 10.6 (onnx-tensorrt Changelog 10.6); "
-             "the 10.8 operators.md header was not read"),
+    _Release((10, 9), 22, "inferred: the parser bundles ONNX 1.17 (opset 22) since 10.6 (onnx-tensorrt Changelog 10.6); "
+             "the 10.9 operators.md header was not read"),
     _Release((10, 11), 23, "inferred: ONNX updated to 1.18 (opset 23) in 10.11 (onnx-tensorrt Changelog 10.11)"),
     _Release((10, 14), 23, "inferred as for 10.11", frozenset({"Attention"}), "onnx-tensorrt Changelog 10.14"),
     _Release((10, 15), 24, "onnx-tensorrt docs/operators.md, 10.15: 'opset 9 to opset 24'",
@@ -78,7 +79,7 @@ _RELEASES: tuple[_Release, ...] = (
 OLDEST = _RELEASES[0].since
 #: Versions the CLI checks when none is given: the oldest supported, the first with
 #: RMSNormalization, the first always strongly typed.
-DEFAULT_VERSIONS = ("10.8", "10.15", "11.0")
+DEFAULT_VERSIONS = ("10.9", "10.15", "11.0")
 #: BF16 tensors are imported since TensorRT 9.0 (onnx-tensorrt Changelog 9.0: "Added support
 #: for FP8 and BF16 datatypes"); every version here has it. Running them needs compute
 #: capability 8.0 or newer, which only the build on the target GPU can tell.
@@ -107,10 +108,10 @@ class ParserFacts:
 
 
 def parse_version(text: str) -> tuple[int, int]:
-    """``"10.8"`` or ``"10.8.0.43"`` -> ``(10, 8)``; a one-line error outside the table."""
+    """``"10.9"`` or ``"10.9.0.34"`` -> ``(10, 9)``; a one-line error outside the table."""
     match = re.fullmatch(r"\s*(\d+)\.(\d+)(?:\.\d+)*\s*", str(text))
     if not match:
-        raise UserError(f"TensorRT version {text!r} is not MAJOR.MINOR (for example 10.8 or 11.0)")
+        raise UserError(f"TensorRT version {text!r} is not MAJOR.MINOR (for example 10.9 or 11.0)")
     version = (int(match.group(1)), int(match.group(2)))
     if version < OLDEST:
         raise UserError(f"TensorRT {text} is older than {OLDEST[0]}.{OLDEST[1]}, the oldest this project supports; "
@@ -311,7 +312,7 @@ def _dtype_findings(model: onnx.ModelProto, facts: ParserFacts) -> list[Finding]
                              "remove string processing from the graph"))
     if bf16 and facts.version < BF16_SINCE:  # pragma: no cover - no such version in the table
         found.append(Finding(facts.name, _first(bf16), "bfloat16", "bfloat16 is imported from TensorRT 9.0 on",
-                             "use TensorRT 10.8 or newer"))
+                             "use TensorRT 10.9 or newer"))
     return found
 
 

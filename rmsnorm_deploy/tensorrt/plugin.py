@@ -32,9 +32,11 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import onnx
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
@@ -49,11 +51,16 @@ from rmsnorm_deploy.graph.function import (
     spec_from_attributes,
 )
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
 
 PLUGIN_NAME = OP_TYPE
 #: (namespace, inputs) of each registration.
 REGISTRATIONS: dict[str, tuple[str, ...]] = {PLUGIN_NAMESPACE: ("x", "weight"), PLUGIN_NAMESPACE_NO_WEIGHT: ("x",)}
-IMPLEMENTATIONS = ("aot", "jit")
+IMPLEMENTATIONS = PLUGIN_IMPLEMENTATIONS
+#: The first TensorRT whose ``tensorrt.plugin`` compiles Python plugins ahead of time
+#: (``@trtp.aot_impl``, ``QuickPluginCreationRequest``); also the ``tensorrt`` extra's lower bound.
+AOT_SINCE = (10, 9)
+_AOT_TEXT = f"{AOT_SINCE[0]}.{AOT_SINCE[1]}"
 #: The NetworkDefinitionCreationFlag a builder sets to pick an implementation (both are defined).
 _NETWORK_FLAGS = {"aot": ("PREFER_AOT_PYTHON_PLUGINS",), "jit": ("PREFER_JIT_PYTHON_PLUGINS",), "library": ()}
 #: Node attributes that address the plugin rather than describe the spec.
@@ -117,16 +124,32 @@ class PluginInfo:
 
 # -- fields -> spec -> kernel (no tensorrt needed) ----------------------------------------------
 def spec_from_fields(fields: Mapping[str, Any]) -> RMSNormSpec:
-    """The spec from the plugin fields TensorRT hands over (``float``, an int32 array, ``str``).
+    """The spec from the plugin fields as ``tensorrt.plugin`` hands them to ``_qdp.py``.
 
-    Raises ``UserError`` (a spec or lowering error) naming the bad field.
+    TensorRT's ONNX parser passes a FLOAT attribute as a 1-element float32 field, and
+    ``_qdp.py`` declares it ``npt.NDArray[np.float32]``, so each FLOAT field arrives as a
+    1-element array and its element 0 is the value (a plain number is taken too). INTS arrive
+    as an int32 array, STRING as ``str``. Raises ``UserError`` (a spec or lowering error)
+    naming the bad field.
     """
     missing = [name for name in PLUGIN_FIELDS if name not in fields]
     if missing:
         raise UserError(f"TensorRT plugin {PLUGIN_NAME}: fields {missing} are missing; the node must carry the spec")
     values = {k: (v.rstrip("\x00") if isinstance(v, str) else v) for k, v in fields.items()}
+    for name, kind in PLUGIN_FIELDS.items():
+        if kind == "FLOAT":
+            values[name] = _scalar_field(name, values[name])
     values["axes"] = [int(a) for a in list(values["axes"])]
     return spec_from_attributes(values, f"TensorRT plugin {PLUGIN_NAME}")
+
+
+def _scalar_field(name: str, value: Any) -> float:
+    """Element 0 of a 1-element FLOAT field (TensorRT's shape for a FLOAT attribute)."""
+    array = np.asarray(value)
+    if array.size != 1:
+        raise UserError(f"TensorRT plugin {PLUGIN_NAME}: field {name!r} has {array.size} values {array.tolist()}; "
+                        "the node's FLOAT attribute carries exactly one")
+    return float(array.reshape(-1)[0])
 
 
 def check_io(spec: RMSNormSpec, dtype: str, weight_dtype: str | None) -> None:
@@ -200,12 +223,14 @@ def load_plugin(library: str | Path | None = None, *, implementation: str = "aot
             trtp = importlib.import_module("tensorrt.plugin")
         except ImportError as exc:
             raise UserError(
-                f"TensorRT {trt.__version__} has no tensorrt.plugin module ({exc}); the RMSNorm plugin needs TensorRT >= 10.8"
+                f"TensorRT {trt.__version__} has no tensorrt.plugin module ({exc}); the RMSNorm plugin needs TensorRT "
+                f">= {_AOT_TEXT}"
             ) from None
         if implementation == "aot" and not aot_supported(trt, trtp):
             raise UserError(
-                f"TensorRT {trt.__version__} cannot compile Python plugins ahead of time (no tensorrt.plugin.aot_impl); "
-                "use TensorRT >= 10.8, or implementation='jit' for an engine that needs Python at run time"
+                f"TensorRT {trt.__version__} cannot compile Python plugins ahead of time (they exist from TensorRT "
+                f"{_AOT_TEXT}); use TensorRT >= {_AOT_TEXT}, or --plugin-impl jit for an engine that needs Python at "
+                "run time"
             )
         importlib.import_module("rmsnorm_deploy.tensorrt._qdp")
         info = PluginInfo(
@@ -220,7 +245,10 @@ def load_plugin(library: str | Path | None = None, *, implementation: str = "aot
 
 
 def aot_supported(trt: Any, trtp: Any) -> bool:
-    """Whether this TensorRT's ``tensorrt.plugin`` compiles plugins ahead of time."""
+    """Whether this TensorRT's ``tensorrt.plugin`` compiles plugins ahead of time (10.9 and later)."""
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(trt, "__version__", "")))
+    if match is None or (int(match.group(1)), int(match.group(2))) < AOT_SINCE:
+        return False
     return hasattr(trt, "QuickPluginCreationRequest") and hasattr(trtp, "aot_impl")
 
 

@@ -18,6 +18,9 @@ from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.tensorrt.precision import TRT_DTYPE_NAMES
 
 PLUGIN_MODULE = "rmsnorm_deploy.tensorrt.plugin"
+#: How the plugin runs: ``aot`` (the kernel compiled into the engine, which then runs without
+#: Python) or ``jit`` (the kernel called from Python at run time). The first is the default.
+PLUGIN_IMPLEMENTATIONS = ("aot", "jit")
 #: Set to 1 to echo every TensorRT log message (verbose) to stderr.
 VERBOSE_ENV = "RMSNORM_DEPLOY_TRT_VERBOSE"
 
@@ -68,12 +71,14 @@ def trt_dtype_name(dtype: Any) -> str:
     return TRT_DTYPE_NAMES.get(name, name.lower())
 
 
-def load_plugin(library: str | os.PathLike | None = None) -> dict[str, Any]:
+def load_plugin(library: str | os.PathLike | None = None, *, implementation: str = "aot") -> dict[str, Any]:
     """Load and register the RMSNorm plugin; its description for reports and sidecars.
 
     The plugin lives in :mod:`rmsnorm_deploy.tensorrt.plugin` (``load_plugin(library=None)``),
-    imported only here, so everything else works where it is absent. Any failure is a
-    one-line :class:`PluginError`.
+    imported only here, so everything else works where it is absent. ``implementation``:
+    ``aot`` (the kernel compiled into the engine) or ``jit`` (called from Python at run time);
+    the description's ``network_flags`` are the flags the builder sets for it. Any failure is
+    a one-line :class:`PluginError`.
     """
     try:
         module = importlib.import_module(PLUGIN_MODULE)
@@ -83,7 +88,8 @@ def load_plugin(library: str | os.PathLike | None = None) -> dict[str, Any]:
                               "missing); build without --plugin") from None
         raise PluginError(f"the {OP_TYPE} TensorRT plugin cannot be imported: {exc}") from None
     try:
-        info = module.load_plugin() if library is None else module.load_plugin(library=str(library))
+        info = (module.load_plugin(implementation=implementation) if library is None
+                else module.load_plugin(library=str(library)))
     except UserError:
         raise
     except Exception as exc:
@@ -102,7 +108,8 @@ def describe_plugin(info: Any) -> dict[str, Any]:
         raw = {k: v for k, v in vars(info).items() if not k.startswith("_")}
     else:
         raw = {"info": info}
-    described = {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in raw.items()}
+    described = {k: v if isinstance(v, (str, int, float, bool, type(None))) else
+                 [str(i) for i in v] if isinstance(v, (list, tuple)) else str(v) for k, v in raw.items()}
     described.setdefault("name", OP_TYPE)
     described.setdefault("namespace", PLUGIN_NAMESPACE)
     described.setdefault("version", PLUGIN_VERSION)

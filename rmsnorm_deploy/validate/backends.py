@@ -32,8 +32,13 @@ class Backend:
         return "tensorrt[plugin]" if self.plugin else "tensorrt"
 
     def runner(self, model_path: Path, workdir: Path, *, optimization: str = "all",
-               provider_options: dict[str, dict[str, str]] | None = None) -> Runner:
-        """The runner on ``model_path`` (a TensorRT engine is built into ``workdir``)."""
+               provider_options: dict[str, dict[str, str]] | None = None,
+               require_all_nodes_on_provider: bool = False) -> Runner:
+        """The runner on ``model_path`` (a TensorRT engine is built into ``workdir``).
+
+        ``require_all_nodes_on_provider``: an ONNX Runtime session with a compute node off this
+        backend's providers is an error (a TensorRT engine runs every layer in TensorRT).
+        """
         if self.runtime == "onnxruntime":
             from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
@@ -41,7 +46,8 @@ class Backend:
             options = {k: v for k, v in (provider_options or {}).items() if provider_name(k) in wanted}
             return OnnxRuntimeRunner(model_path, list(self.providers), optimization=optimization,
                                      provider_options=options,
-                                     optimized_model_path=workdir / f"optimized-{self.key}.onnx")
+                                     optimized_model_path=workdir / f"optimized-{self.key}.onnx",
+                                     require_all_nodes_on_provider=require_all_nodes_on_provider)
         return _tensorrt_runner(model_path, workdir, plugin=self.plugin)
 
 

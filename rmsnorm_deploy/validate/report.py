@@ -54,6 +54,8 @@ class ValidationReport:
     rows: list[CheckRow]
     norms: list[NormReport]
     notes: list[str]
+    #: backend -> nodes per provider (ONNX Runtime backends, where ONNX Runtime reports it)
+    placement: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -63,7 +65,7 @@ class ValidationReport:
         return {
             "model": self.model, "source": self.source, "reference": self.reference, "inputs": self.inputs,
             "backends": self.backends, "passed": self.passed, "rows": [r.to_dict() for r in self.rows],
-            "norms": [n.to_dict() for n in self.norms], "notes": self.notes,
+            "norms": [n.to_dict() for n in self.norms], "notes": self.notes, "nodes_per_provider": self.placement,
         }
 
     def table(self) -> str:
@@ -80,6 +82,8 @@ class ValidationReport:
                          _num(res.max_ulp), res.tolerance.describe(), status])
         text = [f"model: {self.model}", f"source: {self.source}", f"reference: {self.reference}",
                 "inputs: " + ", ".join(f"{k} {v['dtype']}{v['shape']} ({v['kind']})" for k, v in self.inputs.items()),
+                *[f"nodes per provider, {b}: " + ", ".join(f"{n} on {p}" for p, n in c.items())
+                  for b, c in self.placement.items()],
                 "", format_table(headers, body)]
         if self.norms:
             norm_headers = ["norm", "kind", "as written", "accumulates", "epsilon", "axes", *self.backends_ran(), "spec"]

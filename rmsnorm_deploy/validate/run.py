@@ -52,8 +52,14 @@ def validate_model(
     optimization: str = "all",
     provider_options: dict[str, dict[str, str]] | None = None,
     check_norms: bool = True,
+    require_all_nodes_on_provider: bool = False,
 ) -> ValidationReport:
-    """Run ``path`` on each backend of ``providers`` and compare outputs and norms; see the module doc."""
+    """Run ``path`` on each backend of ``providers`` and compare outputs and norms; see the module doc.
+
+    ``require_all_nodes_on_provider``: refuse an ONNX Runtime backend that runs any compute node
+    on another provider (a ``ProviderError`` naming the nodes); nodes per provider are reported
+    either way.
+    """
     from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
 
     if reference not in REFERENCES:
@@ -91,11 +97,16 @@ def validate_model(
         if exposed:
             run_path = save_onnx(with_exposed_tensors(model, exposed), workdir / "model-with-norm-outputs.onnx")
         results: dict[str, dict[str, np.ndarray]] = {}
+        placement: dict[str, dict[str, int]] = {}
         for key, label in zip(keys, labels):
-            runner = BACKENDS[key].runner(run_path, workdir, optimization=optimization, provider_options=provider_options)
+            runner = BACKENDS[key].runner(
+                run_path, workdir, optimization=optimization, provider_options=provider_options,
+                require_all_nodes_on_provider=require_all_nodes_on_provider)
             try:
                 with runner:
                     results[label] = runner.infer(feed)
+                    if getattr(runner, "placement", None) is not None:
+                        placement[label] = runner.placement.counts
             except UserError as exc:
                 raise type(exc)(f"{label}: {exc}") from None
             optimized = workdir / f"optimized-{key}.onnx"
@@ -122,7 +133,7 @@ def validate_model(
               f"{meta.lowering})" if meta else "third-party graph (no rmsnorm_deploy metadata)")
     reference_text = {"torch": f"{source_label}, run in the model's dtype", "float64": f"{source_label} in float64",
                       "backends": f"outputs: the first backend ({labels[0]}); norms: their float64 oracle"}[ref_label]
-    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes)
+    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, placement)
 
 
 def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str]) -> tuple[Any, str, str]:

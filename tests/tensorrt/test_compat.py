@@ -49,7 +49,7 @@ def test_every_lowering_against_every_default_version(lowering, dtype):
             assert not note.blocking and "the RMSNorm plugin runs it when its library is loaded" in note.problem
     if lowering == "native":
         assert reports["10.15"].imports and reports["11.0"].imports
-        problems = {f.op: f for f in blocking(reports["10.8"])}
+        problems = {f.op: f for f in blocking(reports["10.9"])}
         assert set(problems) == {"RMSNormalization", "opset 23"}
         assert problems["RMSNormalization"].problem.startswith("RMSNormalization is imported from TensorRT 10.15 on")
         assert "--lowering function" in problems["RMSNormalization"].fix
@@ -103,7 +103,7 @@ def test_com_microsoft_ops_are_flagged_with_their_origin():
 
 def test_ops_added_in_later_versions_and_unsupported_ops():
     attention = helper.make_node("Attention", ["x", "x", "x"], ["y"], name="attn")
-    assert not check_model(_model_with(attention, opset=23), ["10.8"])[0].imports
+    assert not check_model(_model_with(attention, opset=23), ["10.9"])[0].imports
     (finding,) = [f for f in check_model(_model_with(attention, opset=23), ["10.11"])[0].findings]
     assert finding.problem.startswith("imported from TensorRT 10.14 on")
     assert finding.fix == "use TensorRT 10.14 or newer, or re-export without --fuse-attention at opset 22 or lower"
@@ -111,7 +111,7 @@ def test_ops_added_in_later_versions_and_unsupported_ops():
     rotary = helper.make_node("RotaryEmbedding", ["x", "x", "x"], ["y"], name="rope")
     (finding,) = check_model(_model_with(rotary, opset=23), ["10.14"])[0].findings
     assert finding.problem.startswith("imported from TensorRT 10.15 on") and "--fuse-attention" in finding.fix
-    opset_finding, _ = check_model(_model_with(rotary, opset=23), ["10.8"])[0].findings
+    opset_finding, _ = check_model(_model_with(rotary, opset=23), ["10.9"])[0].findings
     assert opset_finding.fix == "re-export with --opset 22 or lower (and without --fuse-attention, which needs opset 23)"
     unique = helper.make_node("Unique", ["x"], ["y"], name="u")
     (finding,) = check_model(_model_with(unique), ["11.0"])[0].findings
@@ -122,12 +122,12 @@ def test_ops_added_in_later_versions_and_unsupported_ops():
 
 
 def test_version_parsing_and_facts():
-    assert parse_version("10.8") == (10, 8) and parse_version("10.8.0.43") == (10, 8) and parse_version("11.2") == (11, 2)
+    assert parse_version("10.9") == (10, 9) and parse_version("10.9.0.34") == (10, 9) and parse_version("11.2") == (11, 2)
     assert parser_facts("10.15").max_opset == 24 and parser_facts("11.1").max_opset == 25
     assert "RMSNormalization" in parser_facts("10.15").ops and "RMSNormalization" not in parser_facts("10.14").ops
     assert "Swish" in parser_facts("11.0").ops and "Swish" not in parser_facts("10.16").ops
-    with pytest.raises(UserError, match=r"TensorRT 10.7 is older than 10.8, the oldest this project supports"):
-        parse_version("10.7")
+    with pytest.raises(UserError, match=r"TensorRT 10.8 is older than 10.9, the oldest this project supports"):
+        parse_version("10.8")
     with pytest.raises(UserError, match=r"no compatibility table for TensorRT 12.0 yet"):
         parse_version("12.0")
     with pytest.raises(UserError, match=r"TensorRT version 'ten' is not MAJOR.MINOR"):
@@ -141,7 +141,7 @@ def test_cli_exit_codes_and_output(tmp_path, capsys):
     save_onnx(rmsnorm_model(RMSNormSpec.torch_rmsnorm(), dtype="float16", shape=(4, 8), lowering="ort"), bad)
     assert main(["check-trt", str(good)]) == 0
     out = capsys.readouterr().out
-    assert "TensorRT 10.8: imports" in out and "TensorRT 11.0: imports" in out
+    assert "TensorRT 10.9: imports" in out and "TensorRT 11.0: imports" in out
     assert main(["check-trt", str(bad), "--trt-version", "10.15"]) == 1
     out = capsys.readouterr().out
     assert "TensorRT 10.15: would NOT import" in out and "SimplifiedLayerNormalization" in out
@@ -150,7 +150,7 @@ def test_cli_exit_codes_and_output(tmp_path, capsys):
     assert data["tensorrt"] == "11.0" and data["imports"] is False
     assert data["findings"][0]["op"] == "SimplifiedLayerNormalization"
     assert main(["check-trt", str(good), "--trt-version", "9.0"]) == 2
-    assert "error: TensorRT 9.0 is older than 10.8" in capsys.readouterr().err
+    assert "error: TensorRT 9.0 is older than 10.9" in capsys.readouterr().err
     assert main(["check-trt", str(tmp_path / "missing.onnx")]) == 2
     assert "missing.onnx: no such file" in capsys.readouterr().err
 
@@ -160,11 +160,11 @@ def test_cli_never_imports_tensorrt(tmp_path):
     save_onnx(rmsnorm_model(RMSNormSpec.llama(), dtype="bfloat16", shape=(4, 8), lowering="native"), path)
     script = (
         "import sys; from rmsnorm_deploy.cli import main; "
-        f"code = main(['check-trt', {str(path)!r}, '--trt-version', '10.8', '--trt-version', '11.0']); "
+        f"code = main(['check-trt', {str(path)!r}, '--trt-version', '10.9', '--trt-version', '11.0']); "
         "print('tensorrt imported:', 'tensorrt' in sys.modules); sys.exit(code)"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env={"PYTHONPATH": str(REPO)}, timeout=120)
     assert done.returncode == 1, done.stderr
-    assert "TensorRT 10.8: would NOT import" in done.stdout and "TensorRT 11.0: imports" in done.stdout
+    assert "TensorRT 10.9: would NOT import" in done.stdout and "TensorRT 11.0: imports" in done.stdout
     assert "tensorrt imported: False" in done.stdout

@@ -137,6 +137,26 @@ def test_every_lowering_dtype_and_plugin(lowering, dtype, plugin, tmp_path, timi
         assert_matches_oracle(runner, spec, dtype, HIDDEN)
 
 
+@pytest.mark.parametrize("impl", ["aot", "jit"])
+def test_the_plugin_implementation_asked_for_is_the_one_built(impl, tmp_path, timing_cache):
+    """``build --plugin-impl``: the implementation asked for is loaded, recorded in the sidecar and
+    run by the runner (which loads the plugin with it)."""
+    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.build import build_engine
+
+    need_plugin(True)
+    spec = RMSNormSpec.llama()
+    path = tmp_path / "model.onnx"
+    save_onnx(rmsnorm_model(spec, dtype="float16", shape=(199, HIDDEN), lowering="plugin"), path)
+    report = build_engine(path, profiles=PROFILE, plugin=True, plugin_impl=impl, timing_cache=timing_cache,
+                          progress=False)
+    assert report.plugin["implementation"] == impl
+    assert json.loads(report.sidecar_path.read_text())["plugin"]["implementation"] == impl
+    with TensorRTRunner(report.engine_path, plugin=True) as runner:
+        assert runner.stream.cuda_stream != 0  # its own stream, not the legacy default one
+        assert_matches_oracle(runner, spec, "float16", HIDDEN)
+
+
 @pytest.mark.parametrize("plugin", [False, True], ids=["no-plugin", "plugin"])
 @pytest.mark.parametrize("hidden", [1, 7, 4096])
 def test_odd_hidden_sizes(hidden, plugin, tmp_path, timing_cache):

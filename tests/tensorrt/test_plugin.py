@@ -15,9 +15,11 @@ import re
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 import pytest
 
@@ -38,20 +40,72 @@ SPECS = {
 }
 
 
-def _fields_as_tensorrt_passes_them(node: onnx.NodeProto) -> dict:
-    """What TensorRT's ONNX parser hands a plugin: the node attributes the plugin declares as
-    fields, FLOAT as float32, INTS as int32, STRING as characters (onnx-tensorrt loadFields)."""
+def _qdp_annotations() -> dict:
+    """Each plugin field's annotation in ``_qdp.py`` (read, not imported: it imports tensorrt),
+    evaluated to the object ``tensorrt.plugin`` sees."""
+    tree = ast.parse((REPO / "rmsnorm_deploy" / "tensorrt" / "_qdp.py").read_text())
+    fn = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "rmsnorm_desc")
+    names = {"np": np, "npt": npt, "float": float, "int": int, "str": str}
+    return {a.arg: eval(ast.unparse(a.annotation), names) for a in fn.args.args if a.arg in plugin.PLUGIN_FIELDS}
+
+
+def _parser_fields(node: onnx.NodeProto) -> dict:
+    """The ``PluginField`` data TensorRT's ONNX parser builds from the node attributes the plugin
+    declares (onnx-tensorrt's plugin importer): FLOAT as a 1-element float32 field, INTS as
+    int32, STRING as characters. ``trt.PluginField.data`` reads them back as numpy arrays."""
     out = {}
     for attr in node.attribute:
         if attr.name not in plugin.PLUGIN_FIELDS:
             continue
         if attr.type == onnx.AttributeProto.FLOAT:
-            out[attr.name] = float(np.float32(attr.f))
+            out[attr.name] = np.array([attr.f], dtype=np.float32)
         elif attr.type == onnx.AttributeProto.INTS:
             out[attr.name] = np.asarray(attr.ints, dtype=np.int32)
         elif attr.type == onnx.AttributeProto.STRING:
-            out[attr.name] = attr.s.decode()
+            out[attr.name] = np.frombuffer(attr.s, dtype=np.int8)
     return out
+
+
+def _creator_converts(annotation, data: np.ndarray):
+    """What ``tensorrt.plugin``'s creator makes of one field for an argument annotated
+    ``annotation``: the logic of ``_TemplatePluginCreator.create_plugin`` in NVIDIA/TensorRT
+    ``python/packaging/bindings_wheel/tensorrt/plugin/_lib.py`` (``_is_numpy_array`` and
+    ``_infer_numpy_type`` in ``_utils.py`` beside it): an ``npt.NDArray[dtype]`` field is
+    ``data.astype(dtype)``, a ``str`` is the bytes decoded, any other type is ``type(data)``."""
+    if annotation is np.ndarray or typing.get_origin(annotation) is np.ndarray:
+        np_type = typing.get_args(typing.get_args(annotation)[1])[0]
+        return data.astype(np_type)
+    if issubclass(annotation, str):
+        return data.tobytes().decode("utf-8")
+    return annotation(data)
+
+
+def _fields_as_tensorrt_passes_them(node: onnx.NodeProto) -> dict:
+    """The arguments ``_qdp.py``'s functions receive: the parser's fields, converted by the
+    creator according to ``_qdp.py``'s annotations."""
+    annotations = _qdp_annotations()
+    return {name: _creator_converts(annotations[name], data) for name, data in _parser_fields(node).items()}
+
+
+def test_tensorrt_plugins_creator_takes_every_field_as_the_parser_passes_it():
+    """A FLOAT attribute reaches the creator as a 1-element float32 array; an annotation ``float``
+    would call ``float()`` on it, which numpy >= 2.4 refuses, and every ``build --plugin`` failed."""
+    node = rmsnorm_node(SPECS["llama"], "float16", ["x", "w"], ["y"], plugin=True)
+    annotations = _qdp_annotations()
+    fields = _parser_fields(node)
+    assert fields["epsilon"].shape == (1,) and fields["epsilon"].dtype == np.float32
+    converted = {name: _creator_converts(annotations[name], data) for name, data in fields.items()}
+    assert converted["epsilon"].shape == (1,)
+    assert plugin.spec_from_fields(converted).epsilon_float32 == SPECS["llama"].epsilon_float32
+
+
+@pytest.mark.parametrize("epsilon", [np.array([1e-5, 1e-6], dtype=np.float32), np.array([], dtype=np.float32)],
+                         ids=["two", "none"])
+def test_an_epsilon_field_without_exactly_one_value_is_refused(epsilon):
+    fields = _fields_as_tensorrt_passes_them(rmsnorm_node(SPECS["llama"], "float16", ["x", "w"], ["y"], plugin=True))
+    fields["epsilon"] = epsilon
+    with pytest.raises(UserError, match=f"field 'epsilon' has {epsilon.size} values"):
+        plugin.spec_from_fields(fields)
 
 
 def test_plugin_fields_are_the_spec_attributes_of_our_nodes():
@@ -84,7 +138,7 @@ def test_fields_parse_back_to_the_same_kernel_parameters(name):
     [
         ({"axes": np.array([0], dtype=np.int32)}, LoweringError, "axes \\[0\\] are not the trailing dims"),
         ({"gain": "scale"}, SpecError, "unknown gain 'scale'"),
-        ({"epsilon": 0.0}, SpecError, "epsilon must be finite and > 0"),
+        ({"epsilon": np.array([0.0], dtype=np.float32)}, SpecError, "epsilon must be finite and > 0"),
         ({"order": None}, UserError, "fields \\['order'\\] are missing"),
     ],
     ids=["axes", "gain", "epsilon", "missing"],
@@ -162,7 +216,7 @@ def test_the_plugin_graph_runs_in_onnxruntime_like_the_function_graph(name):
 def test_the_qdp_definitions_declare_exactly_the_plugin_fields():
     """_qdp.py imports tensorrt, so it is read, not imported: every decorated function takes the
     plugin's fields, typed as the ONNX parser converts them."""
-    annotation = {"FLOAT": "float", "INTS": "npt.NDArray[np.int32]", "STRING": "str"}
+    annotation = {"FLOAT": "npt.NDArray[np.float32]", "INTS": "npt.NDArray[np.int32]", "STRING": "str"}
     tree = ast.parse((REPO / "rmsnorm_deploy" / "tensorrt" / "_qdp.py").read_text())
     decorated = {}
     for fn in ast.walk(tree):
@@ -335,3 +389,52 @@ def test_compiling_ahead_of_time_is_refused_in_an_interpreting_process():
         pytest.skip("Triton compiles in this process (a GPU machine): nothing to refuse")
     with pytest.raises(RuntimeError, match="compile ahead of time in a process without it"):
         compile_aot(SPECS["llama"], dtype="float16", weight_dtype="float16", n_cols=64, arch=90)
+
+
+def test_the_tensorrt_extra_asks_for_the_first_release_with_ahead_of_time_python_plugins():
+    """Python plugins compile ahead of time from TensorRT 10.9 (not 10.8): the extra, the
+    compatibility table's oldest release and the plugin's gate say the same."""
+    from packaging.requirements import Requirement
+
+    from rmsnorm_deploy.tensorrt.compat import OLDEST
+
+    text = (REPO / "pyproject.toml").read_text()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("tensorrt = ")]
+    (requirement,) = [Requirement(r) for r in json.loads(line.split("=", 1)[1])]
+    assert plugin.AOT_SINCE == (10, 9) and OLDEST == plugin.AOT_SINCE
+    assert requirement.specifier.contains("10.9.0") and not requirement.specifier.contains("10.8.0")
+
+
+def _fake_tensorrt(monkeypatch, version: str, *, aot: bool):
+    """A ``tensorrt`` module of ``version`` whose ``tensorrt.plugin`` has ``aot_impl`` when ``aot``."""
+    import types
+
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = version
+    trt.get_plugin_registry = lambda: types.SimpleNamespace(get_creator=lambda *a: object())
+    trtp = types.ModuleType("tensorrt.plugin")
+    if aot:
+        trt.QuickPluginCreationRequest = object()
+        trtp.aot_impl = lambda *a: None
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    return trt, trtp
+
+
+@pytest.mark.parametrize("version, aot, supported", [
+    ("10.8.0.43", False, False),
+    ("10.8.0.43", True, False),  # whatever the module holds, 10.8 has no AOT Python plugins
+    ("10.9.0.34", True, True),
+    ("11.1.0.106", True, True),
+    ("11.1.0.106", False, False),
+])
+def test_aot_is_supported_from_tensorrt_10_9(monkeypatch, version, aot, supported):
+    trt, trtp = _fake_tensorrt(monkeypatch, version, aot=aot)
+    assert plugin.aot_supported(trt, trtp) is supported
+
+
+def test_an_ahead_of_time_plugin_on_tensorrt_10_8_names_10_9_and_the_jit_choice(monkeypatch):
+    _fake_tensorrt(monkeypatch, "10.8.0.43", aot=False)
+    with pytest.raises(UserError, match=r"TensorRT 10.8.0.43 cannot compile Python plugins ahead of time \(they exist "
+                       r"from TensorRT 10.9\); use TensorRT >= 10.9, or --plugin-impl jit"):
+        plugin.load_plugin(implementation="aot")

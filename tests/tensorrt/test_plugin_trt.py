@@ -59,10 +59,10 @@ def _build(trt, model, network_flags: int = 0):
     """A serialized engine for ``model`` and the layer types of its network."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    if strongly_typed is not None:  # TensorRT 10; 11 is always strongly typed
-        network_flags |= 1 << int(strongly_typed)
-    network = builder.create_network(network_flags)
+    from rmsnorm_deploy.tensorrt.build import network_flags as creation_flags
+
+    # STRONGLY_TYPED on TensorRT 10; 11 is always strongly typed and ignores it
+    network = builder.create_network(network_flags | creation_flags(trt, None))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse(model.SerializeToString()):
         raise AssertionError("; ".join(str(parser.get_error(i)) for i in range(parser.num_errors)))
