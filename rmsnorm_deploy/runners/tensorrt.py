@@ -69,8 +69,8 @@ class TensorRTRunner(Runner):
                               "`rmsnorm-deploy build --plugin` or run it without the plugin")
         from rmsnorm_deploy.tensorrt.runtime import (
             import_tensorrt,
-            load_plugin,
             make_logger,
+        register_plugin,
             trt_version,
         )
 
@@ -78,7 +78,7 @@ class TensorRTRunner(Runner):
         check_compatible(sidecar, Device.current(trt_version(trt)), engine_path=self.engine_path)
         check_engine_hash(sidecar, self.engine_path)
         if self.plugin:
-            load_plugin(implementation=str((sidecar.plugin or {}).get("implementation") or "aot"))
+            register_plugin(implementation=str((sidecar.plugin or {}).get("implementation") or "aot"))
         self.logger = make_logger(trt)
         self.runtime = trt.Runtime(self.logger)
         engine = self.runtime.deserialize_cuda_engine(self.engine_path.read_bytes())

@@ -193,14 +193,14 @@ def build_engine(
 
     from rmsnorm_deploy.tensorrt.runtime import (
         import_tensorrt,
-        load_plugin,
         make_logger,
+        register_plugin,
         trt_version,
     )
 
     trt = import_tensorrt("building a TensorRT engine")
     device = Device.current(trt_version(trt))
-    plugin_info = load_plugin(implementation=plugin_impl) if plugin else None
+    plugin_info = register_plugin(implementation=plugin_impl) if plugin else None
     flags = network_flags(trt, plugin_info)
     logger = make_logger(trt)
     builder = trt.Builder(logger)

@@ -71,10 +71,10 @@ def trt_dtype_name(dtype: Any) -> str:
     return TRT_DTYPE_NAMES.get(name, name.lower())
 
 
-def load_plugin(library: str | os.PathLike | None = None, *, implementation: str = "aot") -> dict[str, Any]:
+def register_plugin(library: str | os.PathLike | None = None, *, implementation: str = "aot") -> dict[str, Any]:
     """Load and register the RMSNorm plugin; its description for reports and sidecars.
 
-    The plugin lives in :mod:`rmsnorm_deploy.tensorrt.plugin` (``load_plugin(library=None)``),
+    The plugin lives in :mod:`rmsnorm_deploy.tensorrt.plugin` (its ``load_plugin``),
     imported only here, so everything else works where it is absent. ``implementation``:
     ``aot`` (the kernel compiled into the engine) or ``jit`` (called from Python at run time);
     the description's ``network_flags`` are the flags the builder sets for it. Any failure is

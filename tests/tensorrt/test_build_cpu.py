@@ -203,11 +203,11 @@ def test_a_plugin_norm_must_be_a_plugin_layer():
 @pytest.mark.skipif(importlib.util.find_spec("rmsnorm_deploy.tensorrt.plugin") is not None,
                     reason="the plugin module is installed here: its absence cannot show")
 def test_a_missing_plugin_module_is_a_one_line_error(model_path):
-    from rmsnorm_deploy.tensorrt.runtime import PluginError, load_plugin
+    from rmsnorm_deploy.tensorrt.runtime import PluginError, register_plugin
 
     with pytest.raises(PluginError, match=r"the RMSNorm TensorRT plugin is not part of this installation "
                                           r"\(rmsnorm_deploy.tensorrt.plugin is missing\); build without --plugin"):
-        load_plugin()
+        register_plugin()
 
 
 def test_the_plugin_description_keeps_its_identity():

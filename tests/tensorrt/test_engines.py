@@ -291,11 +291,11 @@ def test_runner_refuses_shapes_outside_the_profile_and_foreign_engines(tmp_path,
 
 
 def test_a_missing_plugin_library_is_a_one_line_error(tmp_path):
-    from rmsnorm_deploy.tensorrt.runtime import load_plugin
+    from rmsnorm_deploy.tensorrt.runtime import register_plugin
 
     need_plugin(True)
     with pytest.raises(UserError) as info:
-        load_plugin(library=tmp_path / "librmsnorm_missing.so")
+        register_plugin(library=tmp_path / "librmsnorm_missing.so")
     assert "\n" not in str(info.value)
 
 

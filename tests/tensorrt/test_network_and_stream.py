@@ -36,7 +36,7 @@ def _trt(version: str, *, strongly_typed: bool = True, prefer: bool = True):
 
 
 def _described(implementation: str) -> dict:
-    """What ``runtime.load_plugin`` returns for this package's plugin with ``implementation``."""
+    """What ``runtime.register_plugin`` returns for this package's plugin with ``implementation``."""
     info = plugin_module.PluginInfo(
         plugin_module.PLUGIN_NAME, plugin_module.PLUGIN_VERSION, tuple(plugin_module.REGISTRATIONS), implementation,
         plugin_module._NETWORK_FLAGS[implementation], None, "10.9.0.34", "3.6.0")
@@ -102,11 +102,11 @@ def test_the_build_creates_the_network_with_the_implementation_asked_for(monkeyp
     monkeypatch.setattr(runtime, "make_logger", lambda trt: object())
     monkeypatch.setattr(build_module.Device, "current", classmethod(lambda cls, v: cls(v, "fake GPU", "9.0")))
 
-    def load_plugin(library=None, *, implementation="aot"):
+    def register_plugin(library=None, *, implementation="aot"):
         loaded.append(implementation)
         return _described(implementation)
 
-    monkeypatch.setattr(runtime, "load_plugin", load_plugin)
+    monkeypatch.setattr(runtime, "register_plugin", register_plugin)
     with pytest.raises(Stop):
         build_engine(model_path, plugin=True, plugin_impl=implementation, progress=False)
     assert loaded == [implementation]
