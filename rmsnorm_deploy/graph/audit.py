@@ -95,6 +95,7 @@ class Reduction:
     order: str = "scale_then_cast"  # cast_then_scale when the normalized value is narrowed before the gain
     normalized_dims: int | None = None
     tensors: NormTensors | None = None
+    placement: str = ""  # pre, post, sublayer_output, qk, final, other (graph/placement.py); "" if not placed
 
     @property
     def low_precision(self) -> bool:
