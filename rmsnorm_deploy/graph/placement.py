@@ -70,6 +70,7 @@ import onnx
 from onnx import numpy_helper
 
 from rmsnorm_deploy.graph.audit import Reduction, _inline_for_analysis, audit_model
+from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 PLACEMENTS: tuple[str, ...] = ("pre", "post", "sublayer_output", "qk", "final", "other")
 KINDS = ("norm", "add", "matmul", "softmax", "attention", "cast", "shape", "op")
@@ -442,6 +443,39 @@ def mean_subtracting_findings(model: onnx.ModelProto, reductions: list[Reduction
                 f"{node.op_type} {what}: it may be a substituted RMSNorm, which it equals only where the mean "
                 "of its input is zero")))
     return findings
+
+
+def contract_findings(model: onnx.ModelProto, reductions: list[Reduction], metadata: ModelMetadata | None,
+                      *, base_dir: str | Path | None = None) -> list[Finding]:
+    """Place each norm of ``model`` (as written) and check it against what its metadata records.
+
+    Sets ``placement`` on the reductions; for our exports names each norm by its module path
+    (also in the ``inline`` lowering, where the node is gone: its output tensor names it) and
+    makes an error of each norm the graph places other than the source model did, or that the
+    graph lacks. Adds :func:`mean_subtracting_findings`.
+    """
+    assign_placements(model, reductions)
+    findings: list[Finding] = []
+    if metadata is not None and metadata.placements:
+        by_output = {v["output"]: k for k, v in metadata.placements.items()}
+        seen = set()
+        for red in reductions:
+            name = by_output.get(red.tensors.output) if red.tensors is not None else None
+            if name is None:
+                continue
+            red.node = name
+            seen.add(name)
+            want = metadata.placements[name]["placement"]
+            if red.placement != want:
+                findings.append(Finding("error", name, (
+                    f"the graph places it {red.placement or 'nowhere'!r}, the source model {want!r}: the graph does "
+                    "not compute the model's architecture")))
+        for name in metadata.placements:
+            if name not in seen and not any(f.norm == name for f in findings):
+                findings.append(Finding("error", name, "the source model calls this norm here, the graph has no "
+                                        f"norm writing {metadata.placements[name]['output']!r}"))
+    rms_norms = None if metadata is None else list(metadata.placements or metadata.specs)
+    return findings + mean_subtracting_findings(model, reductions, rms_norms, base_dir=base_dir)
 
 
 def _all_zero(tensor: onnx.TensorProto | None, base_dir: str | Path | None) -> bool:
