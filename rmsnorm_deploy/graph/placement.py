@@ -132,7 +132,8 @@ class Placer:
         return out
 
     def reachable(self, value: str) -> set[str]:
-        """Every value derived from ``value`` (not through ``shape``), ``value`` included."""
+        """Every value derived from ``value`` or the value it is a cast of (not through ``shape``)."""
+        value = self.same(value)
         if value not in self._reach:
             seen, stack = {value}, [value]
             while stack:
