@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
         optimized_by_onnxruntime,
     )
     from rmsnorm_deploy.graph.metadata import ModelMetadata
-    from rmsnorm_deploy.graph.placement import assign_placements, contract_findings
     from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable, load_onnx
+    from rmsnorm_deploy.graph.placement import assign_placements, contract_findings
     from rmsnorm_deploy.table import format_table
 
     if args.output:

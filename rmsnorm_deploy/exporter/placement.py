@@ -17,7 +17,8 @@ a mismatch.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -98,17 +99,17 @@ def torch_op_graph(module: torch.nn.Module, norms: Iterable[DetectedNorm], kwarg
     handles = []
 
     def pre_hook(path: str) -> Callable:
-        def hook(mod: torch.nn.Module, args: tuple) -> None:
+        def hook(mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             recorder.depth += 1
 
         return hook
 
     def post_hook(path: str) -> Callable:
-        def hook(mod: torch.nn.Module, args: tuple, output: Any) -> None:
+        def hook(mod: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             recorder.depth -= 1
             if recorder.depth:
                 return
-            ins, outs = _tensors(args[:1]), _tensors(output)
+            ins, outs = _tensors((args, kwargs))[:1], _tensors(output)
             if not ins or not outs:
                 return
             count = calls.get(path, 0) + 1
@@ -119,8 +120,8 @@ def torch_op_graph(module: torch.nn.Module, norms: Iterable[DetectedNorm], kwarg
         return hook
 
     for norm in norms:
-        handles.append(norm.module.register_forward_pre_hook(pre_hook(norm.path)))
-        handles.append(norm.module.register_forward_hook(post_hook(norm.path)))
+        handles.append(norm.module.register_forward_pre_hook(pre_hook(norm.path), with_kwargs=True))
+        handles.append(norm.module.register_forward_hook(post_hook(norm.path), with_kwargs=True))
     inputs = {recorder.name(t) for t in kwargs.values()}
     try:
         with torch.no_grad(), recorder:

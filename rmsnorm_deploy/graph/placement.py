@@ -62,8 +62,8 @@ normalization (LayerNorm) standing where the source has an RMS norm.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import onnx
@@ -271,6 +271,8 @@ _ONNX_KINDS = {
     "Shape": "shape", "Size": "shape",
     # ONNX Runtime's packed Attention projects its input with its own weights first.
     "Attention@com.microsoft": "matmul",
+    "FusedMatMul@com.microsoft": "matmul", "MatMulNBits@com.microsoft": "matmul",
+    "MatMulIntegerToFloat@com.microsoft": "matmul",
 }
 #: fused attention ops and the inputs that are queries and keys
 _ATTENTION = {
@@ -311,12 +313,13 @@ def onnx_op_graph(model: onnx.ModelProto, reductions: Iterable[Reduction],
         removed |= internal
         ops: list[Op] = []
         x = t.inputs[0]
-        if len(t.inputs) > 1:  # the Skip ops' residual add, fused into the norm
+        if len(t.inputs) > 1:  # the Skip ops' residual add (and bias), fused into the norm
             x = t.sum_output or f"{t.output}#sum"
-            ops.append(Op("add", list(t.inputs[:2]), [x]))
             if len(t.inputs) > 2:
-                ops.append(Op("add", [x, t.inputs[2]], [f"{x}#bias"]))
-                x = f"{x}#bias"
+                ops.append(Op("add", list(t.inputs[:2]), [f"{x}#unbiased"]))
+                ops.append(Op("add", [f"{x}#unbiased", t.inputs[2]], [x]))
+            else:
+                ops.append(Op("add", list(t.inputs[:2]), [x]))
         ops.append(Op("norm", [x], [t.output], name=name))
         norms[max(internal | {producers[t.output]})] = ops
     ops: list[Op] = []
@@ -336,8 +339,6 @@ def _onnx_op(node: onnx.NodeProto) -> Op:
     if (node.op_type, domain) in _ATTENTION:
         return Op("attention", list(node.input), list(node.output), qk_inputs=_ATTENTION[(node.op_type, domain)])
     kind = _ONNX_KINDS.get(f"{node.op_type}@{domain}" if domain else node.op_type, "op")
-    if domain and f"{node.op_type}@{domain}" not in _ONNX_KINDS and node.op_type not in ("FusedMatMul", "MatMulNBits"):
-        kind = "op"
     inputs = list(node.input) if kind != "matmul" or node.op_type != "Gemm" else list(node.input[:2])
     return Op(kind, [i for i in inputs if i], [o for o in node.output if o], name=node.name)
 
@@ -484,6 +485,6 @@ def _all_zero(tensor: onnx.TensorProto | None, base_dir: str | Path | None) -> b
         return False
     try:
         value = numpy_helper.to_array(tensor, base_dir=str(base_dir) if base_dir else "")
-    except Exception:  # external data not found: unknown, not flagged
+    except (OSError, ValueError, TypeError):  # external data not found: unknown, not flagged
         return False
     return bool(np.all(value == 0))

@@ -172,7 +172,7 @@ def test_a_norm_called_twice_is_placed_per_call():
 
         def forward(self, x):
             h = x + self.f(self.norm(x))
-            return {"y": self.norm(h)}
+            return {"y": self.norm(x=h)}  # called by keyword too
 
     module = Shared()
     norms = detect_norms(module, dtype="float32").norms
