@@ -294,3 +294,22 @@ def test_zero_bias_read_from_external_data(tmp_path):
     findings = mean_subtracting_findings(loaded, audit_model(loaded), None, base_dir=tmp_path)
     assert [f.level for f in findings] == ["warning"]
     assert mean_subtracting_findings(loaded, audit_model(loaded), None, base_dir=tmp_path / "elsewhere") == []
+
+
+@pytest.mark.parametrize("op_type, domain", [("GroupQueryAttention", "com.microsoft"),
+                                             ("MultiHeadAttention", "com.microsoft"), ("Attention", "")])
+def test_fused_attention_ops_take_queries_and_keys_at_inputs_0_and_1(op_type, domain):
+    """onnxruntime-genai's builder style: q/k norms feed a fused attention op (after a reshape); a norm
+    of the values feeds it too, at input 2, and is ``other``."""
+    g = G()
+    y0, s0 = _skip(g, "x", g.linear("x"), "layers.0.attn_norm", sum_output=True)
+    q, k = g.norm(g.linear(y0), "layers.0.q_norm"), g.norm(g.linear(y0), "layers.0.k_norm")
+    v = g.norm(g.linear(y0), "layers.0.v_norm")
+    shape = numpy_helper.from_array(np.array([0, 0, H], dtype=np.int64), "shape")
+    g.inits.append(shape)
+    attn = g.op(op_type, g.op("Reshape", q, "shape"), g.op("Reshape", k, "shape"), v, domain=domain)
+    y1, _ = _skip(g, s0, g.linear(attn), "norm", sum_output=False)
+    model = g.model(g.linear(y1), opset=23 if not domain else 18)
+    placed = graph_placements(lower_model(model, "function"))
+    assert placed == {"layers.0.attn_norm": "pre", "layers.0.q_norm": "qk", "layers.0.k_norm": "qk",
+                      "layers.0.v_norm": "other", "norm": "final"}
