@@ -313,3 +313,15 @@ def test_fused_attention_ops_take_queries_and_keys_at_inputs_0_and_1(op_type, do
     placed = graph_placements(lower_model(model, "function"))
     assert placed == {"layers.0.attn_norm": "pre", "layers.0.q_norm": "qk", "layers.0.k_norm": "qk",
                       "layers.0.v_norm": "other", "norm": "final"}
+
+
+@pytest.mark.parametrize("value", ['"pre"', '{"norm": "pre"}', '{"norm": {"placement": 1, "output": "y"}}', "{"])
+def test_damaged_placements_metadata_is_a_one_line_error(value, tmp_path, capsys):
+    """Our own metadata is input too: placements that are not ``{name: {placement, output}}`` stop the audit."""
+    model = _exported_like()
+    next(p for p in model.metadata_props if p.key == "rmsnorm_deploy.placements").value = value
+    path = tmp_path / "damaged.onnx"
+    onnx.save(model, str(path))
+    assert main(["audit", str(path), "--optimization", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metadata is damaged" in err
