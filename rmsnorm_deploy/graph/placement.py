@@ -485,6 +485,6 @@ def _all_zero(tensor: onnx.TensorProto | None, base_dir: str | Path | None) -> b
         return False
     try:
         value = numpy_helper.to_array(tensor, base_dir=str(base_dir) if base_dir else "")
-    except (OSError, ValueError, TypeError):  # external data not found: unknown, not flagged
+    except (OSError, ValueError, TypeError, onnx.checker.ValidationError):  # data not found: unknown, not flagged
         return False
     return bool(np.all(value == 0))
