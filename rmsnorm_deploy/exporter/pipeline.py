@@ -150,7 +150,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     timings["torch_run_s"] = st.seconds
 
     with progress.stage("placing each norm in the PyTorch model (pre, post, qk, final, ...)") as st:
-        source_placements = _source_placements(module, detection.norms, input_ids)
+        source_placements = _source_placements(module, detection, input_ids)
         st.note(_count_placements(source_placements))
     timings["placement_s"] = st.seconds
 
@@ -420,12 +420,14 @@ def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions
 _PLACEMENT_TOKENS = 8
 
 
-def _source_placements(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor) -> dict[str, str]:
+def _source_placements(module: torch.nn.Module, detection: Detection, input_ids: torch.Tensor) -> dict[str, str]:
     from rmsnorm_deploy.exporter.placement import torch_placements
 
     ids = input_ids[:1, :_PLACEMENT_TOKENS]
+    # LayerNorms stay in the graph as LayerNorms, which the graph side sees as norms too.
+    others = [path for path, _ in detection.other_norms if isinstance(module.get_submodule(path), torch.nn.LayerNorm)]
     try:
-        return torch_placements(module, norms, {INPUT_NAME: ids})
+        return torch_placements(module, detection.norms, {INPUT_NAME: ids}, others)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
         raise ExportError(f"placing the norms failed: the model did not run under the trace: {one_line(exc)}") from None
 

@@ -92,8 +92,12 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def torch_op_graph(module: torch.nn.Module, norms: Iterable[DetectedNorm], kwargs: dict[str, torch.Tensor]) -> OpGraph:
-    """The op graph of ``module(**kwargs)`` run once, each call of a norm in ``norms`` one ``norm`` op."""
+def torch_op_graph(module: torch.nn.Module, norms: Iterable[DetectedNorm], kwargs: dict[str, torch.Tensor],
+                   others: Iterable[str] = ()) -> OpGraph:
+    """The op graph of ``module(**kwargs)`` run once, each call of a norm in ``norms`` one ``norm`` op.
+
+    ``others``: paths of the model's other normalizations (LayerNorms, exported as they are),
+    also one ``norm`` op each, as the ONNX side sees them."""
     recorder = _Recorder()
     calls: dict[str, int] = {}
     handles = []
@@ -119,9 +123,10 @@ def torch_op_graph(module: torch.nn.Module, norms: Iterable[DetectedNorm], kwarg
 
         return hook
 
-    for norm in norms:
-        handles.append(norm.module.register_forward_pre_hook(pre_hook(norm.path), with_kwargs=True))
-        handles.append(norm.module.register_forward_hook(post_hook(norm.path), with_kwargs=True))
+    modules = [(n.path, n.module) for n in norms] + [(p, module.get_submodule(p)) for p in others]
+    for path, mod in modules:
+        handles.append(mod.register_forward_pre_hook(pre_hook(path), with_kwargs=True))
+        handles.append(mod.register_forward_hook(post_hook(path), with_kwargs=True))
     inputs = {recorder.name(t) for t in kwargs.values()}
     try:
         with torch.no_grad(), recorder:
@@ -134,9 +139,12 @@ def torch_op_graph(module: torch.nn.Module, norms: Iterable[DetectedNorm], kwarg
 
 
 def torch_placements(module: torch.nn.Module, norms: Iterable[DetectedNorm],
-                     kwargs: dict[str, torch.Tensor]) -> dict[str, str]:
-    """``{norm call name: placement}`` of ``module`` run on ``kwargs`` (see the module docstring)."""
-    return place_norms(torch_op_graph(module, norms, kwargs))
+                     kwargs: dict[str, torch.Tensor], others: Iterable[str] = ()) -> dict[str, str]:
+    """``{norm call name: placement}`` of each norm in ``norms`` of ``module`` run on ``kwargs`` (see the
+    module docstring); ``others`` (paths of other normalizations) are norms of the graph, not placed."""
+    others = list(others)
+    placed = place_norms(torch_op_graph(module, norms, kwargs, others))
+    return {k: v for k, v in placed.items() if k.split("#")[0] not in others}
 
 
 def check_placements(source: dict[str, str], graph: dict[str, str]) -> None:

@@ -179,3 +179,22 @@ def test_a_norm_called_twice_is_placed_per_call():
     placed = torch_placements(module, norms, {"x": torch.randn(1, 3, 8)})
     assert placed == {"norm": "pre", "norm#2": "final"}
 
+
+
+def test_layer_norms_are_norms_on_both_sides():
+    """A LayerNorm (exported as it is) is a norm in the graph; the PyTorch side collapses it too, so a
+    norm whose value reaches the head only through a LayerNorm is ``other`` on both sides."""
+    class Stacked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rms, self.ln, self.head = torch.nn.RMSNorm(8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return {"y": self.head(self.ln(self.rms(x)))}
+
+    module = Stacked()
+    detection = detect_norms(module, dtype="float32")
+    assert [n.path for n in detection.norms] == ["rms"] and [p for p, _ in detection.other_norms] == ["ln"]
+    x = {"x": torch.randn(1, 3, 8)}
+    assert torch_placements(module, detection.norms, x, others=["ln"]) == {"rms": "other"}
+    assert torch_placements(module, detection.norms, x) == {"rms": "final"}  # the LayerNorm's ops crossed

@@ -325,3 +325,12 @@ def test_damaged_placements_metadata_is_a_one_line_error(value, tmp_path, capsys
     assert main(["audit", str(path), "--optimization", "none"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "metadata is damaged" in err
+
+
+def test_a_layer_norm_between_a_norm_and_the_head_is_a_norm():
+    """The same model as tests/exporter/test_placement.py's LayerNorm case, on the graph side: ``other``."""
+    g = G()
+    y = g.norm("x", "rms")
+    ln = g.op("LayerNormalization", y, g.weight(H), g.weight(H), axis=-1, epsilon=1e-5)
+    placed = graph_placements(lower_model(g.model(g.linear(ln)), "function"))
+    assert placed["rms"] == "other" and sorted(placed.values()) == ["final", "other"]
