@@ -3,7 +3,7 @@
 =========  ====================================================================================
 export     a preset or Hugging Face folder to ONNX, with parity (``exporter.plan`` checks first)
 validate   a model on each backend against its source or float64 oracle
-audit      every norm reduction and its dtype, as written and after ONNX Runtime
+audit      every norm reduction, its dtype and placement, as written and after ONNX Runtime
 parity     the standalone model of each lowering in ONNX Runtime CPU
 build      a strongly typed TensorRT engine
 check_trt  what a TensorRT version's parser imports, without TensorRT

@@ -1,7 +1,12 @@
 """List every RMSNorm and LayerNorm reduction of an ONNX graph (ours or any tool's): the dtype
-its squares and its sum are computed in, its epsilon and axes, as written and after ONNX
-Runtime's graph optimizations (the graph ONNX Runtime actually runs). Exit code 1 if any
-reduction accumulates in float16 or bfloat16, 2 on bad input."""
+its squares and its sum are computed in, its epsilon and axes, its placement (pre, post,
+sublayer_output, qk, final, other: ``graph/placement.py``), as written and after ONNX
+Runtime's graph optimizations (the graph ONNX Runtime actually runs).
+
+Exit code 1 if any reduction accumulates in float16 or bfloat16, or on a contract error: in
+our exports, a norm the graph places other than the source model did (the metadata records
+it) or a mean-subtracting LayerNorm where the metadata says RMSNorm. A LayerNormalization
+with a zero bias in any graph is a warning (it may be a substituted RMSNorm). 2 on bad input."""
 
 from __future__ import annotations
 
@@ -26,12 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from rmsnorm_deploy.graph.audit import (
-        audit_after_onnxruntime,
         audit_model,
         low_precision_reductions,
+        optimized_by_onnxruntime,
     )
+    from rmsnorm_deploy.graph.metadata import ModelMetadata
     from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable, load_onnx
+    from rmsnorm_deploy.graph.placement import assign_placements, contract_findings
     from rmsnorm_deploy.table import format_table
 
     if args.output:
@@ -49,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--onnxruntime-version {version!r} is not a version like 1.26 or 1.26.0")
     model = load_onnx(args.model, load_external=False)
     reductions = audit_model(model, onnxruntime_version=version)
+    findings = contract_findings(model, reductions, ModelMetadata.read(model), base_dir=Path(args.model).parent)
     errors: list[str] = []
     if levels:
         from rmsnorm_deploy.errors import (
@@ -61,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
         set_onnxruntime_log_level()
         for level in levels:
             try:
-                reductions += audit_after_onnxruntime(args.model, optimization=level, providers=providers,
-                                                      onnxruntime_version=version)
+                optimized = optimized_by_onnxruntime(args.model, optimization=level, providers=providers)
+                after = audit_model(optimized, stage=f"after onnxruntime ({level})", onnxruntime_version=version)
+                assign_placements(optimized, after)
+                reductions += after
             except (MissingDependencyError, ProviderError):
                 raise
             except UserError as exc:
@@ -75,22 +87,26 @@ def run(args: argparse.Namespace) -> int:
         "reductions": [r.to_dict() for r in reductions],
         "low_precision": len(low),
         "errors": errors,
+        "findings": [f.to_dict() for f in findings],
     }
     if args.json:
         print(json.dumps(data, indent=1))
     else:
-        headers = ["stage", "norm", "kind", "op", "input", "accumulates", "epsilon", "axes", "note"]
-        rows = [[r.stage, r.node, r.kind, r.op, r.input_dtype, r.precision + (" LOW" if r.low_precision else ""),
+        headers = ["stage", "norm", "kind", "placement", "op", "input", "accumulates", "epsilon", "axes", "note"]
+        rows = [[r.stage, r.node, r.kind, r.placement or "-", r.op, r.input_dtype,
+                 r.precision + (" LOW" if r.low_precision else ""),
                  "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes, r.note] for r in reductions]
         print(format_table(headers, rows) if rows else "no normalization reduction found")
         stages = ["as written"] + [f"after onnxruntime ({lvl})" for lvl in levels]
         for error in errors:
             print(f"error: {error}")
+        for finding in findings:
+            print(f"{finding.level}: norm {finding.norm}: {finding.message}")
         print(f"\n{len(reductions)} reductions ({', '.join(stages)}); {len(low)} accumulate in float16 or bfloat16")
     if args.output:
         with atomic_path(args.output, force=args.force) as tmp:
             tmp.write_text(json.dumps(data, indent=1))
-    if low:
+    if low or any(f.level == "error" for f in findings):
         return 1
     if errors:
         import sys

@@ -8,6 +8,8 @@ Steps (each one a line of progress on stderr):
    the requested dtype stops here, before anything is written. The PyTorch side of the
    parity check (step 7) runs here too, so that the module's weights can be freed once the
    graph holds its own copy (``release_model``).
+   Each norm call is placed in the model run eagerly (``placement.py``: pre, post,
+   sublayer_output, qk, final, other).
 3. **Export**: each norm is swapped for :class:`~rmsnorm_deploy.exporter.torch_op.ExportRMSNorm` (the
    custom op carrying the spec); ``torch.onnx.export(dynamo=True)`` with the custom
    translation emits one ``rmsnorm_deploy::RMSNorm`` node per norm call, with dynamic
@@ -20,7 +22,9 @@ Steps (each one a line of progress on stderr):
    attributes and overload ``onnx_function.rmsnorm_node`` gives it, and its module path as
    name; the nodes are counted against the detected norms; ``lowerings.lower_model`` writes
    the lowering; the norm reductions ``audit`` finds must equal the norm calls and all
-   accumulate in float32 (or wider); metadata (``metadata.ModelMetadata``). Then the
+   accumulate in float32 (or wider); the graph must place every norm call where the PyTorch
+   model does (``graph/placement.py``), else the export is refused naming the norm and both
+   placements; metadata (``metadata.ModelMetadata``, with the placements). Then the
    weights are added, one tensor at a time; past 2 GB they go to ``model.onnx.data``,
    written straight from the exporter's tensors so the weights are never held twice.
 5. **Check** the written file with ``onnx.checker`` (full check; not for the ``ort``
@@ -145,6 +149,11 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                             "choose another --dtype") from None
     timings["torch_run_s"] = st.seconds
 
+    with progress.stage("placing each norm in the PyTorch model (pre, post, qk, final, ...)") as st:
+        source_placements = _source_placements(module, detection, input_ids)
+        st.note(_count_placements(source_placements))
+    timings["placement_s"] = st.seconds
+
     expected = None
     if options.parity:
         # The PyTorch side of the parity check runs first, so that the module's weights can be
@@ -180,7 +189,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         "fusions": fusions.to_dict() if fusions is not None else None,
         "parameters": loaded.parameter_count(),
         "weight_bytes": loaded.weight_bytes(),
-        "norms": [n.to_dict() for n in detection.norms],
+        "norms": [{**n.to_dict(), "placement": source_placements.get(n.path, "")} for n in detection.norms],
+        "placements": source_placements,
         "other_norms": [{"path": p, "class": c} for p, c in detection.other_norms],
         "versions": tool_versions(),
     }
@@ -198,7 +208,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     staged_data: Path | None = None
     try:
         with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
-            model, staged_data = _finish_graph(program, detection, options, target, meta, st)
+            model, staged_data = _finish_graph(program, detection, options, target, meta, st, source_placements)
             del program
         timings["onnx_graph_s"] = st.seconds
         del module
@@ -285,7 +295,8 @@ _WEIGHT_BYTES = 1024
 
 
 def _finish_graph(program: Any, detection: Detection, options: ExportOptions, target: Path,
-                  meta: ModelMetadata, stage: Any) -> tuple[onnx.ModelProto, Path | None]:
+                  meta: ModelMetadata, stage: Any,
+                  source_placements: dict[str, str]) -> tuple[onnx.ModelProto, Path | None]:
     """The exported graph as a checked ModelProto with canonical, lowered norm nodes and metadata.
 
     The graph is serialized without its weights, rewritten and audited, and only then are the
@@ -312,9 +323,13 @@ def _finish_graph(program: Any, detection: Detection, options: ExportOptions, ta
     del model_ir
     model.producer_name = "rmsnorm-deploy"
     nodes = _canonicalize_norm_nodes(model, detection, options.dtype)
+    # Each norm call's output tensor keeps its name through every lowering: it names the norm after.
+    outputs = {n.output[0]: n.name for n in model.graph.node if is_rmsnorm_node(n)}
     model.ir_version = max(model.ir_version, ir_version_for(model.opset_import))
     model = lower_model(model, options.lowering)
-    _check_norms(model, nodes, options, stage)
+    reductions = _check_norms(model, nodes, options, stage)
+    _check_placements(model, reductions, outputs, source_placements)
+    meta.placements = {name: {"placement": source_placements[name], "output": out} for out, name in outputs.items()}
     stage.note(f"{nodes} norm nodes lowered and audited in {time.perf_counter() - clock:.1f}s")
     meta.write(model)
 
@@ -383,8 +398,8 @@ def norm_node_count(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if is_rmsnorm_node(n))
 
 
-def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions, stage: Any = None) -> None:
-    """As many RMSNorm reductions as norm calls, every one accumulating in float32 or wider."""
+def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions, stage: Any = None) -> list[Any]:
+    """As many RMSNorm reductions as norm calls, every one accumulating in float32 or wider; returns them."""
     from rmsnorm_deploy.graph.audit import audit_model
 
     reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
@@ -397,6 +412,42 @@ def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions
                           f"(first: {low[0].node}); the export must keep them in float32")
     if model_opset(model) != options.resolved_opset():
         raise ExportError(f"the exporter wrote opset {model_opset(model)}, not the requested {options.resolved_opset()}")
+    return reductions
+
+
+#: The placement trace runs the model on at most this many tokens of one row (it keeps every
+#: intermediate tensor alive while it runs).
+_PLACEMENT_TOKENS = 8
+
+
+def _source_placements(module: torch.nn.Module, detection: Detection, input_ids: torch.Tensor) -> dict[str, str]:
+    from rmsnorm_deploy.exporter.placement import torch_placements
+
+    ids = input_ids[:1, :_PLACEMENT_TOKENS]
+    # LayerNorms stay in the graph as LayerNorms, which the graph side sees as norms too.
+    others = [path for path, _ in detection.other_norms if isinstance(module.get_submodule(path), torch.nn.LayerNorm)]
+    try:
+        return torch_placements(module, detection.norms, {INPUT_NAME: ids}, others)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise ExportError(f"placing the norms failed: the model did not run under the trace: {one_line(exc)}") from None
+
+
+def _count_placements(placements: dict[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for p in placements.values():
+        counts[p] = counts.get(p, 0) + 1
+    return ", ".join(f"{n} {p}" for p, n in counts.items())
+
+
+def _check_placements(model: onnx.ModelProto, reductions: list[Any], outputs: dict[str, str],
+                      source: dict[str, str]) -> None:
+    """The graph places every norm call where the PyTorch model does (``ExportError`` naming the first that differs)."""
+    from rmsnorm_deploy.exporter.placement import check_placements
+    from rmsnorm_deploy.graph.placement import graph_placements
+
+    names = set(outputs.values())
+    placed = graph_placements(model, reductions, names=outputs)
+    check_placements(source, {k: v for k, v in placed.items() if k in names})
 
 
 def _checker(path: Path, options: ExportOptions, *, stage: Any = None) -> None:

@@ -9,5 +9,7 @@ metadata     ``ModelMetadata``: spec, lowering, dtype, source and dims stored in
 onnx_file    ``load_onnx``/``save_onnx``: safe reads (external data kept in its folder) and
              atomic writes
 audit        every normalization reduction of any graph and the dtype it accumulates in
+placement    where each norm stands (pre, post, sublayer_output, qk, final, other): the rules
+             on an op graph, its ONNX side; a LayerNorm standing for an RMSNorm
 ===========  ================================================================================
 """

@@ -95,6 +95,7 @@ class Reduction:
     order: str = "scale_then_cast"  # cast_then_scale when the normalized value is narrowed before the gain
     normalized_dims: int | None = None
     tensors: NormTensors | None = None
+    placement: str = ""  # pre, post, sublayer_output, qk, final, other (graph/placement.py); "" if not placed
 
     @property
     def low_precision(self) -> bool:
@@ -597,14 +598,20 @@ def audit_after_onnxruntime(
     onnxruntime_version: str | None = None,
 ) -> list[Reduction]:
     """Audit the graph ONNX Runtime runs: the model after its graph optimizations."""
+    result = optimized_by_onnxruntime(model, optimization=optimization, providers=providers)
+    return audit_model(result, stage=f"after onnxruntime ({optimization})", onnxruntime_version=onnxruntime_version)
+
+
+def optimized_by_onnxruntime(model: onnx.ModelProto | str | os.PathLike, *, optimization: str = "all",
+                             providers: Iterable[str] = ("cpu",)) -> onnx.ModelProto:
+    """The graph ONNX Runtime runs for ``model`` (``optimized_model_filepath``), without its weights' data."""
     from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     with tempfile.TemporaryDirectory(prefix="rmsnorm-audit-") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         with OnnxRuntimeRunner(model, list(providers), optimization=optimization, optimized_model_path=optimized):
             pass
-        result = onnx.load(str(optimized), load_external_data=False)
-    return audit_model(result, stage=f"after onnxruntime ({optimization})", onnxruntime_version=onnxruntime_version)
+        return onnx.load(str(optimized), load_external_data=False)
 
 
 def low_precision_reductions(reductions: Iterable[Reduction]) -> list[Reduction]:

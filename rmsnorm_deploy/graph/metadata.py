@@ -28,6 +28,11 @@ dims               ``{dynamic dim name: [min, opt, max]}``: the range the model 
                    ``max(8, batch)`` for ``batch`` and the model's positions (at most 4096) for
                    ``seq``
 versions           ``{package: version}`` of the tools that wrote the file
+placements         ``{norm call name: {"placement": str, "output": str}}``: where the source
+                   model places each call of a norm (``graph/placement.py``: pre, post,
+                   sublayer_output, qk, final, other) and the tensor the call writes, which
+                   names the norm in every lowering; the second call of a norm is
+                   ``path#2``. Exported models only; the audit checks the graph against it
 =================  ==========================================================================
 """
 
@@ -45,7 +50,7 @@ from rmsnorm_deploy.errors import ModelFileError
 
 PREFIX = "rmsnorm_deploy."
 FORMAT = "1"
-_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions")
+_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "placements")
 _TEXT_KEYS = ("format", "lowering", "dtype")
 
 
@@ -58,9 +63,10 @@ class ModelMetadata:
     inputs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    placements: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     def to_props(self) -> dict[str, str]:
-        return {
+        props = {
             "format": FORMAT,
             "specs": json.dumps({k: v.to_dict() for k, v in self.specs.items()}, sort_keys=True),
             "lowering": self.lowering,
@@ -70,6 +76,9 @@ class ModelMetadata:
             "dims": json.dumps(self.dims, sort_keys=True),
             "versions": json.dumps(self.versions, sort_keys=True),
         }
+        if self.placements:
+            props["placements"] = json.dumps(self.placements, sort_keys=True)
+        return props
 
     def write(self, model: onnx.ModelProto) -> None:
         """Replace the model's ``rmsnorm_deploy.*`` entries with these."""
@@ -88,6 +97,11 @@ class ModelMetadata:
         try:
             parsed = {k: json.loads(raw[k]) for k in _JSON_KEYS if k in raw}
             specs = {name: RMSNormSpec.from_dict(d) for name, d in parsed.get("specs", {}).items()}
+            placements = parsed.get("placements", {})
+            if not isinstance(placements, dict) or not all(
+                    isinstance(v, dict) and isinstance(v.get("placement"), str) and isinstance(v.get("output"), str)
+                    for v in placements.values()):
+                raise ValueError("placements is not {name: {placement, output}}")
         except (ValueError, TypeError) as exc:
             raise ModelFileError(f"the model's rmsnorm_deploy metadata is damaged ({exc}); export it again") from None
         return cls(
@@ -98,6 +112,7 @@ class ModelMetadata:
             inputs=parsed.get("inputs", {}),
             dims=parsed.get("dims", {}),
             versions=parsed.get("versions", {}),
+            placements=placements,
         )
 
 

@@ -40,6 +40,13 @@ FAMILIES = {
     "phi3": (5, "Phi3RMSNorm", RMSNormSpec.llama(1e-5)),
     "olmo2": (9, "Olmo2RMSNorm", RMSNormSpec.olmo2(1e-5)),  # post-norms + q/k norms over hidden
 }
+#: family -> how many norms stand in each place (graph/placement.py), both sides of the export agreeing
+PLACEMENTS = {
+    "qwen3": {"pre": 4, "qk": 4, "final": 1},
+    "gemma3": {"pre": 4, "qk": 4, "sublayer_output": 4, "final": 1},
+    "olmo2": {"qk": 4, "sublayer_output": 4, "final": 1},
+}
+PRE_NORM = {"pre": 4, "final": 1}
 CASES = [(f, "float32") for f in FAMILIES] + [("gemma3", "float16"), ("qwen3", "float16")]
 
 
@@ -95,6 +102,8 @@ def test_family_export_matches_transformers_eager(family, dtype, tmp_path):
             assert torch.equal(rebuilt(input_ids=ids)["logits"], loaded.module(input_ids=ids)["logits"])
     report = json.loads((path.parent / "report.json").read_text())
     assert report["parity"]["status"] == "pass" and report["source"]["kind"] == "hf"
+    placed = [n["placement"] for n in report["norms"]]
+    assert {p: placed.count(p) for p in placed} == PLACEMENTS.get(family, PRE_NORM)
 
 
 def test_random_config_models_are_seeded():

@@ -103,6 +103,9 @@ def test_tiny_export(lowering, tmp_path, monkeypatch):
     # -- the report and the export-time parity
     report = json.loads((path.parent / "report.json").read_text())
     assert [n["path"] for n in report["norms"]] == TINY_NORMS and report["lowering"] == lowering
+    placements = {n: "final" if n == "model.norm" else "pre" for n in TINY_NORMS}
+    assert report["placements"] == placements and [n["placement"] for n in report["norms"]] == list(placements.values())
+    assert {k: v["placement"] for k, v in meta.placements.items()} == placements
     parity = result.parity
     assert report["parity"]["status"] == parity.status
     if dtype == "bfloat16":  # ONNX Runtime CPU has no bfloat16 MatMul: not run, and saying why

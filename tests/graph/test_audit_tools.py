@@ -17,6 +17,7 @@ What they show (with onnxruntime 1.32 on CPU):
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -165,6 +166,21 @@ def test_transformers_optimizer_writes_skip_ops_that_old_cuda_kernels_sum_in_flo
     assert [r.accumulation for r in pinned] == ["float32", "float16", "float16"]
     assert main(["audit", str(optimized_fp16), "--onnxruntime-version", "1.26", "--optimization", "none"]) == 1
     assert "2 accumulate in float16" in capsys.readouterr().out
+
+
+def test_placement_through_the_optimizer_fused_skip_ops(optimized_fp16, capsys):
+    """The optimizer fuses each residual Add into the next norm (SkipSimplifiedLayerNormalization) and the
+    float16 conversion puts Casts around them: the norms are still pre, pre and final."""
+    from rmsnorm_deploy.graph.placement import graph_placements
+
+    model = onnx.load(str(optimized_fp16))
+    reductions = audit_model(model)
+    placed = graph_placements(model, reductions)
+    assert [placed[r.node] for r in reductions] == ["pre", "pre", "final"]
+    assert main(["audit", str(optimized_fp16), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    after = [r["placement"] for r in data["reductions"] if r["stage"] != "as written"]
+    assert after == ["pre", "pre", "final"]  # and in the graph ONNX Runtime runs
 
 
 def test_validate_checks_the_optimizer_fused_skip_ops(optimized_fp16):
