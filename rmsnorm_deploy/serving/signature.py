@@ -115,10 +115,11 @@ def model_path(path: str | os.PathLike) -> Path:
 
 
 def read_signature(path: str | os.PathLike, *, max_batch: int | None = None) -> Signature:
-    """The signature of the ONNX file at ``path`` (external data is not loaded)."""
+    """The signature of the ONNX file (or export folder) at ``path``; external data is not loaded."""
     from rmsnorm_deploy.graph.metadata import ModelMetadata
     from rmsnorm_deploy.graph.onnx_file import load_onnx
 
+    path = model_path(path)
     model = load_onnx(path, load_external=False)
     meta = ModelMetadata.read(model)
     return signature_of(model, dims=meta.dims if meta else {}, max_batch=max_batch, where=str(path))
