@@ -5,6 +5,9 @@ engine, no NGC image): these tests check what it would be given."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -152,3 +155,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert main(["triton-repo"] + [a.format(**paths) for a in argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "triton" / "serve_and_check.sh"
+
+
+def test_serve_and_check_script_passes_shellcheck():
+    local = SCRIPT.parents[2] / ".venv-lint" / "bin" / "shellcheck"
+    shellcheck = str(local) if local.exists() else shutil.which("shellcheck")
+    if not shellcheck:
+        pytest.skip("shellcheck is not installed here: `make lint-docker` installs it (CI runs it before the tests)")
+    proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_serve_and_check_script_refuses_a_folder_that_is_not_a_repository(tmp_path):
+    # Docker is never reached: the script checks its input first (exit 2, one line)
+    proc = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "config.pbtxt not found" in proc.stderr and proc.stderr.count("\n") == 1
+    assert "Usage: serve_and_check.sh REPO" in subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True,
+                                                               text=True, timeout=30).stdout
