@@ -20,23 +20,31 @@ def _one_line_error(capsys) -> str:
     return err
 
 
-def test_port_in_use_is_refused(tmp_path, capsys):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_port_in_use_is_refused(tmp_path, capsys, flag):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
     model = external_data_model(tmp_path / "m")
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        assert main(["serve", str(tmp_path / "m"), "--http-port", str(port), "--grpc-port", "0",
-                     "--metrics-port", "1"]) == 2
-    assert "a port is a number from 1 to 65535" in _one_line_error(capsys)  # --grpc-port 0 first
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        assert main(["serve", str(model), "--grpc-port", str(port), "--http-port", str(port + 1 if port < 65535 else 1),
-                     "--metrics-port", str(port - 1)]) == 2
-    err = _one_line_error(capsys)
-    assert f"port {port} on 127.0.0.1 is in use (--grpc-port)" in err
+        ports = {f: str(port) if f == flag else str(_free_port())
+                 for f in ("--http-port", "--grpc-port", "--metrics-port")}
+        argv = ["serve", str(model)] + [x for f, p in ports.items() for x in (f, p)]
+        assert main(argv) == 2
+    assert f"port {port} on 127.0.0.1 is in use ({flag})" in _one_line_error(capsys)
+
+
+def test_port_out_of_range_is_refused(tmp_path, capsys):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
+    assert main(["serve", str(external_data_model(tmp_path / "m")), "--grpc-port", "0"]) == 2
+    assert "--grpc-port 0: a port is a number from 1 to 65535" in _one_line_error(capsys)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -119,9 +119,13 @@ def served(tiny_export):
         time.sleep(0.2)
     server.children = _descendants(process.pid)
     yield server
-    if process.poll() is None:  # the SIGTERM test did not run or failed
-        process.kill()
-        process.wait(timeout=30)
+    if process.poll() is None:  # the SIGTERM test did not run or failed: stop it cleanly, then by force
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
 
 
 def _ids(rows: int, seq: int, seed: int) -> np.ndarray:
