@@ -17,14 +17,17 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench-export-scale bench-peers lint-docker gpu-check clean
+.PHONY: run test parity bench-export-scale bench-peers bench-serving lint-docker gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: this machine's pip takes the CPU wheel from local disk.
 	$(PY) -m pip install -q -c constraints.txt torch
-	$(PY) -m pip install -q -c constraints.txt -e '.[onnxruntime,triton,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[onnxruntime,triton,test,serve]'
+	# nvidia-pytriton pins numpy<2 yet serves correctly with numpy 2 (rmsnorm_deploy/serving/pytriton_env.py):
+	# its other requirements come through the `serve` extra, so it goes in without resolving them again.
+	$(PY) -m pip install -q -c constraints.txt --no-deps nvidia-pytriton
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -45,7 +48,7 @@ $(LINT_STAMP): docker/requirements-lint.txt
 # No Docker engine needed: hadolint reads the Dockerfile, shellcheck the suite and CI scripts.
 lint-docker: $(LINT_STAMP)
 	$(LINT_VENV)/bin/hadolint --config docker/hadolint.yaml docker/Dockerfile
-	$(LINT_VENV)/bin/shellcheck docker/gpu_suite.sh .ci/run
+	$(LINT_VENV)/bin/shellcheck docker/gpu_suite.sh docker/triton/serve_and_check.sh .ci/run
 # Export a 1.24B-parameter LLaMA-architecture model (float16) and record time and peak memory.
 bench-export-scale: $(STAMP)
 	$(PY) benchmarks/bench_export_scale.py
@@ -59,6 +62,12 @@ bench-peers: $(STAMP)
 # $$OUT/gpu-check when OUT is set, else benchmarks/results/gpu/, copied into benchmarks/results/.
 gpu-check:
 	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Throughput and p50/p99 latency against concurrency through the embedded Triton server (HTTP, gRPC)
+# and the bare ONNX Runtime session; matplotlib is installed for the plot only.
+bench-serving: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt matplotlib
+	$(PY) benchmarks/bench_serving.py
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
     "build": ("build", "build a strongly typed TensorRT engine from an ONNX model and check where its norms run"),
     "check-trt": ("check_trt", "check without TensorRT whether a TensorRT version's ONNX parser imports a model"),
+    "serve": ("serve", "serve an exported model with Triton Inference Server (embedded): KServe v2 HTTP/gRPC, dynamic "
+              "batching, ONNX Runtime inside"),
+    "triton-repo": ("triton_repo", "write a model repository for the standalone Triton Inference Server "
+                    "(onnxruntime or tensorrt backend) from an exported model or engine"),
 }
 
 

@@ -1,0 +1,38 @@
+"""Serve an exported ONNX model with Triton Inference Server (embedded through PyTriton): KServe v2
+over HTTP and gRPC, metrics, dynamic batching; inference through ONNX Runtime on the requested
+provider (never a silent fallback). Listens on 127.0.0.1 unless --host says otherwise; Ctrl-C or
+SIGTERM stops it. Exit 2 on bad input (not a model, a port in use, an unknown provider)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL_DIR", help="an exported model folder (export/…/) or its model.onnx")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address every endpoint binds to (default 127.0.0.1: this machine only; 0.0.0.0 exposes "
+                        "the server on every interface)")
+    parser.add_argument("--http-port", type=int, default=8000, help="KServe v2 HTTP port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, default=8001, help="KServe v2 gRPC port (default 8001)")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port (default 8002)")
+    parser.add_argument("--providers", default="cpu",
+                        help="ONNX Runtime providers, comma-separated, in priority order: cpu, cuda, tensorrt "
+                        "(default cpu); each must really run or the server does not start")
+    parser.add_argument("--model-name", default="model", help="the model's name on the server (default model)")
+    parser.add_argument("--max-batch", type=int, metavar="N",
+                        help="largest batch Triton's dynamic batcher forms (default: the model's batch range from "
+                        "its metadata, else 8; 0 turns batching off)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmsnorm_deploy.runners.onnxruntime import provider_name
+    from rmsnorm_deploy.serving.server import ServeOptions, serve
+
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    for p in providers:
+        provider_name(p)  # an unknown name is a one-line error before anything loads
+    options = ServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                           metrics_port=args.metrics_port, providers=providers or ("",),
+                           model_name=args.model_name, max_batch=args.max_batch)
+    return serve(args.model, options, say=lambda line: print(line, flush=True))

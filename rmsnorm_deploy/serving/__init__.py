@@ -1,0 +1,15 @@
+"""Serving: the exported model behind NVIDIA Triton Inference Server, embedded or standalone.
+
+==============  =============================================================================
+signature       ``Signature``: a graph's inputs, outputs, batch dim and KV-cache pairs, read from
+                the ONNX file, with their Triton datatypes
+server          ``serve``: Triton embedded through PyTriton, inference through the ONNX Runtime
+                runner; ports checked, 127.0.0.1 by default, clean stop on SIGINT/SIGTERM;
+                ``generation_endpoint``, the place a KV-cache model's generation model goes
+pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpython on
+                ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2
+repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
+                tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
+parity_client   a served model's answers over HTTP and gRPC against the same model run here
+==============  =============================================================================
+"""

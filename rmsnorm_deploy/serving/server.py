@@ -1,0 +1,306 @@
+"""``serve``: a real Triton Inference Server (embedded through PyTriton) in front of our ONNX Runtime runner.
+
+The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
+batcher. Triton checks each request against the model's config (input names, datatypes, ranks,
+fixed dims, batch size) and answers a bad one with HTTP 400 / gRPC INVALID_ARGUMENT and a
+message before it reaches us. Inference runs through :class:`OnnxRuntimeRunner`, so the
+provider checks (never a silent fallback) hold here too.
+
+Safe by default: every endpoint binds to 127.0.0.1 unless ``host`` says otherwise (Triton's own
+default is every interface). The endpoints that change the server (model repository, shared
+memory, trace and log settings) need PyTriton's per-process access token; statistics stay
+readable, since they are how a user sees batching at work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import re
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rmsnorm_deploy.errors import InputError, UserError, one_line
+from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
+
+#: Triton's endpoints that only an operator should reach (PyTriton's token guards them).
+PROTECTED_ENDPOINTS = ["model-repository", "shared-memory", "trace", "logging"]
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    providers: tuple[str, ...] = ("cpu",)
+    model_name: str = "model"
+    max_batch: int | None = None
+    #: how long the dynamic batcher may hold a request to fill a batch
+    queue_delay_us: int = 500
+    #: how long Triton waits for in-flight requests when stopping
+    exit_timeout_s: int = 5
+
+    def endpoints(self) -> dict[str, str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return {
+            "http": f"http://{host}:{self.http_port}",
+            "grpc": f"{host}:{self.grpc_port}",
+            "metrics": f"http://{host}:{self.metrics_port}/metrics",
+        }
+
+
+def check_model_name(name: str) -> None:
+    if not _NAME.match(name):
+        raise UserError(f"--model-name {name!r}: use letters, digits, '_', '.', '-' (at most 128)")
+
+
+def check_options(options: ServeOptions) -> None:
+    """Refuse bad names and ports before anything starts."""
+    check_model_name(options.model_name)
+    ports = {"--http-port": options.http_port, "--grpc-port": options.grpc_port, "--metrics-port": options.metrics_port}
+    for flag, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise UserError(f"{flag} {port}: a port is a number from 1 to 65535")
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port in seen:
+            raise UserError(f"{flag} and {seen[port]} are both {port}; give each endpoint its own port")
+        seen[port] = flag
+    for flag, port in ports.items():
+        check_port_free(options.host, port, flag)
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """A one-line error if ``host:port`` cannot be bound (in use, or an address not on this machine)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host!r} is not an address of this machine ({exc.strerror})") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use ({flag}); stop what holds it or choose another "
+                                f"port with {flag}") from None
+            raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
+
+
+class BatchedInference:
+    """PyTriton's infer function: the requests of one batch, run through the runner, split back.
+
+    Triton's dynamic batcher hands over requests whose non-batch dims may still differ (a
+    sequence of 9 tokens and one of 12): those are grouped by shape, each group stacked along
+    the batch dim and run once, each request answered with its own rows. Rows are computed the
+    same way alone or stacked (the serving tests check this bit for bit).
+    """
+
+    def __init__(self, runner: Any, signature: Signature):
+        self.runner = runner
+        self.signature = signature
+        self.input_names = [t.name for t in signature.inputs]
+        self.lock = threading.Lock()
+
+    def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        feeds = [{name: np.asarray(request[name]) for name in self.input_names} for request in requests]
+        if not self.signature.batched:
+            return [self._run(feed) for feed in feeds]
+        results: list[dict[str, np.ndarray] | None] = [None] * len(feeds)
+        groups: dict[tuple, list[int]] = {}
+        for index, feed in enumerate(feeds):
+            key = tuple((name, feed[name].dtype.str, feed[name].shape[1:]) for name in self.input_names)
+            groups.setdefault(key, []).append(index)
+        for members in groups.values():
+            if len(members) == 1:
+                results[members[0]] = self._run(feeds[members[0]])
+                continue
+            stacked = {name: np.concatenate([feeds[i][name] for i in members]) for name in self.input_names}
+            outputs = self._run(stacked)
+            start = 0
+            for i in members:
+                rows = len(feeds[i][self.input_names[0]])
+                results[i] = {k: v[start:start + rows] for k, v in outputs.items()}
+                start += rows
+        return [r for r in results if r is not None]
+
+    def _run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self.lock:
+            return self.runner.infer(feed)
+
+
+def generation_endpoint(signature: Signature, model_name: str) -> None:
+    """Extension point: the token-in/token-out generation model that a KV-cache graph gets.
+
+    A KV-cache graph's ``present`` outputs are the next step's ``past`` inputs, so serving it as
+    a plain stateless model would make every client run its own cache round trip. It should get
+    a second model, ``<name>_generate`` (``input_ids`` in, generated ids out, decoupled for
+    streaming), driven by the generation loop of the KV-cache export. That loop is not in this
+    package yet: until it is, a KV-cache graph is refused here rather than served half-way.
+    """
+    if signature.is_kv_cache:
+        raise UserError(f"the model has a KV cache ({len(signature.cache)} past/present pairs): serving it needs the "
+                        "generation loop (`rmsnorm-deploy generate`), which this version does not have; for the "
+                        f"standalone Triton server write a repository with sequence batching: rmsnorm-deploy "
+                        f"triton-repo MODEL -o REPO --model-name {model_name}")
+
+
+def _pytriton_tensor(spec: TensorSpec, batched: bool):
+    from pytriton.model_config import Tensor
+
+    return Tensor(name=spec.name, dtype=np.dtype(spec.dtype), shape=tuple(spec.dims(batched=batched)))
+
+
+def _describe(tensors: Sequence[TensorSpec]) -> str:
+    return ", ".join(f"{t.name} {t.dtype}[{', '.join(str(d) for d in t.shape)}]" for t in tensors)
+
+
+class Server:
+    """A running embedded Triton: ``start()``, ``wait()`` until a signal or the server dies, ``stop()``."""
+
+    def __init__(self, model: str | Path, options: ServeOptions, *, say: Callable[[str], None] = print):
+        from rmsnorm_deploy.optional import require
+
+        require("pytriton", "serve")
+        self.options = options
+        self.say = say
+        self.path = model_path(model)
+        self.signature = read_signature(self.path, max_batch=options.max_batch)
+        bf16 = [t.name for t in self.signature.inputs + self.signature.outputs if t.dtype == "bfloat16"]
+        if bf16:
+            raise UserError(f"{', '.join(bf16)} are bfloat16, which PyTriton cannot carry (numpy has no bfloat16); "
+                            "serve a float16/float32 export, or write a repository for the standalone server's "
+                            "onnxruntime backend with `rmsnorm-deploy triton-repo`")
+        generation_endpoint(self.signature, options.model_name)
+        check_options(options)
+        self.triton: Any = None
+        self.runner: Any = None
+        self.log_dir: str | None = None
+        self.log_path = Path("tritonserver.log")
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
+        from rmsnorm_deploy.serving.pytriton_env import prepare_process
+
+        set_onnxruntime_log_level()
+        # The runner first: a provider that cannot run is refused before any server starts.
+        self.runner = OnnxRuntimeRunner(self.path, self.options.providers)
+        self.runner.activate()
+        prepare_process()
+        logging.getLogger("pytriton").setLevel(logging.ERROR)
+        from pytriton.model_config import DynamicBatcher, ModelConfig
+        from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+
+        o = self.options
+        # Triton's own log goes to a file (PyTriton would echo it to our stdout line by line).
+        self.log_dir = tempfile.mkdtemp(prefix="rmsnorm-deploy-serve-")
+        self.log_path = Path(self.log_dir) / "tritonserver.log"
+        config = TritonConfig(
+            log_file=self.log_path,
+            http_address=o.host, http_port=o.http_port, grpc_address=o.host, grpc_port=o.grpc_port,
+            metrics_address=o.host, metrics_port=o.metrics_port, allow_gpu_metrics=False,
+            exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
+        )
+        sig = self.signature
+        model_config = ModelConfig(
+            batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
+            batcher=DynamicBatcher(max_queue_delay_microseconds=o.queue_delay_us),
+        )
+        try:
+            self.triton = Triton(config=config,
+                                 security_config=TritonSecurityConfig(restricted_endpoints=list(PROTECTED_ENDPOINTS)))
+            self.triton.bind(
+                model_name=o.model_name,
+                infer_func=BatchedInference(self.runner, sig),
+                inputs=[_pytriton_tensor(t, sig.batched) for t in sig.inputs],
+                outputs=[_pytriton_tensor(t, sig.batched) for t in sig.outputs],
+                config=model_config,
+                strict=False,
+            )
+            self.triton.run()
+        except Exception as exc:
+            self.stop()
+            raise UserError(f"Triton Inference Server did not start: {one_line(exc)}{self._log_tail()}") from None
+
+    def _log_tail(self) -> str:
+        try:
+            errors = [line for line in self.log_path.read_text(errors="replace").splitlines() if line[:1] == "E"]
+        except OSError:
+            return ""
+        return f"; the server's last error: {' '.join(errors[-1].split()[4:])}" if errors else ""
+
+    def announce(self) -> None:
+        sig, o = self.signature, self.options
+        ends = o.endpoints()
+        batching = (f"dynamic batching up to {sig.max_batch} rows along {sig.batch_dim!r}" if sig.batched
+                    else "no batching (the graph has no shared leading batch dim)")
+        self.say(f"serving {self.path} as model {o.model_name!r} on ONNX Runtime "
+                 f"[{', '.join(self.runner.actual_providers)}]\n"
+                 f"  HTTP     {ends['http']}/v2/models/{o.model_name}\n"
+                 f"  gRPC     {ends['grpc']}\n"
+                 f"  metrics  {ends['metrics']}\n"
+                 f"  inputs   {_describe(sig.inputs)}\n"
+                 f"  outputs  {_describe(sig.outputs)}\n"
+                 f"  {batching}\n"
+                 f"  server log {self.log_path}\n"
+                 "ready; Ctrl-C or SIGTERM stops it")
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def wait(self) -> bool:
+        """Block until a stop is requested (True) or the server dies on its own (False)."""
+        while not self._stop.wait(0.5):
+            if self.triton is not None and not self.triton.is_alive():
+                return False
+        return True
+
+    def stop(self, *, keep_log: bool = False) -> None:
+        if self.triton is not None:
+            triton, self.triton = self.triton, None
+            try:
+                triton.stop()
+            except Exception:  # noqa: BLE001 - stopping must not mask why we stop
+                pass
+        if self.runner is not None:
+            self.runner.deactivate()
+        if self.log_dir is not None and keep_log:
+            self.say(f"the server's log is kept in {self.log_path}")
+        elif self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.log_dir = None
+
+
+def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None] = print) -> int:
+    """Run the server until SIGINT/SIGTERM; 0 after a clean stop, 1 if the server died on its own."""
+    server = Server(model, options, say=say)
+    previous = {s: signal.signal(s, server.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    clean = True
+    try:
+        started = time.perf_counter()
+        server.start()
+        server.announce()
+        say(f"started in {time.perf_counter() - started:.1f} s")
+        clean = server.wait()
+        say("stopping" if clean else "Triton Inference Server exited on its own; stopping")
+        return 0 if clean else 1
+    finally:
+        server.stop(keep_log=not clean)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+__all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "check_options", "generation_endpoint", "InputError"]

@@ -1,0 +1,115 @@
+"""``serve``'s refusals (one line, exit 2, before any server starts) and what it prepares for PyTriton."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sysconfig
+
+import pytest
+
+from rmsnorm_deploy.cli import main
+from rmsnorm_deploy.serving import pytriton_env
+from rmsnorm_deploy.serving.signature import read_signature
+from tests.serving._models import external_data_model, fixed_shape_model, kv_cache_model
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("rmsnorm-deploy serve: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_port_in_use_is_refused(tmp_path, capsys, flag):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
+    model = external_data_model(tmp_path / "m")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        ports = {f: str(port) if f == flag else str(_free_port())
+                 for f in ("--http-port", "--grpc-port", "--metrics-port")}
+        argv = ["serve", str(model)] + [x for f, p in ports.items() for x in (f, p)]
+        assert main(argv) == 2
+    assert f"port {port} on 127.0.0.1 is in use ({flag})" in _one_line_error(capsys)
+
+
+def test_port_out_of_range_is_refused(tmp_path, capsys):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
+    assert main(["serve", str(external_data_model(tmp_path / "m")), "--grpc-port", "0"]) == 2
+    assert "--grpc-port 0: a port is a number from 1 to 65535" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "{missing}"], "no such file or folder"),
+    (["serve", "{empty}"], "no model.onnx in this folder"),
+    (["serve", "{notonnx}"], "not a readable ONNX model"),
+    (["serve", "{model}", "--providers", "tpu"], "unknown provider 'tpu'"),
+    (["serve", "{model}", "--providers", "cuda"], "CUDAExecutionProvider"),
+    (["serve", "{model}", "--http-port", "9100", "--grpc-port", "9100"], "both 9100"),
+    (["serve", "{model}", "--host", "no-such-host.invalid"], "not an address of this machine"),
+    (["serve", "{model}", "--model-name", "../x"], "--model-name"),
+    (["serve", "{model}", "--max-batch", "-1"], "--max-batch -1"),
+    (["serve", "{fixed}", "--max-batch", "4"], "needs a leading dynamic batch dim"),
+    (["serve", "{kv}"], "has a KV cache (2 past/present pairs)"),
+], ids=["missing", "empty-folder", "not-onnx", "unknown-provider", "provider-not-in-build", "same-port",
+        "bad-host", "bad-name", "negative-batch", "unbatchable", "kv-cache"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.onnx").write_text("not onnx")
+    paths = {"missing": tmp_path / "nope", "empty": tmp_path / "empty", "notonnx": tmp_path / "bad.onnx",
+             "model": external_data_model(tmp_path / "m"), "fixed": fixed_shape_model(tmp_path / "fixed.onnx"),
+             "kv": kv_cache_model(tmp_path / "kv.onnx", layers=1)}
+    assert main([a.format(**paths) for a in argv]) == 2
+    assert message in _one_line_error(capsys)
+
+
+def test_signature_reads_the_batch_dim_and_the_metadata_range(tiny_export, tmp_path):
+    sig = read_signature(tiny_export)
+    assert sig.batch_dim == "batch" and sig.max_batch == 8 and not sig.is_kv_cache
+    assert [(t.name, t.dtype, t.shape, t.kserve_type) for t in sig.inputs] == [
+        ("input_ids", "int64", ("batch", "seq"), "INT64")]
+    assert sig.outputs[0].dims(batched=True) == [-1, 512]
+    assert read_signature(tiny_export, max_batch=0).batched is False
+    kv = read_signature(kv_cache_model(tmp_path / "kv.onnx", layers=3))
+    assert len(kv.cache) == 6 and [t.name for t in kv.stateless_outputs()] == ["logits"]
+
+
+def test_server_environment_puts_this_pythons_libdir_first_once():
+    libdir = pytriton_env.libpython_dir()
+    if libdir is None:
+        pytest.skip("this Python has no shared libpython (the embedded stub then needs no LD_LIBRARY_PATH)")
+    assert libdir == sysconfig.get_config_var("LIBDIR")
+    env = {"LD_LIBRARY_PATH": "/opt/a:" + libdir + ":/opt/b"}
+    change = pytriton_env.server_environment(env)
+    assert change == {"LD_LIBRARY_PATH": f"{libdir}:/opt/a:/opt/b"}
+    assert pytriton_env.server_environment(change) == {}
+    assert pytriton_env.server_environment({}) == {"LD_LIBRARY_PATH": libdir}
+
+
+def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server():
+    pytest.importorskip("pytriton", reason="the patch applies to nvidia-pytriton's proxy model")
+    from pytriton.models.model import Model
+
+    pytriton_env.patch_proxy_for_numpy2()
+    pytriton_env.patch_proxy_for_numpy2()
+
+    class Fake:
+        model_version = 1
+        SCRIPT_FILES_TO_COPY = Model.SCRIPT_FILES_TO_COPY
+
+    files = Model.get_proxy_model_files(Fake())
+    text = files["file:1/model.py"].decode()
+    assert text.count("TritonRequestsServer._wrap_request = _wrap_request_dlpack") == 1
+    # the names the patch relies on are still the proxy's own
+    for name in ("class TritonRequestsServer", "def _wrap_response(", "import triton_python_backend_utils as pb_utils",
+                 "from .types import Request"):
+        assert name in text.split("# --- rmsnorm_deploy")[0], name
