@@ -40,8 +40,8 @@ class OracleRMSNorm(torch.nn.Module):
         self.spec = spec
         self.weight = weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return oracle(self.spec, x, self.weight if self.spec.has_gain else None)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        return oracle(self.spec, x, self.weight if self.spec.has_gain else None, gate)
 
 
 def _linear64(module: torch.nn.Linear):

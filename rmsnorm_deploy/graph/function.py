@@ -13,7 +13,7 @@ body is written in the op chain that ONNX Runtime's ``SimplifiedLayerNormFusion`
 recognizes: ``Pow(x, 2) -> ReduceMean -> Add(eps) -> Sqrt -> Div(x, .) -> Mul(w)``
 inside the casts to and from the accumulation dtype; no-op casts are left out.
 
-Inputs are ``(x[, weight][, gate])``: the weight when the spec has a gain, the gate ``z``
+Inputs are ``(x[, weight][, z])``: the weight when the spec has a gain, the gate input ``z``
 when it is gated (:func:`input_names`).
 """
 
@@ -131,8 +131,8 @@ class OnnxOps:
 
 
 def input_names(spec: RMSNormSpec) -> list[str]:
-    """The node's (and function's) inputs: ``x``, ``weight`` with a gain, ``gate`` when gated."""
-    return ["x"] + (["weight"] if spec.has_gain else []) + (["gate"] if spec.has_gate else [])
+    """The node's (and function's) inputs: ``x``, ``weight`` with a gain, ``z`` (the gate input) when gated."""
+    return ["x"] + (["weight"] if spec.has_gain else []) + (["z"] if spec.has_gate else [])
 
 
 def plugin_namespace(spec: RMSNormSpec) -> str:
@@ -159,7 +159,7 @@ def _function_proto_cached(spec: RMSNormSpec, upcast: bool, opset: int) -> bytes
     def body(op: Any, *values: Any) -> Any:
         given = dict(zip(names, values))
         return formula.rms_norm(OnnxOps(op, spec, upcast=upcast, attribute_refs=True), spec, given["x"],
-                                given.get("weight"), given.get("gate"))
+                                given.get("weight"), given.get("z"))
 
     inputs = [ir.Value(name=n) for n in names]
     # String attributes describe the variant (their defaults are its values); epsilon and

@@ -163,7 +163,7 @@ def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormSite:
                             f"{len(roles)}: {', '.join(roles)}")
     named = dict(zip(roles, given))
     return NormSite(spec, upcast, named["x"], named.get("weight"), node.output[0], node.name or node.output[0],
-                    gate=named.get("gate"))
+                    gate=named.get("z"))
 
 
 def _value_dtype(model: onnx.ModelProto, name: str) -> str | None:

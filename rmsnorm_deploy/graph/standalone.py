@@ -41,10 +41,10 @@ def rmsnorm_model(
     lowering: str = "function",
     opset: int | None = None,
 ) -> onnx.ModelProto:
-    """A model ``y = RMSNorm(x[, weight][, gate])`` for ``spec`` in ``lowering``.
+    """A model ``y = RMSNorm(x[, weight][, z])`` for ``spec`` in ``lowering``.
 
     ``shape`` is an example input shape: its last ``spec.normalized_dims`` dims are fixed
-    (they size the weight), the leading dims are dynamic; a gated spec's ``gate`` input has
+    (they size the weight), the leading dims are dynamic; a gated spec's gate input ``z`` has
     the shape and dtype of ``x``. ``dtype`` is a name
     (``"float16"``) or a torch or numpy dtype.
     """
@@ -69,7 +69,7 @@ def rmsnorm_model(
     if spec.has_gain:
         inputs.append(helper.make_tensor_value_info("weight", elem, list(shape[-k:])))
     if spec.has_gate:
-        inputs.append(helper.make_tensor_value_info("gate", elem, dims))
+        inputs.append(helper.make_tensor_value_info("z", elem, dims))
     node = rmsnorm_node(spec, name, node_inputs, ["y"], name="rmsnorm")
     graph = helper.make_graph([node], "rmsnorm", inputs, [helper.make_tensor_value_info("y", elem, dims)])
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
@@ -80,7 +80,7 @@ def rmsnorm_model(
     if spec.has_gain:
         inputs_meta["weight"] = {"dtype": name, "shape": list(shape[-k:]), "kind": "weight", "gain": spec.gain}
     if spec.has_gate:
-        inputs_meta["gate"] = {"dtype": name, "shape": dims, "kind": "activations"}
+        inputs_meta["z"] = {"dtype": name, "shape": dims, "kind": "activations"}
     ModelMetadata(
         specs={"rmsnorm": spec},
         lowering=lowering,

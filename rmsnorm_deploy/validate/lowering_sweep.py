@@ -84,7 +84,7 @@ def run_case(case: ParityCase) -> ParityRow:
     feed = {"x": x} if w is None else {"x": x, "weight": w}
     z = activations(case.shape, case.dtype, seed=case.seed + 2, kind=case.inputs) if case.spec.has_gate else None
     if z is not None:
-        feed["gate"] = z
+        feed["z"] = z
     with tempfile.TemporaryDirectory(prefix="rmsnorm-parity-") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         try:
