@@ -424,6 +424,8 @@ def norm_sites(model: onnx.ModelProto, reductions: list[Reduction]) -> list[Norm
             reason = "its axes are not the trailing dims"
         elif red.kind.startswith("RMSNorm") and spec is None:
             reason = "its axes are not the trailing dims or its epsilon is not a constant"
+        elif spec is not None and spec.has_gate and (tensors is None or not tensors.gate):
+            reason = "it is gated and its gate input could not be traced in the graph"
         elif red.kind == "LayerNorm" and red.op not in ("LayerNormalization", "SkipLayerNormalization"):
             reason = "decomposed LayerNorm chains are audited but not compared"
         exposed: list[str] = []
@@ -664,7 +666,9 @@ def _norm_rows(keys, labels, results, sites, initial, feed, ref_label, source_mo
             if site.spec is not None:
                 check = "norm"
                 g_t = None if gain is None else to_torch(gain.astype(np.float64))
-                expected = oracle(site.spec, x_t, g_t)
+                z_t = (torch.from_numpy(np.ascontiguousarray(values[tensors.gate].astype(np.float64)))
+                       if tensors.gate else None)
+                expected = oracle(site.spec, x_t, g_t, z_t)
                 gain_abs = np.ones(()) if gain is None else np.abs(gain.astype(np.float64))
                 tol = norm_tolerance(check, BACKENDS[key][2], dtype, site.spec, float(np.max(gain_abs, initial=0.0)))
                 # the row rms only scales the subnormal-input allowance; the expected value is the oracle's
