@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import platform
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-TIME_LIMIT_S = 900
+TIME_LIMIT_S = int(os.environ.get("GATED_FAMILY_TIME_LIMIT_S", "900"))
 
 _BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2)
 _ATTN = dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

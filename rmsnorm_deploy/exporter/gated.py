@@ -115,6 +115,14 @@ def gate_input(spec: RMSNormSpec, x: torch.Tensor, generator: torch.Generator) -
     return z.to(x.dtype)
 
 
+def check_gate_call(spec: RMSNormSpec, gate: torch.Tensor | None, name: str) -> None:
+    """Refuse a norm called without the gate its spec has, or with one it does not have: the gated
+    classes accept ``gate=None`` and then compute another norm, which the export must not hide."""
+    if spec.has_gate != (gate is not None):
+        raise UserError(f"norm {name!r} ({spec.describe()}) was called "
+                        + ("without its gate input" if spec.has_gate else "with a gate input its spec does not have"))
+
+
 def call_norm(module: torch.nn.Module, x: torch.Tensor, gate: torch.Tensor | None) -> Any:
     """Run a norm module on ``x`` and, for a gated one, its gate (second positional input)."""
     return module(x) if gate is None else module(x, gate)

@@ -24,6 +24,7 @@ from onnx.defs import OpSchema
 
 from rmsnorm_deploy.contract.reference import reference
 from rmsnorm_deploy.contract.spec import RMSNormSpec
+from rmsnorm_deploy.exporter.gated import check_gate_call
 from rmsnorm_deploy.graph.function import DOMAIN, DOMAIN_VERSION, OP_TYPE
 
 #: The attribute that carries the norm's module path from the op to the pipeline (then removed).
@@ -75,9 +76,7 @@ class ExportRMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        if s.has_gate != (gate is not None):
-            raise ValueError(f"norm {self.norm_name!r} ({s.describe()}) was called "
-                             + ("without its gate input" if s.has_gate else "with a gate input its spec does not have"))
+        check_gate_call(s, gate, self.norm_name)
         weight = self.weight if s.has_gain else None
         return torch.ops.rmsnorm_deploy.rms_norm(
             x, weight, gate, s.epsilon, s.normalized_dims, s.gain, s.order, s.accumulation, s.epsilon_placement,
