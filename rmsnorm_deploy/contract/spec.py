@@ -249,6 +249,13 @@ def named_specs() -> dict[str, RMSNormSpec]:
         "gemma": RMSNormSpec.gemma(1e-6),
         "olmo2": RMSNormSpec.olmo2(1e-6),
         "nogain": RMSNormSpec(1e-6, gain="none"),
+    }
+
+
+def gated_named_specs() -> dict[str, RMSNormSpec]:
+    """The gated specs of the hybrid families, by a short name (kept apart from :func:`named_specs`,
+    whose every spec each lowering and the TensorRT plugin represent)."""
+    return {
         "mamba2_gated": RMSNormSpec.mamba2_gated(1e-6),
         "qwen3_next_gated": RMSNormSpec.qwen3_next_gated(1e-6),
         "kimi_gated": RMSNormSpec.kimi_gated(1e-6),
@@ -260,11 +267,12 @@ def parse_spec(text: str) -> RMSNormSpec:
     first (``mamba2_gated,eps=1e-5,group_size=64``). ``eps`` is short for ``epsilon``; a field
     given after a name replaces the name's value."""
     if not isinstance(text, str) or not text.strip():
-        raise SpecError("an empty spec; give a named spec (" + ", ".join(named_specs()) + ") or fields like eps=1e-6")
+        raise SpecError("an empty spec; give a named spec (" + ", ".join({**named_specs(), **gated_named_specs()})
+                        + ") or fields like eps=1e-6")
     parts = [p.strip() for p in text.split(",") if p.strip()]
     base: dict[str, Any] = {}
     if "=" not in parts[0]:
-        names = named_specs()
+        names = {**named_specs(), **gated_named_specs()}
         if parts[0] not in names:
             raise SpecError(f"unknown named spec {parts[0]!r}; choose one of {', '.join(names)}")
         base = dataclasses.asdict(names[parts.pop(0)])

@@ -26,7 +26,7 @@ from rmsnorm_deploy import RMSNormSpec
 from rmsnorm_deploy.contract.compare import compare
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.contract.reference import oracle, reference
-from rmsnorm_deploy.contract.spec import named_specs, parse_spec
+from rmsnorm_deploy.contract.spec import gated_named_specs, named_specs, parse_spec
 from rmsnorm_deploy.contract.tolerances import tolerance_for
 from rmsnorm_deploy.errors import SpecError
 
@@ -73,8 +73,8 @@ def _inputs(shape, dtype, seed):
 # -- the spec ---------------------------------------------------------------------------------
 def test_ungated_specs_serialize_as_before():
     for spec in named_specs().values():
-        if not spec.has_gate and spec.group_size is None:
-            assert list(spec.to_dict()) == _OLD_FIELDS
+        assert list(spec.to_dict()) == _OLD_FIELDS
+    assert all(spec.has_gate for spec in gated_named_specs().values())
     old = {"epsilon": 1e-5, "normalized_dims": 1, "gain": "weight", "order": "cast_then_scale",
            "accumulation": "float32", "epsilon_placement": "inside_sqrt"}
     assert RMSNormSpec.from_dict(old) == RMSNormSpec.llama(1e-5)

@@ -164,3 +164,26 @@ def test_gated_candidates_cover_the_known_classes():
     assert all(c.has_gate and c.group_size in (None, 32) for c in candidates)  # 48 does not divide 64
     # 2 activations x 3 placements x (2 orders with a weight + 1 without) x 2 group sizes
     assert len(candidates) == 2 * 3 * 3 * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_gated_and_gemma3n_class_is_detected_and_confirmed(dtype):
+    from tests.contract.test_gated import _build, _class
+
+    from rmsnorm_deploy.exporter.gated import GAINLESS_CAPABLE_CLASSES, GATED_CLASSES, PROBE_WIDTH
+
+    dt = getattr(torch, dtype)
+    for qualified in GATED_CLASSES:
+        norm = _build(qualified, HIDDEN, 2).to(dt)
+        with torch.no_grad():
+            norm.weight.add_(torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3)).to(dt) * 0.3)
+        (found,) = detect_norms(torch.nn.ModuleDict({"mixer": torch.nn.ModuleDict({"norm": norm})})).norms
+        assert found.path == "mixer.norm" and found.how == "known class" and found.spec.has_gate, qualified
+        assert found.normalized_shape == (HIDDEN,) and found.weight is norm.weight
+    for qualified in GAINLESS_CAPABLE_CLASSES:
+        for with_scale in (True, False):
+            norm = _class(qualified)(HIDDEN, eps=1e-6, with_scale=with_scale).to(dt)
+            (found,) = detect_norms(torch.nn.ModuleDict({"v_norm": norm}), dtype=dtype).norms
+            assert found.spec == RMSNormSpec(1e-6, gain="weight" if with_scale else "none"), qualified
+            # The value norm has no width attribute: it is confirmed at a probe width.
+            assert found.normalized_shape == ((HIDDEN,) if with_scale else (PROBE_WIDTH,))
