@@ -50,12 +50,12 @@ def _check(case: ParityCase) -> None:
 @pytest.mark.parametrize("shape", [(1, 7), (199, 760)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spec_name", list(SPECS))
-@pytest.mark.parametrize("lowering, optimization", [("function", "disable"), ("function", "all"), ("inline", "all")])
+@pytest.mark.parametrize("lowering, optimization", [("function", "all"), ("inline", "disable")])
 def test_gated_lowering_matches_oracle(lowering, spec_name, dtype, shape, optimization):
     _check(ParityCase(spec_name, SPECS[spec_name], dtype, lowering, optimization, shape, seed=shape[0] + shape[1]))
 
 
-@pytest.mark.parametrize("shape", [(1, 19), (199, 760)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(199, 760)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spec_name", list(GROUPED))
 @pytest.mark.parametrize("lowering", ["function", "inline"])
