@@ -2,7 +2,8 @@
 
 ===========  ================================================================================
 spec         ``RMSNormSpec``: epsilon and its placement, normalized dims, gain, rounding order,
-             accumulation dtype; named specs (llama, gemma, torch, ...)
+             accumulation dtype, an optional gate and groups; named specs (llama, gemma, torch,
+             ..., the gated ones apart) and ``parse_spec``
 formula      the formula, written once against a small ops protocol
 reference    the formula evaluated in torch (``reference``, bit-equal to the modules) and in
              float64 (``oracle``)

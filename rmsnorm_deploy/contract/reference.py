@@ -54,6 +54,15 @@ class TorchOps:
     def multiply(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a * b
 
+    def activation(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.nn.functional.silu(t) if name == "silu" else torch.sigmoid(t)
+
+    def group(self, t: torch.Tensor, group_size: int) -> torch.Tensor:
+        return t.reshape(*t.shape[:-1], -1, group_size)
+
+    def ungroup(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return t.reshape(like.shape)
+
 
 class Float64Ops(TorchOps):
     """The same formula in float64, never rounded back: the oracle."""
@@ -72,16 +81,30 @@ class Float64Ops(TorchOps):
         return t / torch.sqrt(mean_square_plus_eps)
 
 
-def reference(spec: RMSNormSpec, x: Any, weight: Any = None) -> torch.Tensor:
-    """The spec evaluated with torch, rounding where the spec rounds; output dtype = ``x``'s."""
-    x_t, w_t = _as_tensors(x, weight)
-    return formula.rms_norm(TorchOps(spec), spec, x_t, w_t)
+def reference(spec: RMSNormSpec, x: Any, weight: Any = None, gate: Any = None) -> torch.Tensor:
+    """The spec evaluated with torch, rounding where the spec rounds; output dtype = ``x``'s.
+
+    ``gate``: the second input ``z`` of a gated spec (same shape and dtype as ``x``)."""
+    x_t, w_t, z_t = _as_tensors(x, weight, gate)
+    _check_gate(spec, x_t, z_t)
+    return formula.rms_norm(TorchOps(spec), spec, x_t, w_t, z_t)
 
 
-def oracle(spec: RMSNormSpec, x: Any, weight: Any = None) -> torch.Tensor:
+def oracle(spec: RMSNormSpec, x: Any, weight: Any = None, gate: Any = None) -> torch.Tensor:
     """The spec evaluated in float64 with no rounding back: a float64 tensor."""
-    x_t, w_t = _as_tensors(x, weight)
-    return formula.rms_norm(Float64Ops(spec), spec, x_t, w_t)
+    x_t, w_t, z_t = _as_tensors(x, weight, gate)
+    _check_gate(spec, x_t, z_t)
+    return formula.rms_norm(Float64Ops(spec), spec, x_t, w_t, z_t)
+
+
+def _check_gate(spec: RMSNormSpec, x: torch.Tensor, gate: torch.Tensor | None) -> None:
+    if spec.group_size is not None and x.shape[-1] % spec.group_size:
+        raise ValueError(f"the last dim {x.shape[-1]} is not a multiple of group_size {spec.group_size}")
+    if gate is not None and not spec.has_gate:
+        raise ValueError("a gate input was given but the spec has no gate")
+    if gate is not None and (gate.shape != x.shape or gate.dtype != x.dtype):
+        raise ValueError(f"the gate input must have the shape and dtype of x: got {str(gate.dtype).removeprefix('torch.')}"
+                         f"{list(gate.shape)} for x {str(x.dtype).removeprefix('torch.')}{list(x.shape)}")
 
 
 class SpecRMSNorm(torch.nn.Module):
@@ -107,7 +130,7 @@ class SpecRMSNorm(torch.nn.Module):
         return f"{self.normalized_shape}, {self.spec.describe()}"
 
 
-def _as_tensors(x: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _as_tensors(x: Any, weight: Any, gate: Any = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     from rmsnorm_deploy.contract.dtypes import to_torch
 
     def conv(a: Any) -> torch.Tensor | None:
@@ -115,4 +138,4 @@ def _as_tensors(x: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor | None]
             return a
         return to_torch(a)
 
-    return conv(x), conv(weight)
+    return conv(x), conv(weight), conv(gate)

@@ -22,11 +22,18 @@ Gain = Literal["none", "weight", "offset"]
 Order = Literal["scale_then_cast", "cast_then_scale"]
 Accumulation = Literal["float32", "float64"]
 EpsilonPlacement = Literal["inside_sqrt", "outside_sqrt"]
+Gate = Literal["none", "silu", "sigmoid"]
+GatePlacement = Literal["before_norm", "after_norm", "after_cast"]
 
 GAINS: tuple[str, ...] = ("none", "weight", "offset")
 ORDERS: tuple[str, ...] = ("scale_then_cast", "cast_then_scale")
 ACCUMULATIONS: tuple[str, ...] = ("float32", "float64")
 EPSILON_PLACEMENTS: tuple[str, ...] = ("inside_sqrt", "outside_sqrt")
+GATES: tuple[str, ...] = ("none", "silu", "sigmoid")
+GATE_PLACEMENTS: tuple[str, ...] = ("before_norm", "after_norm", "after_cast")
+#: The gate fields and their defaults: a spec at these values is an ungated RMSNorm, and its
+#: dict (stored in ONNX metadata and compared) leaves them out, as it did before they existed.
+_GATE_DEFAULTS: dict[str, Any] = {"gate": "none", "gate_placement": "after_norm", "group_size": None}
 
 _GAIN_HELP = {
     "none": "no learned scale",
@@ -39,6 +46,19 @@ _ORDER_HELP = {
     "cast_then_scale": "normalized value rounded to the input dtype, then multiplied by the gain in that "
     "dtype (HF Llama, Mistral, Qwen2/3, Phi-3, DeepSeek-V3, T5, ONNX RMSNormalization)",
 }
+_GATE_HELP = {
+    "none": "no gate: an RMSNorm of one input",
+    "silu": "the norm is gated by silu(z) = z * sigmoid(z) of a second input z (Mamba2, Qwen3-Next, ...)",
+    "sigmoid": "the norm is gated by sigmoid(z) of a second input z (Kimi-Linear, Bailing-Hybrid, GLM-5-Next)",
+}
+_GATE_PLACEMENT_HELP = {
+    "before_norm": "x * act(z), in the accumulation dtype, is what is normalized (Mamba2, Bamba, Zamba2, "
+    "Nemotron-H, GraniteMoeHybrid)",
+    "after_norm": "the gained norm is multiplied by act(z) in the accumulation dtype, then rounded once to the "
+    "input dtype (Kimi-Linear, Falcon-H1)",
+    "after_cast": "the gained norm is rounded to the input dtype, then multiplied by act(z) in the accumulation "
+    "dtype and rounded again (Qwen3-Next, Qwen3.5, OLMo-Hybrid)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +68,12 @@ class RMSNormSpec:
     ``y = gain(x / sqrt(mean(x**2 over the last `normalized_dims` dims) + epsilon))``,
     computed in ``accumulation`` precision, with the gain applied before or after the
     rounding back to the input dtype as ``order`` says.
+
+    Optionally *gated* (``gate``): a second input ``z`` of the shape and dtype of ``x`` is
+    activated (``silu`` or ``sigmoid``, in the accumulation dtype) and multiplies ``x`` before
+    the normalization, the gained norm before the rounding back, or the rounded norm after it
+    (``gate_placement``). ``group_size`` normalizes the last axis in groups of that many
+    elements (Mamba2's ``n_groups``): the mean square is taken per group.
     """
 
     epsilon: float = 1e-6
@@ -56,6 +82,9 @@ class RMSNormSpec:
     order: Order = "scale_then_cast"
     accumulation: Accumulation = "float32"
     epsilon_placement: EpsilonPlacement = "inside_sqrt"
+    gate: Gate = "none"
+    gate_placement: GatePlacement = "after_norm"
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -71,6 +100,17 @@ class RMSNormSpec:
         _check_choice("order", self.order, ORDERS)
         _check_choice("accumulation", self.accumulation, ACCUMULATIONS)
         _check_choice("epsilon_placement", self.epsilon_placement, EPSILON_PLACEMENTS)
+        _check_choice("gate", self.gate, GATES)
+        _check_choice("gate_placement", self.gate_placement, GATE_PLACEMENTS)
+        if self.gate == "none" and self.gate_placement != _GATE_DEFAULTS["gate_placement"]:
+            raise SpecError(f"gate_placement {self.gate_placement!r} needs a gate; set gate to one of "
+                            f"{', '.join(GATES[1:])}, or leave gate_placement out")
+        size = self.group_size
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise SpecError(f"group_size must be an integer >= 1 (elements of the last dim per group), got {size!r}")
+            if dims != 1:
+                raise SpecError(f"group_size groups the last dim; it needs normalized_dims 1, got {dims}")
 
     # -- named specs of well-known implementations ---------------------------------------
     @classmethod
@@ -93,6 +133,25 @@ class RMSNormSpec:
         """HF ``Olmo2RMSNorm``: weight applied in float32, then cast."""
         return cls(epsilon, 1, "weight", "scale_then_cast")
 
+    @classmethod
+    def mamba2_gated(cls, epsilon: float = 1e-6, group_size: int | None = None) -> RMSNormSpec:
+        """HF ``MambaRMSNormGated`` (and Bamba, Zamba2, Nemotron-H, GraniteMoeHybrid): ``x * silu(z)``
+        normalized per group in float32, rounded, then times ``w``."""
+        return cls(epsilon, 1, "weight", "cast_then_scale", gate="silu", gate_placement="before_norm",
+                   group_size=group_size)
+
+    @classmethod
+    def qwen3_next_gated(cls, epsilon: float = 1e-6) -> RMSNormSpec:
+        """HF ``Qwen3NextRMSNormGated`` (and Qwen3.5, OLMo-Hybrid): the Llama norm, rounded, then times
+        ``silu(z)`` in float32 and rounded again."""
+        return cls(epsilon, 1, "weight", "cast_then_scale", gate="silu", gate_placement="after_cast")
+
+    @classmethod
+    def kimi_gated(cls, epsilon: float = 1e-6, gate: Gate = "sigmoid") -> RMSNormSpec:
+        """HF ``KimiLinearRMSNormGated`` (and Bailing-Hybrid, GLM-5-Next; LaraMini with silu): weight and
+        gate applied in float32, one rounding."""
+        return cls(epsilon, 1, "weight", "scale_then_cast", gate=gate, gate_placement="after_norm")
+
     # -- derived facts -------------------------------------------------------------------
     @property
     def axes(self) -> tuple[int, ...]:
@@ -107,6 +166,14 @@ class RMSNormSpec:
     @property
     def has_gain(self) -> bool:
         return self.gain != "none"
+
+    @property
+    def has_gate(self) -> bool:
+        return self.gate != "none"
+
+    def without_gate(self) -> RMSNormSpec:
+        """The same norm with no gate (what a gated module computes when it is called without one)."""
+        return dataclasses.replace(self, gate="none", gate_placement=_GATE_DEFAULTS["gate_placement"])
 
     def upcasts(self, input_dtype: str) -> bool:
         """Whether inputs of ``input_dtype`` are converted to the accumulation dtype before the reduction."""
@@ -126,11 +193,20 @@ class RMSNormSpec:
         parts.append(f"acc_{self.accumulation}")
         if self.epsilon_placement != "inside_sqrt":
             parts.append("eps_outside_sqrt")
+        if self.group_size is not None:
+            parts.append("grouped")
+        if self.has_gate:
+            parts.append(f"gate_{self.gate}_{self.gate_placement}")
         parts.append("upcast" if upcast else "same_dtype")
         return ".".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields as a dict; the gate fields only where they differ from an ungated norm."""
+        data = dataclasses.asdict(self)
+        for key, default in _GATE_DEFAULTS.items():
+            if data[key] == default:
+                del data[key]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RMSNormSpec:
@@ -149,11 +225,20 @@ class RMSNormSpec:
         gain = {"none": "", "weight": " * w", "offset": " * (1 + w)"}[self.gain]
         axes = "last dim" if self.normalized_dims == 1 else f"last {self.normalized_dims} dims"
         order = "" if not self.has_gain else f", {self.order}"
-        return f"x / {inner}{gain} over the {axes}, accumulated in {self.accumulation}{order}"
+        if self.group_size is not None:
+            axes += f" in groups of {self.group_size}"
+        text = f"x / {inner}{gain} over the {axes}, accumulated in {self.accumulation}{order}"
+        if self.has_gate:
+            where = {"before_norm": "x * {a} normalized in place of x",
+                     "after_norm": "times {a} before the rounding back",
+                     "after_cast": "times {a} after the rounding back, rounded again"}[self.gate_placement]
+            text += ", gated: " + where.format(a=f"{self.gate}(z)")
+        return text
 
     @staticmethod
     def field_help() -> dict[str, dict[str, str]]:
-        return {"gain": dict(_GAIN_HELP), "order": dict(_ORDER_HELP)}
+        return {"gain": dict(_GAIN_HELP), "order": dict(_ORDER_HELP), "gate": dict(_GATE_HELP),
+                "gate_placement": dict(_GATE_PLACEMENT_HELP)}
 
 
 def named_specs() -> dict[str, RMSNormSpec]:
@@ -165,6 +250,57 @@ def named_specs() -> dict[str, RMSNormSpec]:
         "olmo2": RMSNormSpec.olmo2(1e-6),
         "nogain": RMSNormSpec(1e-6, gain="none"),
     }
+
+
+def gated_named_specs() -> dict[str, RMSNormSpec]:
+    """The gated specs of the hybrid families, by a short name (kept apart from :func:`named_specs`,
+    whose every spec each lowering and the TensorRT plugin represent)."""
+    return {
+        "mamba2_gated": RMSNormSpec.mamba2_gated(1e-6),
+        "qwen3_next_gated": RMSNormSpec.qwen3_next_gated(1e-6),
+        "kimi_gated": RMSNormSpec.kimi_gated(1e-6),
+    }
+
+
+def parse_spec(text: str) -> RMSNormSpec:
+    """A spec from text: a named spec (``llama``), fields (``eps=1e-5,gain=offset``) or both, the name
+    first (``mamba2_gated,eps=1e-5,group_size=64``). ``eps`` is short for ``epsilon``; a field
+    given after a name replaces the name's value."""
+    if not isinstance(text, str) or not text.strip():
+        raise SpecError("an empty spec; give a named spec (" + ", ".join({**named_specs(), **gated_named_specs()})
+                        + ") or fields like eps=1e-6")
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    base: dict[str, Any] = {}
+    if "=" not in parts[0]:
+        names = {**named_specs(), **gated_named_specs()}
+        if parts[0] not in names:
+            raise SpecError(f"unknown named spec {parts[0]!r}; choose one of {', '.join(names)}")
+        base = dataclasses.asdict(names[parts.pop(0)])
+    known = {f.name: f for f in dataclasses.fields(RMSNormSpec)}
+    for part in parts:
+        key, sep, value = (s.strip() for s in part.partition("="))
+        key = "epsilon" if key == "eps" else key
+        if not sep or key not in known:
+            raise SpecError(f"cannot read {part!r} in spec {text!r}: expected FIELD=VALUE with a field of "
+                            f"{', '.join(sorted(known))}")
+        base[key] = _parse_value(key, value, text)
+    return RMSNormSpec(**base)
+
+
+def _parse_value(key: str, value: str, text: str) -> Any:
+    if key == "epsilon":
+        try:
+            return float(value)
+        except ValueError:
+            raise SpecError(f"epsilon {value!r} in spec {text!r} is not a number") from None
+    if key in ("normalized_dims", "group_size"):
+        if key == "group_size" and value.lower() in ("none", ""):
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise SpecError(f"{key} {value!r} in spec {text!r} is not an integer") from None
+    return value
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -5,6 +5,8 @@ plan           ``plan_export``: options, model name and output paths checked onc
 pipeline       ``run_export``: detect, run, export, canonicalize, check, save, parity
 detect         norms of a module mapped to specs and confirmed bit for bit
 placement      where each norm stands in the module run eagerly; compared with the graph's
+gated          gated norms of the hybrid families and Gemma3n/Gemma4's norms: known classes,
+               the gate input of a confirmation, candidate gated specs for probing
 torch_op       the ``torch.library`` op carrying a spec, and its ONNX translation
 surgery        swapping submodules, silencing torch.onnx, freeing weights
 fusions        rewrite rules for ``--fuse-attention``: opset-23 Attention and RotaryEmbedding

@@ -8,6 +8,8 @@ Known classes (matched by their exact class, never by a name pattern):
   ``Phi3RMSNorm``, ``DeepseekV3RMSNorm`` and T5's ``T5LayerNorm`` (cast, then scale);
   ``GemmaRMSNorm``, ``Gemma2RMSNorm``, ``Gemma3RMSNorm`` (``1 + w`` in float32, then cast);
   ``Olmo2RMSNorm`` (scale in float32, then cast);
+* the gated norms of the hybrid families and Gemma3n/Gemma4's norms, with or without a gain
+  (``gated.py``); a gated norm is confirmed with a seeded gate input;
 * this project's :class:`SpecRMSNorm`;
 * any class that declares its spec: an ``rmsnorm_spec`` attribute holding an
   :class:`RMSNormSpec` (or its dict), with the gain in ``weight`` and, when it has no weight,
@@ -33,6 +35,7 @@ from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.contract.reference import SpecRMSNorm, reference
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.gated import GAINLESS_CAPABLE_CLASSES, GATED_CLASSES, PROBE_WIDTH, call_norm, gate_input
 
 #: The attribute a user class sets to declare its spec.
 SPEC_ATTRIBUTE = "rmsnorm_spec"
@@ -111,6 +114,10 @@ KNOWN_CLASSES: dict[str, Callable[[Any, torch.dtype], RMSNormSpec]] = {
     f"{_HF}.olmo2.modeling_olmo2.Olmo2RMSNorm": _hf_olmo2,
 }
 
+# -- gated norms and Gemma3n/Gemma4's norms (with_scale=False: no gain): see gated.py ------
+KNOWN_CLASSES.update(GATED_CLASSES)
+KNOWN_CLASSES.update(GAINLESS_CAPABLE_CLASSES)
+
 #: Normalizations that are not RMSNorm: exported as torch exports them, and listed.
 OTHER_NORMS: tuple[type, ...] = (
     torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.LocalResponseNorm,
@@ -179,7 +186,7 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
             raise UnknownNormError(
                 f"module {path!r} ({class_path(type(module))}) has gain {spec.gain!r} but no tensor 'weight' attribute"
             )
-        shape = _normalized_shape(module, spec, weight, path)
+        shape = _normalized_shape(module, spec, weight, path, how)
         norm_dtype = weight.dtype if weight is not None else (_module_dtype(module) or default_dtype)
         # Specs whose epsilon depends on the dtype (torch.nn.RMSNorm with eps=None) are read in it.
         spec = spec_of(module, norm_dtype)[0]  # type: ignore[index]
@@ -199,13 +206,14 @@ def confirm_norm(norm: DetectedNorm, *, seed: int = 0, rows: int = 16) -> None:
     # Row magnitudes from 1e-3 to 1e2: small rows make epsilon visible, large ones the rounding.
     scale = 10.0 ** torch.empty((2, rows) + (1,) * len(norm.normalized_shape)).uniform_(-3, 2, generator=gen)
     x = (x * scale).to(norm.dtype)
+    z = gate_input(norm.spec, x, gen)
     with torch.no_grad():
         try:
-            got = norm.module(x)
+            got = call_norm(norm.module, x, z)
         except Exception as exc:  # the module's own failure, reported with its path
             raise NormMismatchError(f"norm {norm.path!r} ({norm.class_name}) failed on a {list(shape)} "
                                     f"{norm.dtype} input: {exc}") from None
-        want = reference(norm.spec, x, norm.weight)
+        want = reference(norm.spec, x, norm.weight, z)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
         raise NormMismatchError(
             f"norm {norm.path!r} ({norm.class_name}) returned {_describe(got)}; its spec gives {_describe(want)}"
@@ -221,11 +229,14 @@ def confirm_norm(norm: DetectedNorm, *, seed: int = 0, rows: int = 16) -> None:
         )
 
 
-def _normalized_shape(module: torch.nn.Module, spec: RMSNormSpec, weight: Any, path: str) -> tuple[int, ...]:
+def _normalized_shape(module: torch.nn.Module, spec: RMSNormSpec, weight: Any, path: str,
+                      how: str = "") -> tuple[int, ...]:
     if weight is not None:
         shape = tuple(int(d) for d in weight.shape)
     else:
         declared = getattr(module, "normalized_shape", None)
+        if declared is None and how == "known class" and spec.normalized_dims == 1 and spec.group_size is None:
+            declared = PROBE_WIDTH  # a known gainless class: nothing in it depends on the width
         if declared is None:
             raise UnknownNormError(
                 f"module {path!r} ({class_path(type(module))}) has no weight and no normalized_shape attribute, "

@@ -53,16 +53,19 @@ def rebuild_source(meta: ModelMetadata) -> torch.nn.Module:
 
 
 class StandaloneNorm(torch.nn.Module):
-    """The source of ``rmsnorm_model``: the spec's reference on the ``x`` and ``weight`` inputs."""
+    """The source of ``rmsnorm_model``: the spec's reference on the ``x``, ``weight`` and ``z`` inputs."""
 
     def __init__(self, meta: ModelMetadata):
         super().__init__()
         (self.spec,) = meta.specs.values()
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
+                z: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         from rmsnorm_deploy.contract.reference import reference
 
-        return {"y": reference(self.spec, x, weight)}
+        if self.spec.has_gate and z is None:
+            raise UserError(f"the standalone model's spec ({self.spec.describe()}) is gated but it has no input 'z'")
+        return {"y": reference(self.spec, x, weight, z)}
 
 
 @source_builder("standalone")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from rmsnorm_deploy.contract.reference import oracle
 from rmsnorm_deploy.contract.spec import RMSNormSpec
+from rmsnorm_deploy.exporter.gated import check_gate_call
 
 #: At most this many bytes of a Linear weight are widened to float64 at once.
 CHUNK_BYTES = 64 << 20
@@ -35,13 +36,15 @@ CHUNK_BYTES = 64 << 20
 class OracleRMSNorm(torch.nn.Module):
     """A norm computing its spec's float64 oracle (the ideal the runtimes are measured against)."""
 
-    def __init__(self, spec: RMSNormSpec, weight: torch.Tensor | None):
+    def __init__(self, spec: RMSNormSpec, weight: torch.Tensor | None, name: str = ""):
         super().__init__()
         self.spec = spec
         self.weight = weight
+        self.norm_name = name
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return oracle(self.spec, x, self.weight if self.spec.has_gain else None)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        check_gate_call(self.spec, gate, self.norm_name)
+        return oracle(self.spec, x, self.weight if self.spec.has_gain else None, gate)
 
 
 def _linear64(module: torch.nn.Linear):
@@ -74,7 +77,7 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
     """
     from rmsnorm_deploy.exporter.surgery import swapped_modules
 
-    replacements = {n.path: OracleRMSNorm(n.spec, n.weight) for n in norms}
+    replacements = {n.path: OracleRMSNorm(n.spec, n.weight, n.path) for n in norms}
     patched: list[torch.nn.Module] = []
     handles: list[Any] = []
     saved: dict[int, dict[str, Any]] = {}

@@ -37,7 +37,7 @@ from onnx import numpy_helper
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.graph.function import is_rmsnorm_node, spec_from_node
+from rmsnorm_deploy.graph.function import input_names, is_rmsnorm_node, spec_from_node
 
 LOW_PRECISION = ("float16", "bfloat16")
 _FUSED_OPS = {
@@ -71,9 +71,10 @@ class NormTensors:
     gain: str | None = None
     bias: str | None = None
     sum_output: str | None = None
+    gate: str | None = None  # the second input ``z`` of a gated rmsnorm_deploy::RMSNorm node
 
     def names(self) -> list[str]:
-        return [n for n in [*self.inputs, self.gain, self.bias, self.sum_output, self.output] if n]
+        return [n for n in [*self.inputs, self.gain, self.gate, self.bias, self.sum_output, self.output] if n]
 
 
 @dataclasses.dataclass
@@ -96,6 +97,7 @@ class Reduction:
     normalized_dims: int | None = None
     tensors: NormTensors | None = None
     placement: str = ""  # pre, post, sublayer_output, qk, final, other (graph/placement.py); "" if not placed
+    gate: str = ""  # a gated norm's gate, e.g. "silu(z) before_norm" (our nodes: from the spec)
 
     @property
     def low_precision(self) -> bool:
@@ -149,20 +151,48 @@ def audit_model(model: onnx.ModelProto, *, stage: str = "as written", onnxruntim
             red = _decomposed(node, graph, stage)
             if red is not None:
                 found.append(red)
-    # Tie each chain to the rmsnorm_deploy node it came from (the inliner keeps the output name).
+    # Tie each chain to the rmsnorm_deploy node it came from: the inliner keeps the node's output
+    # name, and the chain's reduction lies in the node's inlined body (a gate may follow the chain).
+    owner = _body_owners(inlined, ours)
     for red in found:
         out = red.tensors.output if red.tensors else None
+        out = out if out in ours else owner.get(red.node)
         if out in ours:
             node = ours[out]
             try:
-                red.spec = spec_from_node(node).to_dict()
+                spec: RMSNormSpec | None = spec_from_node(node)
             except UserError:
-                red.spec = None
-            weight = node.input[1] if len(node.input) > 1 and node.input[1] else None
-            red.tensors = NormTensors(inputs=[node.input[0]], gain=weight, output=out)
+                spec = None
+            red.spec = spec.to_dict() if spec is not None else None
+            named = dict(zip(input_names(spec), node.input)) if spec is not None else {}
+            red.tensors = NormTensors(inputs=[node.input[0]], gain=named.get("weight") or None, output=out,
+                                      gate=named.get("z") or None)
+            red.input_dtype = graph.dtype(node.input[0])
+            red.note = f"-> {out}"
+            if spec is not None and spec.has_gate:
+                red.gate = f"{spec.gate}(z) {spec.gate_placement}"
+                red.note += f", gated by {red.gate}"
             red.node = node.name or red.node
             red.op = f"{node.domain}::{node.op_type}[{red.op}]"
     return found
+
+
+def _body_owners(inlined: onnx.ModelProto, ours: dict[str, onnx.NodeProto]) -> dict[str, str]:
+    """Label of each node of an inlined rmsnorm_deploy body -> the output of the node it came from:
+    the nodes between the node's output and its inputs."""
+    producers = {out: n for n in inlined.graph.node for out in n.output}
+    owners: dict[str, str] = {}
+    for out, node in ours.items():
+        stop, todo, seen = set(node.input), [out], set()
+        while todo and len(seen) < 256:
+            name = todo.pop()
+            producer = producers.get(name)
+            if name in stop or producer is None or id(producer) in seen:
+                continue
+            seen.add(id(producer))
+            owners.setdefault(_label(producer), out)
+            todo.extend(producer.input)
+    return owners
 
 
 class _Graph:

@@ -5,12 +5,16 @@ TensorRT inlines it (or, with our plugin loaded, runs the plugin), and every rea
 see that the reduction runs in float32.
 
 The node carries the whole spec as attributes (``epsilon``, ``axes``, ``gain``,
-``order``, ``accumulation``, ``epsilon_placement``) so the spec can be read back from
+``order``, ``accumulation``, ``epsilon_placement``; a gated spec adds ``gate`` and
+``gate_placement``, a grouped one ``group_size``) so the spec can be read back from
 any graph; the body of each spec *variant* (see :meth:`RMSNormSpec.variant`) is one
 overload of the function, with ``epsilon`` and ``axes`` as attribute references. The
 body is written in the op chain that ONNX Runtime's ``SimplifiedLayerNormFusion``
 recognizes: ``Pow(x, 2) -> ReduceMean -> Add(eps) -> Sqrt -> Div(x, .) -> Mul(w)``
 inside the casts to and from the accumulation dtype; no-op casts are left out.
+
+Inputs are ``(x[, weight][, z])``: the weight when the spec has a gain, the gate input ``z``
+when it is gated (:func:`input_names`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ MIN_OPSET, MAX_OPSET = 18, 23
 MIN_IR_VERSION = 10
 
 _SPEC_STRING_ATTRIBUTES = ("gain", "order", "accumulation", "epsilon_placement")
+#: Written only on gated nodes, so that ungated nodes stay as they were before gates existed.
+_GATE_STRING_ATTRIBUTES = ("gate", "gate_placement")
 _ACC_IR = {"float32": ir.DataType.FLOAT, "float64": ir.DataType.DOUBLE}
 
 
@@ -104,6 +110,30 @@ class OnnxOps:
     def multiply(self, a: Any, b: Any) -> Any:
         return self.op.Mul(a, b)
 
+    def activation(self, t: Any, name: str) -> Any:
+        # 1 + exp(-t) and a divide, not Sigmoid: ONNX Runtime's CPU Sigmoid is an approximation with
+        # an absolute error of ~1.5e-7, millions of ulps where sigmoid(t) is small (t < -15);
+        # its Exp is within ~2 ulp, as torch's sigmoid and silu are. (opset 18 has no Silu op.)
+        denominator = self.op.Add(self._constant(1.0), self.op.Exp(self.op.Neg(t)))
+        return self.op.Div(t if name == "silu" else self._constant(1.0), denominator)
+
+    def group(self, t: Any, group_size: int) -> Any:
+        if self.attribute_refs:
+            size = self.op.Constant(value_int=ir.RefAttr("value_int", "group_size", ir.AttributeType.INT))
+            tail = self.op.Concat(self.op.Constant(value_ints=[-1]),
+                                  self.op.Reshape(size, self.op.Constant(value_ints=[1])), axis=0)
+        else:
+            tail = self.op.Constant(value_ints=[-1, int(group_size)])
+        return self.op.Reshape(t, self.op.Concat(self.op.Shape(t, end=-1), tail, axis=0))
+
+    def ungroup(self, t: Any, like: Any) -> Any:
+        return self.op.Reshape(t, self.op.Shape(like))
+
+
+def input_names(spec: RMSNormSpec) -> list[str]:
+    """The node's (and function's) inputs: ``x``, ``weight`` with a gain, ``z`` (the gate input) when gated."""
+    return ["x"] + (["weight"] if spec.has_gain else []) + (["z"] if spec.has_gate else [])
+
 
 def plugin_namespace(spec: RMSNormSpec) -> str:
     """The TensorRT plugin namespace of ``spec``'s nodes: inputs ``(x, weight)`` or ``(x)``."""
@@ -116,22 +146,25 @@ def check_opset(opset: int) -> None:
 
 
 def _variant_spec(spec: RMSNormSpec) -> RMSNormSpec:
-    """The spec with epsilon and axes reset: they are attributes, not part of the body."""
-    return dataclasses.replace(spec, epsilon=1e-6, normalized_dims=1)
+    """The spec with epsilon, axes and group size reset: they are attributes, not part of the body."""
+    return dataclasses.replace(spec, epsilon=1e-6, normalized_dims=1,
+                               group_size=None if spec.group_size is None else 1)
 
 
 @functools.lru_cache(maxsize=256)
 def _function_proto_cached(spec: RMSNormSpec, upcast: bool, opset: int) -> bytes:
 
-    def body(op: Any, x: Any, weight: Any = None) -> Any:
-        return formula.rms_norm(OnnxOps(op, spec, upcast=upcast, attribute_refs=True), spec, x, weight)
+    names = input_names(spec)
 
-    inputs = [ir.Value(name="x")]
-    if spec.has_gain:
-        inputs.append(ir.Value(name="weight"))
+    def body(op: Any, *values: Any) -> Any:
+        given = dict(zip(names, values))
+        return formula.rms_norm(OnnxOps(op, spec, upcast=upcast, attribute_refs=True), spec, given["x"],
+                                given.get("weight"), given.get("z"))
+
+    inputs = [ir.Value(name=n) for n in names]
     # String attributes describe the variant (their defaults are its values); epsilon and
-    # axes are required on every node.
-    described = [ir.Attr(key, ir.AttributeType.STRING, getattr(spec, key)) for key in _SPEC_STRING_ATTRIBUTES]
+    # axes are required on every node (and group_size on grouped ones).
+    described = [ir.Attr(key, ir.AttributeType.STRING, getattr(spec, key)) for key in _string_attributes(spec)]
     described += [
         ir.Attr("plugin_namespace", ir.AttributeType.STRING, ""),
         ir.Attr("plugin_version", ir.AttributeType.STRING, PLUGIN_VERSION),
@@ -145,10 +178,14 @@ def _function_proto_cached(spec: RMSNormSpec, upcast: bool, opset: int) -> bytes
     # The tracer's value_info would pin shapes of the attribute-driven constants; the body
     # must stay shape-generic, so let each runtime infer them.
     del proto.value_info[:]
-    proto.attribute.extend(["epsilon", "axes"])
+    proto.attribute.extend(["epsilon", "axes"] + (["group_size"] if spec.group_size is not None else []))
     proto.doc_string = f"RMSNorm, variant {fn.overload}: gain={spec.gain}, order={spec.order}, " + (
         f"accumulation={spec.accumulation}, epsilon {spec.epsilon_placement.replace('_', ' ')}"
     )
+    if spec.group_size is not None:
+        proto.doc_string += ", normalized per group of group_size elements of the last dim"
+    if spec.has_gate:
+        proto.doc_string += f", gated by {spec.gate}(gate) {spec.gate_placement.replace('_', ' ')}"
     return proto.SerializeToString()
 
 
@@ -175,12 +212,18 @@ def rmsnorm_node(
 ) -> onnx.NodeProto:
     """A ``rmsnorm_deploy::RMSNorm`` node carrying ``spec``; ``plugin`` adds TensorRT's plugin fields."""
     attrs: dict[str, Any] = {"epsilon": spec.epsilon, "axes": list(spec.axes)}
-    attrs.update({key: getattr(spec, key) for key in _SPEC_STRING_ATTRIBUTES})
+    attrs.update({key: getattr(spec, key) for key in _string_attributes(spec)})
+    if spec.group_size is not None:
+        attrs["group_size"] = spec.group_size
     if plugin:
         attrs.update(plugin_namespace=plugin_namespace(spec), plugin_version=PLUGIN_VERSION)
     node = onnx.helper.make_node(OP_TYPE, inputs, outputs, name=name or None, domain=DOMAIN, **attrs)
     node.overload = spec.variant(spec.upcasts(dtype_name(input_dtype)))
     return node
+
+
+def _string_attributes(spec: RMSNormSpec) -> tuple[str, ...]:
+    return _SPEC_STRING_ATTRIBUTES + (_GATE_STRING_ATTRIBUTES if spec.has_gate else ())
 
 
 def is_rmsnorm_node(node: onnx.NodeProto) -> bool:
@@ -201,10 +244,12 @@ def spec_from_attributes(attrs: dict[str, Any], where: str = "RMSNorm") -> RMSNo
     if axes != list(range(-k, 0)):
         raise LoweringError(f"{where}: axes {axes} are not the trailing dims; RMSNorm normalizes the last k dims")
     fields: dict[str, Any] = {"epsilon": float(attrs.get("epsilon", 1e-6)), "normalized_dims": k}
-    for key in _SPEC_STRING_ATTRIBUTES:
+    for key in _SPEC_STRING_ATTRIBUTES + _GATE_STRING_ATTRIBUTES:
         if key in attrs:
             value = attrs[key]
             fields[key] = value.decode() if isinstance(value, bytes) else value
+    if "group_size" in attrs:
+        fields["group_size"] = int(attrs["group_size"])
     return RMSNormSpec(**fields)
 
 

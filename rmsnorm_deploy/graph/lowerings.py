@@ -32,6 +32,7 @@ from rmsnorm_deploy.graph.function import (
     PLUGIN_VERSION,
     check_opset,
     function_proto,
+    input_names,
     is_rmsnorm_node,
     node_upcasts,
     plugin_namespace,
@@ -51,6 +52,7 @@ class NormNode:
     weight: str | None
     y: str
     name: str
+    gate: str | None = None
 
 
 def refusal(lowering: str, spec: RMSNormSpec, upcast: bool, opset: int) -> str | None:
@@ -61,8 +63,22 @@ def refusal(lowering: str, spec: RMSNormSpec, upcast: bool, opset: int) -> str |
     """
     if lowering not in LOWERINGS:
         return f"unknown lowering {lowering!r}; choose one of {', '.join(LOWERINGS)}"
-    if lowering in ("function", "plugin", "inline"):
+    if lowering in ("function", "inline"):
         return None
+    if lowering == "plugin":
+        if spec.has_gate:
+            return (f"the TensorRT plugin's kernel has no gate; this spec is gated by {spec.gate}(z) "
+                    f"({spec.gate_placement.replace('_', ' ')}): use the function or inline lowering")
+        if spec.group_size is not None:
+            return (f"the TensorRT plugin's kernel normalizes whole rows; this spec normalizes groups of "
+                    f"{spec.group_size}: use the function or inline lowering")
+        return None
+    if spec.has_gate:
+        return (f"{_OP_NAME[lowering]} has no gate input; this spec is gated by {spec.gate}(z) "
+                f"({spec.gate_placement.replace('_', ' ')}): use the function or inline lowering")
+    if spec.group_size is not None:
+        return (f"{_OP_NAME[lowering]} normalizes whole trailing dims; this spec normalizes the last dim in groups "
+                f"of {spec.group_size}: use the function or inline lowering")
     if spec.epsilon_placement != "inside_sqrt":
         return f"{_OP_NAME[lowering]} adds epsilon inside the square root; this spec adds it outside"
     if spec.accumulation != "float32":
@@ -140,10 +156,14 @@ def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormNode:
         upcast = from_overload
     else:
         raise LoweringError(f"RMSNorm node {node.name!r}: the dtype of its input {node.input[0]!r} is not declared")
-    weight = node.input[1] if len(node.input) > 1 and node.input[1] else None
-    if spec.has_gain and weight is None:
-        raise LoweringError(f"RMSNorm node {node.name!r} has gain {spec.gain!r} but no weight input")
-    return NormNode(spec, upcast, node.input[0], weight, node.output[0], node.name or node.output[0])
+    roles = input_names(spec)
+    given = [name for name in node.input]
+    if len(given) != len(roles) or not all(given):
+        raise LoweringError(f"RMSNorm node {node.name!r} has inputs {given} but its spec ({spec.describe()}) takes "
+                            f"{len(roles)}: {', '.join(roles)}")
+    named = dict(zip(roles, given))
+    return NormNode(spec, upcast, named["x"], named.get("weight"), node.output[0], node.name or node.output[0],
+                    gate=named.get("z"))
 
 
 def _value_dtype(model: onnx.ModelProto, name: str) -> str | None:

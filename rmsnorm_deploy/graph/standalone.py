@@ -15,6 +15,7 @@ from rmsnorm_deploy.graph.function import (
     DOMAIN_VERSION,
     MIN_IR_VERSION,
     check_opset,
+    input_names,
     rmsnorm_node,
 )
 from rmsnorm_deploy.graph.lowerings import LOWERINGS, lower_model
@@ -40,10 +41,11 @@ def rmsnorm_model(
     lowering: str = "function",
     opset: int | None = None,
 ) -> onnx.ModelProto:
-    """A model ``y = RMSNorm(x[, weight])`` for ``spec`` in ``lowering``.
+    """A model ``y = RMSNorm(x[, weight][, z])`` for ``spec`` in ``lowering``.
 
     ``shape`` is an example input shape: its last ``spec.normalized_dims`` dims are fixed
-    (they size the weight), the leading dims are dynamic. ``dtype`` is a name
+    (they size the weight), the leading dims are dynamic; a gated spec's gate input ``z`` has
+    the shape and dtype of ``x``. ``dtype`` is a name
     (``"float16"``) or a torch or numpy dtype.
     """
     name = dtype_name(dtype)
@@ -61,10 +63,13 @@ def rmsnorm_model(
     dims = leading + list(shape[-k:])
     elem = onnx_type(name)
     inputs = [helper.make_tensor_value_info("x", elem, dims)]
-    node_inputs = ["x"]
+    if spec.group_size is not None and shape[-1] % spec.group_size:
+        raise UserError(f"shape {shape}: the last dim {shape[-1]} is not a multiple of group_size {spec.group_size}")
+    node_inputs = input_names(spec)
     if spec.has_gain:
         inputs.append(helper.make_tensor_value_info("weight", elem, list(shape[-k:])))
-        node_inputs.append("weight")
+    if spec.has_gate:
+        inputs.append(helper.make_tensor_value_info("z", elem, dims))
     node = rmsnorm_node(spec, name, node_inputs, ["y"], name="rmsnorm")
     graph = helper.make_graph([node], "rmsnorm", inputs, [helper.make_tensor_value_info("y", elem, dims)])
     opsets = [helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)]
@@ -74,6 +79,8 @@ def rmsnorm_model(
     inputs_meta = {"x": {"dtype": name, "shape": dims, "kind": "activations"}}
     if spec.has_gain:
         inputs_meta["weight"] = {"dtype": name, "shape": list(shape[-k:]), "kind": "weight", "gain": spec.gain}
+    if spec.has_gate:
+        inputs_meta["z"] = {"dtype": name, "shape": dims, "kind": "activations"}
     ModelMetadata(
         specs={"rmsnorm": spec},
         lowering=lowering,

@@ -82,6 +82,9 @@ def run_case(case: ParityCase) -> ParityRow:
     x = activations(case.shape, case.dtype, seed=case.seed, kind=case.inputs)
     w = gain_weights(case.shape[-case.spec.normalized_dims:], case.dtype, case.spec.gain, seed=case.seed + 1)
     feed = {"x": x} if w is None else {"x": x, "weight": w}
+    z = activations(case.shape, case.dtype, seed=case.seed + 2, kind=case.inputs) if case.spec.has_gate else None
+    if z is not None:
+        feed["z"] = z
     with tempfile.TemporaryDirectory(prefix="rmsnorm-parity-") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         try:
@@ -92,10 +95,10 @@ def run_case(case: ParityCase) -> ParityRow:
         except UserError as exc:  # ONNX Runtime has no kernel for this graph on this provider
             return ParityRow(case, "unsupported", _short_ort_error(str(exc)))
         ran = audit_model(onnx.load(str(optimized)), stage=f"after onnxruntime ({case.optimization})")
-    x_t, w_t = to_torch(x), (to_torch(w) if w is not None else None)
-    vs_oracle = compare(y, oracle(case.spec, x_t, w_t), tolerance_for("norm", "onnxruntime", case.dtype),
+    x_t, w_t, z_t = to_torch(x), (to_torch(w) if w is not None else None), (to_torch(z) if z is not None else None)
+    vs_oracle = compare(y, oracle(case.spec, x_t, w_t, z_t), tolerance_for("norm", "onnxruntime", case.dtype),
                         dtype=case.dtype, name="y vs float64")
-    vs_ref = compare(y, reference(case.spec, x_t, w_t), tolerance_for("norm_vs_torch", "onnxruntime", case.dtype),
+    vs_ref = compare(y, reference(case.spec, x_t, w_t, z_t), tolerance_for("norm_vs_torch", "onnxruntime", case.dtype),
                      dtype=case.dtype, name="y vs torch")
     passed = vs_oracle.passed and vs_ref.passed
     failure = "; ".join(r.summary() for r in (vs_oracle, vs_ref) if not r.passed)

@@ -147,7 +147,9 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
             if site.spec is not None:
                 check = "norm"
                 g_t = None if gain is None else to_torch(gain.astype(np.float64))
-                expected = oracle(site.spec, x_t, g_t)
+                z_t = (torch.from_numpy(np.ascontiguousarray(values[tensors.gate].astype(np.float64)))
+                       if tensors.gate else None)
+                expected = oracle(site.spec, x_t, g_t, z_t)
                 gain_abs = np.ones(()) if gain is None else np.abs(gain.astype(np.float64))
                 tol = norm_tolerance(check, BACKENDS[key].tolerance_backend, dtype, site.spec, float(np.max(gain_abs, initial=0.0)))
                 # the row rms only scales the subnormal-input allowance; the expected value is the oracle's
