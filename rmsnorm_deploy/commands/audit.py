@@ -1,7 +1,8 @@
 """List every RMSNorm and LayerNorm reduction of an ONNX graph (ours or any tool's): the dtype
 its squares and its sum are computed in, its epsilon and axes, as written and after ONNX
 Runtime's graph optimizations (the graph ONNX Runtime actually runs). Exit code 1 if any
-reduction accumulates in float16 or bfloat16, 2 on bad input."""
+reduction accumulates in float16 or bfloat16 or cannot compute a correct result (an epsilon
+that is NaN, infinite, zero or negative), 2 on bad input."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.graph.audit import (
         audit_after_onnxruntime,
         audit_model,
+        broken_reductions,
         low_precision_reductions,
     )
     from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable, load_onnx
@@ -68,12 +70,14 @@ def run(args: argparse.Namespace) -> int:
             except UserError as exc:
                 errors.append(f"after onnxruntime ({level}) on {','.join(providers)}: not audited: {exc}")
     low = low_precision_reductions(reductions)
+    broken = broken_reductions(reductions)
     data = {
         "model": str(args.model),
         "providers": providers if levels else [],
         "onnxruntime_version": version,
         "reductions": [r.to_dict() for r in reductions],
         "low_precision": len(low),
+        "broken": len(broken),
         "errors": errors,
     }
     if args.json:
@@ -81,16 +85,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         headers = ["stage", "norm", "kind", "op", "input", "accumulates", "epsilon", "axes", "note"]
         rows = [[r.stage, r.node, r.kind, r.op, r.input_dtype, r.precision + (" LOW" if r.low_precision else ""),
-                 "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes, r.note] for r in reductions]
+                 "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes,
+                 "; ".join(t for t in (r.note, "BROKEN" if r.problem else "") if t)] for r in reductions]
         print(format_table(headers, rows) if rows else "no normalization reduction found")
         stages = ["as written"] + [f"after onnxruntime ({lvl})" for lvl in levels]
         for error in errors:
             print(f"error: {error}")
-        print(f"\n{len(reductions)} reductions ({', '.join(stages)}); {len(low)} accumulate in float16 or bfloat16")
+        for r in broken:
+            print(f"error: {r.stage}: norm {r.node}: {r.problem}")
+        print(f"\n{len(reductions)} reductions ({', '.join(stages)}); {len(low)} accumulate in float16 or bfloat16"
+              + (f"; {len(broken)} cannot give a correct result" if broken else ""))
     if args.output:
         with atomic_path(args.output, force=args.force) as tmp:
             tmp.write_text(json.dumps(data, indent=1))
-    if low:
+    if low or broken:
         return 1
     if errors:
         import sys

@@ -24,6 +24,7 @@ executes (``optimized_model_filepath``), after its fusions and inserted casts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -97,6 +98,23 @@ class Reduction:
     tensors: NormTensors | None = None
 
     @property
+    def problem(self) -> str:
+        """Why this norm cannot compute a correct result whatever its inputs ("" if none): an
+        epsilon that is NaN, infinite, zero or negative (NaN, all-zero or NaN rows out)."""
+        eps = self.epsilon
+        if eps is None:
+            return ""
+        if math.isnan(eps):
+            return "its epsilon is NaN: every output is NaN; the graph is broken, re-export it with a positive epsilon"
+        if math.isinf(eps):
+            return (f"its epsilon is {eps}: every output is 0 or NaN; the graph is broken, re-export it with a "
+                    "finite positive epsilon")
+        if eps <= 0:
+            return (f"its epsilon is {eps:g}, not positive: rows of small or zero values give NaN or Inf; "
+                    "re-export it with a positive epsilon")
+        return ""
+
+    @property
     def low_precision(self) -> bool:
         return self.accumulation in LOW_PRECISION or self.squares in LOW_PRECISION
 
@@ -127,6 +145,9 @@ class Reduction:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["low_precision"] = self.low_precision
+        data["problem"] = self.problem
+        if data["epsilon"] is not None and not math.isfinite(data["epsilon"]):
+            data["epsilon"] = str(data["epsilon"])  # JSON has no NaN or Infinity
         return data
 
 
@@ -609,3 +630,8 @@ def audit_after_onnxruntime(
 
 def low_precision_reductions(reductions: Iterable[Reduction]) -> list[Reduction]:
     return [r for r in reductions if r.low_precision]
+
+
+def broken_reductions(reductions: Iterable[Reduction]) -> list[Reduction]:
+    """Reductions that cannot give a correct result (``Reduction.problem``: e.g. a NaN or negative epsilon)."""
+    return [r for r in reductions if r.problem]

@@ -35,7 +35,7 @@ from rmsnorm_deploy.validate.backends import BACKENDS, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
 from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
 from rmsnorm_deploy.validate.report import CheckRow, ValidationReport
-from rmsnorm_deploy.validate.rows import ValidationRun, is_standalone, norm_rows, output_rows
+from rmsnorm_deploy.validate.rows import ValidationRun, broken_norm_rows, is_standalone, norm_rows, output_rows
 
 REFERENCES = ("auto", "torch", "float64")
 
@@ -77,7 +77,7 @@ def validate_model(
     for site in sites:
         if site.skip_reason:
             notes.append(f"norm {site.reduction.node} not compared: {site.skip_reason}")
-    checked_sites = [s for s in sites if not s.skip_reason]
+    checked_sites = [s for s in sites if not s.skip_reason and not s.failure]
     model_outputs = [o.name for o in model.graph.output]
     output_dtypes = {o.name: elem_dtype(o.type.tensor_type.elem_type) for o in model.graph.output}
 
@@ -117,6 +117,7 @@ def validate_model(
                             source_label, source_module, reference_outputs, source_outputs, initial)
         rows += output_rows(run)
         if check_norms:
+            rows += broken_norm_rows(run, sites)
             rows += norm_rows(run, checked_sites)
     source = (f"{meta.source.get('kind', 'unknown')} (rmsnorm_deploy metadata, {meta.dtype}, lowering "
               f"{meta.lowering})" if meta else "third-party graph (no rmsnorm_deploy metadata)")

@@ -1,0 +1,106 @@
+"""Hostile and careless input through the CLI: a wrong result never passes, untrusted metadata
+stays in its folder and its memory budget, bad input is one line with exit 2 (never a
+traceback), outputs are never clobbered, and a model is never published without its report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from rmsnorm_deploy.cli import main
+from rmsnorm_deploy.contract.spec import named_specs
+from rmsnorm_deploy.graph.onnx_file import save_onnx
+from rmsnorm_deploy.graph.standalone import rmsnorm_model
+
+pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'rmsnorm-deploy[onnxruntime]'")
+H = 7  # an odd hidden size
+
+
+def _one_line_error(capsys, code, expected_code=2):
+    err = capsys.readouterr().err
+    assert code == expected_code, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def _model(nodes, inits, *, opset=18, x_dims=("rows", H), domains=()):
+    g = helper.make_graph(nodes, "third_party", [helper.make_tensor_value_info("x", TP.FLOAT, list(x_dims))],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, list(x_dims))], initializer=inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)] +
+                              [helper.make_opsetid(d, 1) for d in domains])
+    model.ir_version = 9
+    return model
+
+
+def _gain():
+    return numpy_helper.from_array(np.linspace(0.5, 1.5, H).astype(np.float32), "w")
+
+
+def fused_norm(eps):
+    """A third party's RMSNorm as ONNX Runtime's fused op (no rmsnorm_deploy metadata)."""
+    return _model([helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["y"], axis=-1, epsilon=eps,
+                                    stash_type=1)], [_gain()])
+
+
+def chain_norm(eps):
+    """A third party's RMSNorm written op by op: Pow, ReduceMean, Add(eps), Sqrt, Div, Mul(w)."""
+    inits = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+             numpy_helper.from_array(np.array(eps, np.float32), "eps"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes"), _gain()]
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("ReduceMean", ["sq", "axes"], ["ms"]),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["den"]),
+             helper.make_node("Div", ["x", "den"], ["n"]), helper.make_node("Mul", ["n", "w"], ["y"])]
+    return _model(nodes, inits)
+
+
+# -- 1. a wrong result never passes ----------------------------------------------------------
+@pytest.mark.parametrize("eps", [math.nan, -1e-6, 0.0, math.inf], ids=["nan", "negative", "zero", "inf"])
+@pytest.mark.parametrize("build", [fused_norm, chain_norm], ids=["fused", "chain"])
+def test_a_broken_epsilon_fails_validate_and_audit(tmp_path, capsys, build, eps):
+    path = save_onnx(build(eps), tmp_path / "m.onnx")
+    assert main(["validate", str(path), "--dim", "rows=199", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is False
+    failed = [r for r in report["rows"] if r["status"] == "FAIL"]
+    assert failed and "its epsilon is" in failed[0]["detail"], report
+    assert "not a constant" not in json.dumps(report)
+    assert main(["audit", str(path), "--optimization", "none", "--json"]) == 1
+    audit = json.loads(capsys.readouterr().out)
+    assert audit["broken"] == 1 and "its epsilon is" in audit["reductions"][0]["problem"]
+
+
+@pytest.mark.parametrize("build", [fused_norm, chain_norm], ids=["fused", "chain"])
+def test_a_sound_third_party_norm_still_passes(tmp_path, capsys, build):
+    path = save_onnx(build(1e-6), tmp_path / "m.onnx")
+    assert main(["validate", str(path), "--dim", "rows=199"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main(["audit", str(path), "--optimization", "none"]) == 0
+
+
+def test_a_nan_weight_is_not_comparable_and_fails(tmp_path, capsys):
+    path = save_onnx(rmsnorm_model(named_specs()["llama"], dtype="float32", shape=(199, H)), tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    weight = rng.uniform(0.5, 1.5, H).astype(np.float32)
+    weight[3] = np.nan
+    np.savez(tmp_path / "feed.npz", x=rng.normal(0, 2, (199, H)).astype(np.float32), weight=weight)
+    for reference in ("torch", "float64"):
+        assert main(["validate", str(path), "--feed", str(tmp_path / "feed.npz"), "--reference", reference]) == 1
+        out = capsys.readouterr().out
+        assert "not comparable: the reference is NaN" in out and "0 passed" in out, out
+
+
+def test_zero_comparisons_is_not_a_pass(tmp_path, capsys):
+    """A graph with no norm and one backend: nothing is compared, so nothing is verified."""
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [])
+    path = save_onnx(model, tmp_path / "relu.onnx")
+    assert main(["validate", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "0 passed, 0 failed" in out and "FAIL: nothing was compared" in out
+    assert main(["validate", str(path), "--providers", "cpu", "--json"]) == 1
+    assert "nothing was compared" in json.loads(capsys.readouterr().out)["failure"]
