@@ -85,6 +85,22 @@ def check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
             )
 
 
+def check_graph(path: str | os.PathLike, *, unknown_ops_ok: bool = False) -> None:
+    """``onnx.checker`` full check of the file at ``path`` (its external data resolved beside it):
+    cycles, undefined tensors, attributes of the wrong type, missing external data; a
+    :class:`ModelFileError` with the checker's first line. ``unknown_ops_ok``: an op without an
+    ONNX schema (ONNX Runtime's own ops in the default domain) is left for the caller to judge."""
+    p = check_model_file(path)
+    try:
+        onnx.checker.check_model(str(p), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, OSError) as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        if unknown_ops_ok and first.startswith("No Op registered for"):
+            return
+        raise ModelFileError(f"{p}: not a valid ONNX graph: onnx.checker says: {first[:300]}; fix or re-export the "
+                             "model") from None
+
+
 def ensure_writable(path: str | os.PathLike, *, force: bool) -> Path:
     """Refuse to replace an existing file unless ``force``; create the parent folder."""
     p = Path(path)

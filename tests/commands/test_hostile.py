@@ -104,3 +104,44 @@ def test_zero_comparisons_is_not_a_pass(tmp_path, capsys):
     assert "0 passed, 0 failed" in out and "FAIL: nothing was compared" in out
     assert main(["validate", str(path), "--providers", "cpu", "--json"]) == 1
     assert "nothing was compared" in json.loads(capsys.readouterr().out)["failure"]
+
+
+# -- 5. check-trt runs the ONNX checker first --------------------------------------------------
+def _relu_graph(nodes, inits=(), outputs=("y",)):
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, ["rows", H])],
+                          [helper.make_tensor_value_info(o, TP.FLOAT, ["rows", H]) for o in outputs],
+                          initializer=list(inits))
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def _with_missing_external_data(tmp_path):
+    w = numpy_helper.from_array(np.ones(H, np.float32), "w")
+    w.ClearField("raw_data")
+    w.data_location = TP.EXTERNAL
+    w.external_data.add(key="location", value="weights.bin")
+    return _relu_graph([helper.make_node("Add", ["x", "w"], ["y"])], [w])
+
+
+INVALID_GRAPHS = {
+    "cyclic": lambda tmp: _relu_graph([helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+                                       helper.make_node("Identity", ["b"], ["y"])]),
+    "undefined tensor": lambda tmp: _relu_graph([helper.make_node("Relu", ["nowhere"], ["y"])]),
+    "bad attribute": lambda tmp: _relu_graph([helper.make_node("Softmax", ["x"], ["y"], axis="last")]),
+    "missing external data": _with_missing_external_data,
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID_GRAPHS))
+def test_check_trt_refuses_an_invalid_graph(tmp_path, capsys, case):
+    path = tmp_path / "bad.onnx"
+    onnx.save_model(INVALID_GRAPHS[case](tmp_path), str(path))
+    err = _one_line_error(capsys, main(["check-trt", str(path)]))
+    assert "not a valid ONNX graph: onnx.checker says:" in err and "imports" not in capsys.readouterr().out
+
+
+def test_check_trt_still_reports_onnx_runtime_ops_itself(tmp_path, capsys):
+    path = save_onnx(fused_norm(1e-6), tmp_path / "ort.onnx")
+    assert main(["check-trt", str(path)]) == 1
+    assert "would NOT import" in capsys.readouterr().out
