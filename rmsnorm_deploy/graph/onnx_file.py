@@ -19,6 +19,18 @@ from onnx import external_data_helper
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, one_line
 
+def _read_umask() -> int:
+    # os.umask can only be read by setting it; done once, at import, before any thread writes files.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: The user's umask: outputs get the mode any tool of theirs would give (``0o666 & ~umask``),
+#: not ``tempfile.mkstemp``'s 0600.
+UMASK = _read_umask()
+FILE_MODE = 0o666 & ~UMASK
+
 #: Protobuf cannot serialize a message of 2 GB or more: past this, weights go to a side file.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
 
@@ -123,6 +135,7 @@ def atomic_path(path: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
         yield tmp
         if target.exists() and not force:  # appeared while we were writing
             raise OutputExistsError(f"{target} appeared while writing; pass --force to replace it")
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
@@ -160,6 +173,7 @@ def save_onnx(
                 check(tmp)
             _set_external_location(model, staged_data.name, data_name)
             onnx.save_model(model, str(tmp))
+            os.chmod(staged_data, FILE_MODE)
             os.replace(staged_data, data_path)
         return target
     large = model.ByteSize() >= EXTERNAL_DATA_THRESHOLD if _small_enough_to_size(model) else True

@@ -31,7 +31,7 @@ from onnx import numpy_helper
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
-from rmsnorm_deploy.validate.backends import BACKENDS, parse_backends
+from rmsnorm_deploy.validate.backends import BACKENDS, check_provider_options, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
 from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
 from rmsnorm_deploy.validate.report import CheckRow, ValidationReport
@@ -59,6 +59,7 @@ def validate_model(
     if reference not in REFERENCES:
         raise UserError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
     keys = parse_backends(providers)
+    check_provider_options(keys, provider_options)
     model = load_onnx(path)
     meta = ModelMetadata.read(model)
     notes: list[str] = []

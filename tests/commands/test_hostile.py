@@ -29,6 +29,16 @@ def _one_line_error(capsys, code, expected_code=2):
     return err
 
 
+def _error_after_progress(capsys, code, expected_code=2):
+    """The error line of a command that printed progress lines on stderr before failing."""
+    err = capsys.readouterr().err
+    assert code == expected_code, err
+    lines = err.splitlines()
+    assert "Traceback" not in err and lines and lines[-1].startswith("rmsnorm-deploy "), err
+    assert sum(": error: " in line for line in lines) == 1, err
+    return lines[-1]
+
+
 def _model(nodes, inits, *, opset=18, x_dims=("rows", H), domains=()):
     g = helper.make_graph(nodes, "third_party", [helper.make_tensor_value_info("x", TP.FLOAT, list(x_dims))],
                           [helper.make_tensor_value_info("y", TP.FLOAT, list(x_dims))], initializer=inits)
@@ -145,3 +155,54 @@ def test_check_trt_still_reports_onnx_runtime_ops_itself(tmp_path, capsys):
     path = save_onnx(fused_norm(1e-6), tmp_path / "ort.onnx")
     assert main(["check-trt", str(path)]) == 1
     assert "would NOT import" in capsys.readouterr().out
+
+
+# -- 6. no clobbering, no shadowing, no dropped option, the user's umask -----------------------
+_PARITY = ["parity", "--spec", "llama", "--dtype", "float32", "--lowering", "function", "--optimization", "disable",
+           "--shape", "1x7", "--inputs", "normal"]
+
+
+def test_parity_json_is_not_overwritten_without_force(tmp_path, capsys):
+    target = tmp_path / "rows.json"
+    target.write_text("keep me")
+    err = _one_line_error(capsys, main([*_PARITY, "--json", str(target)]))
+    assert "exists; pass --force" in err and target.read_text() == "keep me"
+    assert main([*_PARITY, "--json", str(target), "--force"]) == 0
+    assert json.loads(target.read_text())[0]["spec"] == "llama"
+
+
+def test_validate_output_is_not_overwritten_without_force(tmp_path, capsys):
+    path = save_onnx(fused_norm(1e-6), tmp_path / "m.onnx")
+    target = tmp_path / "out.json"
+    target.write_text("keep me")
+    err = _one_line_error(capsys, main(["validate", str(path), "--output", str(target)]))
+    assert "exists; pass --force" in err and target.read_text() == "keep me"
+
+
+def test_a_folder_named_like_a_preset_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    err = _one_line_error(capsys, main(["export", "tiny", "-o", str(tmp_path / "out")]))
+    assert "'tiny' is both a folder here and a preset: write ./tiny for the folder" in err and "tiny.toml" in err
+    assert not (tmp_path / "out").exists()
+    # ./tiny is the folder, unambiguously (an empty folder is no model: its own one-line error)
+    err = _error_after_progress(capsys, main(["export", "./tiny", "-o", str(tmp_path / "out")]))
+    assert "no config.json" in err
+
+
+def test_options_of_a_provider_that_does_not_run_are_refused(tmp_path, capsys):
+    path = save_onnx(fused_norm(1e-6), tmp_path / "m.onnx")
+    err = _one_line_error(capsys, main(["validate", str(path), "--provider-option", "cuda:device_id=1"]))
+    assert "provider 'cuda' is not run by --providers cpu; add it to --providers or drop the option" in err
+
+
+def test_outputs_follow_the_users_umask(tmp_path, capsys):
+    import os
+    import stat
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    path = save_onnx(fused_norm(1e-6), tmp_path / "m.onnx")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
+    assert main(["validate", str(path), "--output", str(tmp_path / "out.json")]) == 0
+    assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == 0o666 & ~mask
