@@ -142,6 +142,88 @@ def atomic_path(path: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
             tmp.unlink()
 
 
+# -- a model and the files that vouch for it, published together ---------------------------------
+def lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on ``target``'s outputs (a hidden ``.<name>.lock`` beside it) while a
+    writer stages and publishes them; another writer of the same target waits. The lock file
+    stays (removing it would let a waiting writer lock a file nobody else sees)."""
+    path = lock_path(Path(target))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks; staging still publishes in one step
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def remove_stale(target: str | os.PathLike) -> list[Path]:
+    """Remove the hidden leftovers of a killed writer of ``target``: ``.<name>.*.tmp`` files of
+    :func:`atomic_path` and ``.<name>.staging-*`` folders of :func:`staging_folder`. Call it
+    only under :func:`output_lock`, so that no live writer owns them."""
+    import shutil
+
+    t = Path(target)
+    removed = []
+    for stale in list(t.parent.glob(f".{t.name}.*.tmp")) + list(t.parent.glob(f".{t.name}.staging-*")):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
+@contextlib.contextmanager
+def staging_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """A hidden folder beside ``target`` (``.<name>.staging-*``) where its files are written under
+    their final names; removed on exit, whatever happens. :func:`publish` moves them out."""
+    import shutil
+
+    t = Path(target)
+    t.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{t.name}.staging-", dir=t.parent))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish(stage: Path, target: str | os.PathLike, names: list[str], *, force: bool) -> None:
+    """Move ``names`` (the model file first in the list) from ``stage`` beside ``target``.
+
+    The model file is what makes an output look finished, so it is removed first and moved in
+    last: a writer killed in between leaves no model beside a report of another one.
+    """
+    t = Path(target)
+    model_name, others = names[0], names[1:]
+    destinations = [t.parent / n for n in names]
+    if not force:
+        for dest in destinations:
+            if dest.exists():
+                raise OutputExistsError(f"{dest} appeared while exporting; pass --force to replace it")
+    (t.parent / model_name).unlink(missing_ok=True)
+    for name in others:
+        if (stage / name).exists():
+            os.chmod(stage / name, FILE_MODE)
+            os.replace(stage / name, t.parent / name)
+    stale_data = t.parent / (model_name + ".data")
+    if stale_data.is_file() and f"{model_name}.data" not in names:
+        stale_data.unlink()  # a replaced large model's weights; the new model keeps its own inline
+    os.chmod(stage / model_name, FILE_MODE)
+    os.replace(stage / model_name, t.parent / model_name)
+
+
 def save_onnx(
     model: onnx.ModelProto,
     path: str | os.PathLike,

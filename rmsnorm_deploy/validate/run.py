@@ -72,6 +72,7 @@ def validate_model(
         notes += feed_notes
         check_feed(feed, model)
     source_module, source_label, ref_label = _reference_source(meta, reference, notes)
+    notes += _export_report_notes(Path(path), meta)
 
     reductions = audit_model(model)
     sites = norms_under_test(model, reductions) if check_norms else []
@@ -125,6 +126,32 @@ def validate_model(
     reference_text = {"torch": f"{source_label}, run in the model's dtype", "float64": f"{source_label} in float64",
                       "backends": f"outputs: the first backend ({labels[0]}); norms: their float64 oracle"}[ref_label]
     return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes)
+
+
+def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
+    """An exported model (not a standalone norm) is published with its ``report.json``: say so when
+    it is missing or describes another export."""
+    import json
+
+    if meta is None or is_standalone(meta):
+        return []
+    from rmsnorm_deploy.exporter.plan import REPORT_NAME
+
+    report_path = path.parent / REPORT_NAME
+    if not report_path.is_file():
+        return [f"warning: no {REPORT_NAME} beside the model: its export-time parity was never recorded (an "
+                "interrupted export, or one without parity); re-export it to have one"]
+    try:
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"warning: {report_path} is not readable JSON ({exc}); re-export the model"]
+    if not isinstance(report, dict):
+        return [f"warning: {report_path} is not an export report; re-export the model"]
+    theirs = {k: report.get(k) for k in ("dtype", "lowering")}
+    if theirs != {"dtype": meta.dtype, "lowering": meta.lowering}:
+        return [f"warning: {report_path} describes another export ({theirs}) than the model "
+                f"(dtype {meta.dtype!r}, lowering {meta.lowering!r}); re-export the model"]
+    return []
 
 
 def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str]) -> tuple[Any, str, str]:
