@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider-option", action="append", default=[], metavar="PROVIDER:KEY=VALUE",
                         help="an ONNX Runtime provider option, e.g. cuda:device_id=1 or "
                         "tensorrt:trt_engine_cache_enable=1 (repeatable)")
+    parser.add_argument("--source", metavar="HF_FOLDER",
+                        help="the Hugging Face folder the model was exported from (the metadata's own folder is "
+                        "used only when it lies inside the model's folder: metadata is not trusted to open others)")
     parser.add_argument("--no-norms", action="store_true", help="compare outputs only, not each norm on its own")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     parser.add_argument("--output", metavar="PATH", help="also write the results as JSON to PATH")
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         optimization=args.optimization,
         provider_options=parse_provider_options(args.provider_option),
         check_norms=not args.no_norms,
+        source=args.source,
     )
     data = report.to_dict()
     print(json.dumps(data, indent=1) if args.json else report.table())

@@ -52,6 +52,7 @@ def validate_model(
     optimization: str = "all",
     provider_options: dict[str, dict[str, str]] | None = None,
     check_norms: bool = True,
+    source: str | Path | None = None,
 ) -> ValidationReport:
     """Run ``path`` on each backend of ``providers`` and compare outputs and norms; see the module doc."""
     from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
@@ -60,6 +61,8 @@ def validate_model(
         raise UserError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
     keys = parse_backends(providers)
     check_provider_options(keys, provider_options)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise UserError(f"--seed {seed!r} is not an integer >= 0; give a seed like 0")
     model = load_onnx(path)
     meta = ModelMetadata.read(model)
     notes: list[str] = []
@@ -71,7 +74,7 @@ def validate_model(
         feed, described, feed_notes = generate_feed(model, meta, kind=inputs, seed=seed, dims=dims)
         notes += feed_notes
         check_feed(feed, model)
-    source_module, source_label, ref_label = _reference_source(meta, reference, notes)
+    source_module, source_label, ref_label = _reference_source(meta, reference, notes, Path(path).parent, source)
     notes += _export_report_notes(Path(path), meta)
 
     reductions = audit_model(model)
@@ -154,8 +157,12 @@ def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
     return []
 
 
-def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str]) -> tuple[Any, str, str]:
+def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str], model_dir: Path,
+                      source: str | Path | None = None) -> tuple[Any, str, str]:
     """The PyTorch module to compare outputs with, its label, and ``torch``/``float64``/``backends``."""
+    if meta is None and source is not None:
+        raise UserError("--source gives the PyTorch source of a model exported by rmsnorm-deploy; this graph has no "
+                        "rmsnorm_deploy metadata, so drop --source")
     if meta is None:
         if reference == "torch":
             raise UserError("--reference torch needs a model exported by rmsnorm-deploy (its metadata rebuilds the "
@@ -166,7 +173,7 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
 
     kind = meta.source.get("kind", "unknown")
     try:
-        module = rebuild_source(meta)
+        module = rebuild_source(meta, model_dir=model_dir, source_path=source)
     except (UserError, ImportError) as exc:
         why = f"cannot rebuild the PyTorch source of kind {kind!r}: {exc}"
         if reference != "auto":

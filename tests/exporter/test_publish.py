@@ -56,22 +56,23 @@ def test_leftovers_of_a_killed_save_are_removed_and_a_missing_report_is_noted(tm
 
 
 def test_two_concurrent_exports_leave_a_consistent_pair(tmp_path, monkeypatch):
-    """The float32 export is held in its parity step until the float16 one has either published
-    (no lock: its report would then sit beside the other's model) or reached the lock."""
+    """The float32 export (thread a) is held in its parity step until the float16 one (thread b)
+    has either finished (without a lock, a's report then lands beside b's model) or reached the
+    lock on the target (with it, b waits for a to publish, then publishes its own pair)."""
     target = tmp_path / "out" / "model.onnx"
-    b_done, b_at_lock = threading.Event(), threading.Event()
+    a_in_parity, b_at_lock = threading.Event(), threading.Event()
     real_compare = parity_mod.compare_with_onnxruntime
     real_lock = getattr(pipeline_mod, "output_lock", None)
+    threads: dict[str, threading.Thread] = {}
 
     def compare(path, expected, *, dtype):
         result = real_compare(path, expected, dtype=dtype)
         if dtype == "float32":
-            deadline = 60.0
-            while deadline > 0 and not (b_done.is_set() or b_at_lock.is_set()):
-                b_done.wait(0.05)
-                deadline -= 0.05
-        else:
-            b_done.set()
+            a_in_parity.set()
+            for _ in range(1200):  # at most 60 s
+                if b_at_lock.is_set() or ("b" in threads and not threads["b"].is_alive()):
+                    break
+                b_at_lock.wait(0.05)
         return result
 
     def lock(path):
@@ -90,14 +91,13 @@ def test_two_concurrent_exports_leave_a_consistent_pair(tmp_path, monkeypatch):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    a = threading.Thread(target=run, args=("float32",), name="a")
-    a.start()
-    b = threading.Thread(target=run, args=("float16",), name="b")
-    while a.is_alive() and not (target.parent / ".model.onnx.lock").exists() and not any(target.parent.glob(".*")):
-        a.join(0.05)
-    b.start()
-    a.join(120)
-    b.join(120)
+    threads["a"] = threading.Thread(target=run, args=("float32",), name="a")
+    threads["a"].start()
+    assert a_in_parity.wait(120)
+    threads["b"] = threading.Thread(target=run, args=("float16",), name="b")
+    threads["b"].start()
+    for t in threads.values():
+        t.join(240)
     assert not errors, errors
     report = json.loads((target.parent / "report.json").read_text())
     meta = ModelMetadata.read(onnx.load(str(target)))
