@@ -126,6 +126,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {dtype}")
     if options.seq > loaded.max_seq_len:
         raise UserError(f"--seq {options.seq} is longer than the model's {loaded.max_seq_len} positions")
+    _check_example_size(loaded, options)
     target, report_path = plan.target, plan.report_path
     timings: dict[str, float] = {}
     module = loaded.module
@@ -247,6 +248,20 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             publish(stage, target, names, force=options.force)
     report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     return result
+
+
+#: bytes per logit the parity check holds at once: the model's dtype, float64, ONNX Runtime's, the comparison's
+_BYTES_PER_LOGIT = 32
+
+
+def _check_example_size(loaded: LoadedModel, options: ExportOptions) -> None:
+    """The logits of both parity shapes against the memory budget, before the model runs."""
+    from rmsnorm_deploy.environment import check_memory
+
+    batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
+    logits = (options.batch * options.seq + batch2 * seq2) * loaded.vocab_size
+    check_memory(logits * _BYTES_PER_LOGIT, f"--batch {options.batch} --seq {options.seq}: the logits of the traced "
+                 f"and checked shapes ({logits:,} values)", "give a smaller --batch or --seq")
 
 
 def second_shape(batch: int, seq: int, max_seq: int) -> tuple[int, int]:

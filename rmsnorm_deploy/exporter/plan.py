@@ -17,7 +17,7 @@ from rmsnorm_deploy.exporter.fusions import FUSED_OPSET, check_fusion_opset
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.function import check_opset
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
-from rmsnorm_deploy.graph.onnx_file import ensure_writable
+from rmsnorm_deploy.graph.onnx_file import check_folder_writable, ensure_writable
 from rmsnorm_deploy.graph.standalone import default_opset
 
 #: Largest batch the metadata declares by default (TensorRT profiles are built from it).
@@ -145,6 +145,7 @@ def plan_export(options: ExportOptions, *, target: str | os.PathLike | None = No
     name = model_name(model_ref) if model_ref is not None else ""
     path = Path(target) if target is not None else output_path(output, name, options.dtype, options.lowering)
     ensure_writable(path, force=options.force)
+    check_folder_writable(path.parent)  # now, not after the whole export has run
     if options.parity:
         ensure_writable(path.parent / REPORT_NAME, force=options.force)
     return ExportPlan(options, path, name)

@@ -52,6 +52,7 @@ def load_onnx(path: str | os.PathLike, *, load_external: bool = True) -> onnx.Mo
     p = check_model_file(path)
     model = _parse(p, load_external=False)
     if load_external and _has_external_data(model):
+        check_external_data(model, p.parent, require_data=True)
         try:
             external_data_helper.load_external_data_for_model(model, str(p.parent))
         except (OSError, ValueError) as exc:
@@ -76,14 +77,18 @@ def _has_external_data(model: onnx.ModelProto) -> bool:
     return any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model))
 
 
-def check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Refuse external-data locations that are absolute or lead outside ``base_dir``."""
+def check_external_data(model: onnx.ModelProto, base_dir: Path, *, require_data: bool = False) -> None:
+    """Refuse external-data locations that are absolute, lead outside ``base_dir``, hold a NUL byte
+    or name something other than a regular file; with ``require_data``, missing files too."""
     base = base_dir.resolve()
     for tensor in external_data_helper._get_all_tensors(model):
         if not external_data_helper.uses_external_data(tensor):
             continue
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
+        if "\x00" in location:
+            raise ModelFileError(f"tensor {tensor.name!r}: external data location {location!r} holds a NUL byte; "
+                                 "the model is damaged: re-export it")
         if not location or os.path.isabs(location) or Path(location).drive:
             raise ModelFileError(
                 f"tensor {tensor.name!r}: external data location {location!r} is not a relative path inside the "
@@ -95,6 +100,12 @@ def check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                 f"tensor {tensor.name!r}: external data {location!r} points outside the model's folder {base}; "
                 "refusing to read it"
             )
+        if target.exists() and not target.is_file():  # a FIFO would block the reader forever
+            raise ModelFileError(f"tensor {tensor.name!r}: external data {location!r} is not a regular file; keep the "
+                                 "model's data file beside it")
+        if require_data and not target.exists():
+            raise ModelFileError(f"tensor {tensor.name!r}: external data file {location!r} is missing from {base}; keep "
+                                 "the model's data file beside it")
 
 
 def check_graph(path: str | os.PathLike, *, unknown_ops_ok: bool = False) -> None:
@@ -121,6 +132,21 @@ def ensure_writable(path: str | os.PathLike, *, force: bool) -> Path:
     if p.exists() and p.is_dir():
         raise OutputExistsError(f"{p} is a folder; give a file path for the model")
     return p
+
+
+def check_folder_writable(folder: str | os.PathLike) -> None:
+    """The folder can be created and written in (its nearest existing ancestor is a writable
+    folder), checked before any work: a one-line error naming the blocking path."""
+    f = Path(folder).absolute()
+    for candidate in (f, *f.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise OutputExistsError(f"cannot write into {f}: {candidate} is a file, not a folder; choose another "
+                                        "output")
+            if not os.access(candidate, os.W_OK | os.X_OK):
+                raise OutputExistsError(f"cannot write into {f}: {candidate} is not writable; choose another output "
+                                        "or change its permissions")
+            return
 
 
 @contextlib.contextmanager

@@ -55,7 +55,7 @@ def validate_model(
     source: str | Path | None = None,
 ) -> ValidationReport:
     """Run ``path`` on each backend of ``providers`` and compare outputs and norms; see the module doc."""
-    from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
+    from rmsnorm_deploy.graph.onnx_file import check_graph, load_onnx, save_onnx
 
     if reference not in REFERENCES:
         raise UserError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
@@ -64,16 +64,17 @@ def validate_model(
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise UserError(f"--seed {seed!r} is not an integer >= 0; give a seed like 0")
     model = load_onnx(path)
+    check_graph(path, unknown_ops_ok=True)  # ops without an ONNX schema are ONNX Runtime's to judge
     meta = ModelMetadata.read(model)
     notes: list[str] = []
     if feed_path is not None:
         if dims:
             raise UserError("--dim sizes generated inputs; with --feed the arrays' shapes decide")
-        feed, described = load_feed(feed_path, model)
+        feed, described = load_feed(feed_path, model, meta)
     else:
         feed, described, feed_notes = generate_feed(model, meta, kind=inputs, seed=seed, dims=dims)
         notes += feed_notes
-        check_feed(feed, model)
+        check_feed(feed, model, meta)
     source_module, source_label, ref_label = _reference_source(meta, reference, notes, Path(path).parent, source)
     notes += _export_report_notes(Path(path), meta)
 
