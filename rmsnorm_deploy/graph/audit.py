@@ -158,6 +158,9 @@ def audit_model(model: onnx.ModelProto, *, stage: str = "as written", onnxruntim
     ``stash_type``) accumulate in; by default the installed ONNX Runtime's.
     """
     ours = {node.output[0]: node for node in model.graph.node if is_rmsnorm_node(node)}
+    for node in ours.values():  # their attributes become the function body's constants: checked first
+        _attr(node, "epsilon", None, "float")
+        _attr(node, "axes", None, "ints")
     inlined = _inline_for_analysis(model)
     graph = _Graph(inlined)
     ort_version = _ort_version() if onnxruntime_version is None else _parse_version(onnxruntime_version)

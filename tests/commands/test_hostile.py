@@ -206,3 +206,207 @@ def test_outputs_follow_the_users_umask(tmp_path, capsys):
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
     assert main(["validate", str(path), "--output", str(tmp_path / "out.json")]) == 0
     assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == 0o666 & ~mask
+
+
+# -- 2. untrusted metadata ------------------------------------------------------------------------
+def _with_metadata(tmp_path, name="m.onnx", **changes):
+    """Our standalone model, whose metadata entries ``changes`` replace (JSON text)."""
+    model = rmsnorm_model(named_specs()["llama"], dtype="float32", shape=(3, H))
+    for prop in model.metadata_props:
+        key = prop.key.removeprefix("rmsnorm_deploy.")
+        if key in changes:
+            prop.value = changes[key]
+    return save_onnx(model, tmp_path / name)
+
+
+_HUGE_PRESET = """
+[model]
+vocab_size = 128000
+dim = 16384
+n_layers = 120
+n_heads = 128
+n_kv_heads = 8
+intermediate_size = 53248
+[norm]
+epsilon = 1e-5
+"""
+
+
+def test_metadata_cannot_open_a_folder_outside_the_model(tmp_path, capsys):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (tmp_path / "model").mkdir()
+    path = _with_metadata(tmp_path / "model", source=json.dumps({"kind": "hf", "path": str(outside)}))
+    err = _one_line_error(capsys, main(["validate", str(path), "--reference", "torch"]))
+    assert f"names its source folder {outside}, outside the model's folder" in err and "--source PATH" in err
+    # with the default reference it is a note, and outputs are not compared with a source
+    assert main(["validate", str(path), "--json"]) == 0
+    assert "outside the model's folder" in " ".join(json.loads(capsys.readouterr().out)["notes"])
+    # the user may name the folder: it is then what is opened
+    err = _one_line_error(capsys, main(["validate", str(path), "--reference", "torch", "--source", str(outside)]))
+    assert f"{outside}: no config.json" in err
+
+
+def test_a_preset_in_the_metadata_is_sized_before_it_is_built(tmp_path, capsys):
+    source = json.dumps({"kind": "preset", "name": "huge", "toml": _HUGE_PRESET, "seed": 0})
+    path = _with_metadata(tmp_path, source=source)
+    err = _one_line_error(capsys, main(["validate", str(path), "--reference", "torch"]))
+    assert "parameters in float32 needs about" in err and "GiB of memory but this machine has a budget of" in err
+
+
+# -- 3. never a traceback -------------------------------------------------------------------------
+def _attr_model(name, value):
+    node = helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["y"], axis=-1, stash_type=1)
+    node.attribute.append(helper.make_attribute(name, value))
+    return _model([node], [_gain()])
+
+
+def _ours_with_string_epsilon():
+    model = rmsnorm_model(named_specs()["llama"], dtype="float32", shape=(3, H))
+    for attr in model.graph.node[0].attribute:
+        if attr.name == "epsilon":
+            attr.type, attr.s = onnx.AttributeProto.STRING, b"1e-6"
+            attr.ClearField("f")
+    return model
+
+
+def _reduce_with_tensor_axes():
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["ms"]),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["den"]),
+             helper.make_node("Div", ["x", "den"], ["y"])]
+    nodes[1].attribute.append(helper.make_attribute("axes", numpy_helper.from_array(np.array([-1], np.int64))))
+    return _model(nodes, [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+                          numpy_helper.from_array(np.array(1e-6, np.float32), "eps")])
+
+
+def _bad_constant():
+    const = helper.make_node("Constant", [], ["eps"])
+    const.attribute.append(helper.make_attribute("value", "not a tensor"))
+    nodes = [const, helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("ReduceMean", ["sq", "axes"], ["ms"]),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]), helper.make_node("Sqrt", ["mse"], ["den"]),
+             helper.make_node("Div", ["x", "den"], ["y"])]
+    return _model(nodes, [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+                          numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+
+
+def _external(location):
+    w = numpy_helper.from_array(np.ones(H, np.float32), "w")
+    w.ClearField("raw_data")
+    w.data_location = TP.EXTERNAL
+    w.external_data.add(key="location", value=location)
+    w.external_data.add(key="length", value=str(4 * H))
+    return _model([helper.make_node("Add", ["x", "w"], ["y"])], [w])
+
+
+def _token_model():
+    """input_ids -> Gather from a 16-row embedding -> RMSNorm: its ids must lie in [0, 16)."""
+    emb = numpy_helper.from_array(np.random.default_rng(0).normal(0, 1, (16, H)).astype(np.float32), "emb")
+    nodes = [helper.make_node("Gather", ["emb", "input_ids"], ["e"]),
+             helper.make_node("SimplifiedLayerNormalization", ["e", "w"], ["y"], axis=-1, epsilon=1e-6, stash_type=1)]
+    g = helper.make_graph(nodes, "tokens", [helper.make_tensor_value_info("input_ids", TP.INT64, ["batch", "seq"])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, ["batch", "seq", H])], initializer=[emb, _gain()])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def _saved(model, name="m.onnx"):
+    def make(tmp):
+        path = tmp / name
+        onnx.save_model(model() if callable(model) else model, str(path))
+        return path
+    return make
+
+
+def _validate(model, *extra):
+    return lambda tmp: ["validate", str(_saved(model)(tmp)), *extra]
+
+
+def _audit(model):
+    return lambda tmp: ["audit", str(_saved(model)(tmp)), "--optimization", "none"]
+
+
+def _fifo_case(tmp):
+    import os
+
+    os.mkfifo(tmp / "weights.bin")
+    return ["validate", str(_saved(lambda: _external("weights.bin"))(tmp))]
+
+
+def _feed_case(tmp, ids):
+    path = _saved(_token_model)(tmp)
+    np.savez(tmp / "feed.npz", input_ids=np.array(ids, np.int64))
+    return ["validate", str(path), "--feed", str(tmp / "feed.npz")]
+
+
+def _hf_garbage(tmp):
+    pytest.importorskip("transformers", reason="a Hugging Face folder needs transformers")
+    folder = tmp / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32}))
+    (folder / "model.safetensors").write_bytes((1 << 62).to_bytes(8, "little") + b"{garbage")
+    return ["export", str(folder), "-o", str(tmp / "out")]
+
+
+def _through_a_file(tmp):
+    (tmp / "file.txt").write_text("not a folder")
+    return ["export", "tiny", "-o", str(tmp / "file.txt" / "out")]
+
+
+def _read_only(tmp):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders; the path-through-a-file case covers this check as root")
+    (tmp / "ro").mkdir(mode=0o555)
+    return ["export", "tiny", "-o", str(tmp / "ro" / "out")]
+
+
+HOSTILE = {
+    "epsilon is a string": (_validate(lambda: _attr_model("epsilon", "1e-6")), "attribute 'epsilon' is STRING, not FLOAT"),
+    "epsilon is a graph": (_audit(lambda: _attr_model("epsilon", helper.make_graph([], "g", [], []))),
+                           "attribute 'epsilon' is GRAPH, not FLOAT"),
+    "our epsilon is a string": (_validate(_ours_with_string_epsilon), "attribute 'epsilon' is STRING, not FLOAT"),
+    "our epsilon is a string, audit": (_audit(_ours_with_string_epsilon), "attribute 'epsilon' is STRING, not FLOAT"),
+    "our epsilon is a string, check-trt": (lambda tmp: ["check-trt", str(_saved(_ours_with_string_epsilon)(tmp))],
+                                           "not a valid ONNX graph: onnx.checker says"),
+    "axes as a tensor": (_audit(_reduce_with_tensor_axes), "attribute 'axes' is TENSOR, not INTS"),
+    "axes as a tensor, validate": (_validate(_reduce_with_tensor_axes), "attribute 'axes' is TENSOR, not INTS"),
+    "a bad Constant": (_validate(_bad_constant), "Constant node 'eps': attribute 'value' is STRING"),
+    "a bad Constant, audit": (_audit(_bad_constant), "Constant node 'eps': attribute 'value' is STRING"),
+    "metadata source is a list": (lambda tmp: ["validate", str(_with_metadata(tmp, source="[]"))],
+                                  "metadata is damaged (source must be an object)"),
+    "metadata inputs hold a string": (lambda tmp: ["validate", str(_with_metadata(tmp, inputs='{"x": "s"}'))],
+                                      "inputs must be an object of input objects"),
+    "metadata dims are not a range": (lambda tmp: ["validate", str(_with_metadata(tmp, dims='{"rows": [1, "a", 3]}'))],
+                                      "dims.rows must be [min, opt, max]"),
+    "metadata specs are a list": (lambda tmp: ["validate", str(_with_metadata(tmp, specs="[]"))],
+                                  "specs must be an object of spec objects"),
+    "declared dims of 2^40": (_validate(lambda: _model([helper.make_node("Relu", ["x"], ["y"])], [], x_dims=(2**40, H))),
+                              "GiB of memory but this machine has a budget of"),
+    "--dim d0=100000000": (_validate(lambda: _model([helper.make_node("Relu", ["x"], ["y"])], [], x_dims=("d0", 760)),
+                                     "--dim", "d0=100000000"), "give smaller sizes of the dynamic dims with --dim"),
+    "external data missing": (_validate(lambda: _external("weights.bin")), "external data file 'weights.bin' is missing"),
+    "external data is a FIFO": (_fifo_case, "external data 'weights.bin' is not a regular file"),
+    "NUL byte in the external data location": (_validate(lambda: _external("weights\x00.bin")), "holds a NUL byte"),
+    "garbage safetensors header": (_hf_garbage, "model.safetensors: not a readable safetensors file"),
+    "output through a file": (_through_a_file, "file.txt is a file, not a folder"),
+    "read-only output folder": (_read_only, "is not writable"),
+    "--batch 100000000": (lambda tmp: ["export", "tiny", "-o", str(tmp / "out"), "--batch", "100000000"],
+                          "give a smaller --batch or --seq"),
+    "negative token ids": (lambda tmp: _feed_case(tmp, [[-5, 3]]), "token ids from -5 to 3, outside the embedding table's [0, 16)"),
+    "token ids past the table": (lambda tmp: _feed_case(tmp, [[3, 16]]), "outside the embedding table's [0, 16)"),
+    "--seed -1": (_validate(lambda: fused_norm(1e-6), "--seed", "-1"), "--seed -1 is not an integer >= 0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_input_is_one_line_and_exit_2(tmp_path, capsys, case):
+    make, message = HOSTILE[case]
+    argv = make(tmp_path)
+    capsys.readouterr()
+    line = _error_after_progress(capsys, main(argv))
+    assert message in line, line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir()), "bad input must write nothing"
