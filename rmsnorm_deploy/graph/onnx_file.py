@@ -169,23 +169,19 @@ def atomic_path(path: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
 
 
 # -- a model and the files that vouch for it, published together ---------------------------------
-def lock_path(target: Path) -> Path:
-    return target.parent / f".{target.name}.lock"
-
-
 @contextlib.contextmanager
 def output_lock(target: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on ``target``'s outputs (a hidden ``.<name>.lock`` beside it) while a
-    writer stages and publishes them; another writer of the same target waits. The lock file
-    stays (removing it would let a waiting writer lock a file nobody else sees)."""
-    path = lock_path(Path(target))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Hold an exclusive lock on the folder of ``target`` (``flock`` on the folder itself: no lock
+    file is left behind) while a writer stages and publishes its outputs; another writer into
+    the same folder waits."""
+    folder = Path(target).parent
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: no advisory locks; staging still publishes in one step
         yield
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
