@@ -3,7 +3,8 @@ its squares and its sum are computed in, its epsilon and axes, its placement (pr
 sublayer_output, qk, final, other: ``graph/placement.py``), as written and after ONNX
 Runtime's graph optimizations (the graph ONNX Runtime actually runs).
 
-Exit code 1 if any reduction accumulates in float16 or bfloat16, or on a contract error: in
+Exit code 1 if any reduction accumulates in float16 or bfloat16 or cannot compute a correct result
+(an epsilon that is NaN, infinite, zero or negative), or on a contract error: in
 our exports, a norm the graph places other than the source model did (the metadata records
 it) or a mean-subtracting LayerNorm where the metadata says RMSNorm. A LayerNormalization
 with a zero bias in any graph is a warning (it may be a substituted RMSNorm). 2 on bad input."""
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rmsnorm_deploy.graph.audit import (
         audit_model,
+        broken_reductions,
         low_precision_reductions,
         optimized_by_onnxruntime,
     )
@@ -80,12 +82,14 @@ def run(args: argparse.Namespace) -> int:
             except UserError as exc:
                 errors.append(f"after onnxruntime ({level}) on {','.join(providers)}: not audited: {exc}")
     low = low_precision_reductions(reductions)
+    broken = broken_reductions(reductions)
     data = {
         "model": str(args.model),
         "providers": providers if levels else [],
         "onnxruntime_version": version,
         "reductions": [r.to_dict() for r in reductions],
         "low_precision": len(low),
+        "broken": len(broken),
         "errors": errors,
         "findings": [f.to_dict() for f in findings],
     }
@@ -95,18 +99,22 @@ def run(args: argparse.Namespace) -> int:
         headers = ["stage", "norm", "kind", "placement", "op", "input", "accumulates", "epsilon", "axes", "note"]
         rows = [[r.stage, r.node, r.kind, r.placement or "-", r.op, r.input_dtype,
                  r.precision + (" LOW" if r.low_precision else ""),
-                 "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes, r.note] for r in reductions]
+                 "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes,
+                 "; ".join(t for t in (r.note, "BROKEN" if r.problem else "") if t)] for r in reductions]
         print(format_table(headers, rows) if rows else "no normalization reduction found")
         stages = ["as written"] + [f"after onnxruntime ({lvl})" for lvl in levels]
         for error in errors:
             print(f"error: {error}")
+        for r in broken:
+            print(f"error: {r.stage}: norm {r.node}: {r.problem}")
         for finding in findings:
             print(f"{finding.level}: norm {finding.norm}: {finding.message}")
-        print(f"\n{len(reductions)} reductions ({', '.join(stages)}); {len(low)} accumulate in float16 or bfloat16")
+        print(f"\n{len(reductions)} reductions ({', '.join(stages)}); {len(low)} accumulate in float16 or bfloat16"
+              + (f"; {len(broken)} cannot give a correct result" if broken else ""))
     if args.output:
         with atomic_path(args.output, force=args.force) as tmp:
             tmp.write_text(json.dumps(data, indent=1))
-    if low or any(f.level == "error" for f in findings):
+    if low or broken or any(f.level == "error" for f in findings):
         return 1
     if errors:
         import sys

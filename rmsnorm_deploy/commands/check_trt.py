@@ -2,8 +2,10 @@
 model exactly: ops it has no importer for (RMSNormalization before 10.15, ONNX Runtime's
 SimplifiedLayerNormalization and com.microsoft ops always), opsets above what a version
 supports, several overloads of one local function (the parser keys functions by name), and
-float64 arithmetic (TensorRT computes it in float32), each with the fix. Exit code 1 if any
-version would not import the model, 2 for bad input."""
+float64 arithmetic (TensorRT computes it in float32), each with the fix. The graph must first
+pass ``onnx.checker``'s full check (no cycle, no undefined tensor, valid attributes, its
+external data present). Exit code 1 if any version would not import the model, 2 for bad
+input (an invalid graph included)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.graph.onnx_file import load_onnx
+    from rmsnorm_deploy.graph.onnx_file import check_graph, load_onnx
     from rmsnorm_deploy.table import format_table
     from rmsnorm_deploy.tensorrt.compat import (
         DEFAULT_VERSIONS,
@@ -33,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     versions = args.versions or list(DEFAULT_VERSIONS)
     for v in versions:
         parse_version(v)  # one-line error before reading the model
+    # Ops without an ONNX schema (ONNX Runtime's) are the compatibility check's to report, with the fix.
+    check_graph(args.model, unknown_ops_ok=True)
     model = load_onnx(args.model, load_external=False)
     reports = check_model(model, versions)
     if args.json:

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inputs", action="append", choices=("normal", "stress"),
                         help="input kind(s): normal activations or stress values of 300..60000 (default: both)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--force", action="store_true", help="replace --json PATH if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
         summary_table,
     )
 
+    if args.json:
+        from rmsnorm_deploy.graph.onnx_file import ensure_writable
+
+        ensure_writable(args.json, force=args.force)  # before the sweep, not after it
     try:
         shape = tuple(int(d) for d in args.shape.lower().split("x"))
     except ValueError:
@@ -62,6 +67,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from rmsnorm_deploy.graph.onnx_file import atomic_path
 
-        with atomic_path(args.json, force=True) as tmp:
+        with atomic_path(args.json, force=args.force) as tmp:
             tmp.write_text(json.dumps([r.to_dict() for r in rows], indent=1))
     return 1 if failed else 0

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fail (exit 2, naming the nodes) when ONNX Runtime runs any compute node on a provider "
                         "other than the requested one, e.g. a node CUDA has no kernel for falling back to the CPU; "
                         "nodes per provider are reported either way")
+    parser.add_argument("--source", metavar="HF_FOLDER",
+                        help="the Hugging Face folder the model was exported from (the metadata's own folder is "
+                        "used only when it lies inside the model's folder: metadata is not trusted to open others)")
     parser.add_argument("--no-norms", action="store_true", help="compare outputs only, not each norm on its own")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     parser.add_argument("--output", metavar="PATH", help="also write the results as JSON to PATH")
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         provider_options=parse_provider_options(args.provider_option),
         check_norms=not args.no_norms,
         require_all_nodes_on_provider=args.require_all_nodes_on_provider,
+        source=args.source,
     )
     data = report.to_dict()
     print(json.dumps(data, indent=1) if args.json else report.table())

@@ -52,10 +52,29 @@ class CompareResult:
     first_bad: list[tuple[int, ...]]
     first_bad_values: list[tuple[float, float]]
     shape_mismatch: str = ""
+    #: elements whose expected value is NaN (a reference computed from NaN inputs): nothing to
+    #: compare them with, so they fail even where the actual value is NaN too
+    nan_expected: int = 0
 
     @property
     def passed(self) -> bool:
-        return not self.shape_mismatch and self.bad_count == 0 and self.nan_mismatch == 0 and self.inf_mismatch == 0
+        return (not self.shape_mismatch and self.bad_count == 0 and self.nan_mismatch == 0 and self.inf_mismatch == 0
+                and self.nan_expected == 0 and self.size > 0)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def problem(self) -> str:
+        """Why this result fails although no element is out of tolerance ("" when there is no such reason)."""
+        if self.shape_mismatch:
+            return self.shape_mismatch
+        if self.size == 0:
+            return "nothing compared: the output is empty"
+        if self.nan_expected:
+            return (f"not comparable: the reference is NaN at {self.nan_expected} of {self.size} elements "
+                    "(NaN in the inputs or weights?)")
+        return ""
 
     def __bool__(self) -> bool:
         return self.passed
@@ -68,6 +87,8 @@ class CompareResult:
         if self.shape_mismatch:
             return f"{self.name}: FAIL {self.shape_mismatch}"
         status = "PASS" if self.passed else "FAIL"
+        if self.problem():
+            return f"{self.name}: FAIL {self.problem()}"
         text = (
             f"{self.name} [{self.dtype}{list(self.shape)}]: {status} max_abs={self.max_abs:.3g} "
             f"max_rel={self.max_rel:.3g} max_ulp={self.max_ulp:.3g} ({self.tolerance.describe()})"
@@ -83,6 +104,7 @@ class CompareResult:
         data = dataclasses.asdict(self)
         data["tolerance"] = self.tolerance.to_dict()
         data["passed"] = self.passed
+        data["problem"] = self.problem()
         data["shape"] = list(self.shape)
         data["first_bad"] = [list(i) for i in self.first_bad]
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()}
@@ -102,8 +124,9 @@ def compare(
 
     ``dtype`` is the dtype whose ULPs measure the error: by default ``actual``'s.
     An element passes when ``|a - e| <= atol + rtol * |e|`` or, if the tolerance has
-    ``max_ulp``, when its ULP error is at most that. NaNs must sit where the expected NaNs
-    are, and infinities must match exactly. ``allowance`` (from a rule in ``tolerances.py``) adds
+    ``max_ulp``, when its ULP error is at most that. A NaN or infinity where the expected
+    value is finite fails, infinities must match exactly, and an expected NaN (a reference
+    computed from NaN inputs) is not comparable: it fails too, as does an empty comparison. ``allowance`` (from a rule in ``tolerances.py``) adds
     a per-element absolute error on top of ``atol``.
     """
     a_arr, e_arr = _as_array(actual), _as_array(expected)
@@ -146,6 +169,7 @@ def compare(
         bad_count=int(np.count_nonzero(bad)),
         first_bad=[tuple(int(i) for i in idx) for idx in bad_idx],
         first_bad_values=[(float(a[tuple(idx)]), float(e[tuple(idx)])) for idx in bad_idx],
+        nan_expected=int(np.count_nonzero(e_nan)),
     )
 
 

@@ -252,8 +252,13 @@ def build_model(args: ModelArgs, dtype: Any = "float32", *, seed: int = 0) -> Tr
     Built on the meta device and materialized once in ``dtype``, so a 1B-parameter model never
     holds a float32 copy or a default initialization it would overwrite.
     """
+    from rmsnorm_deploy.environment import check_memory
+
     with torch.device("meta"):
         model = Transformer(args, dtype)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_memory(nbytes, f"a model of {sum(p.numel() for p in model.parameters()):,} parameters in {dtype}",
+                 "choose a smaller model or a machine with more memory")
     model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives each module its own tensor
     init_weights(model, seed=seed)

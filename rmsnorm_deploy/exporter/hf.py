@@ -79,6 +79,8 @@ def load_folder(folder: str | os.PathLike, dtype: str) -> LoadedModel:
     require("safetensors", "exporting a Hugging Face model")
     config = _load_config(path, transformers)
     model_cls = _causal_lm_class(config, transformers, str(path))
+    _check_safetensors(path)
+    _check_size(model_cls, config, dtype, str(path))
     try:
         model = model_cls.from_pretrained(
             str(path), config=config, local_files_only=True, use_safetensors=True, dtype=torch_dtype(dtype),
@@ -95,6 +97,9 @@ def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = No
     transformers = require("transformers", "building a Hugging Face model from a config")
     config = _config_from(config, transformers)
     model_cls = _causal_lm_class(config, transformers, f"config {config.model_type!r}")
+    # built in float32, then converted: both copies exist for a moment
+    _check_size(model_cls, config, dtype, f"config {config.model_type!r}",
+                per_param=4 + (torch_dtype(dtype).itemsize if dtype != "float32" else 0))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
@@ -102,6 +107,34 @@ def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = No
     model = model.to(torch_dtype(dtype))
     source = {"kind": "hf", "config": json.loads(config.to_json_string(use_diff=False)), "seed": int(seed)}
     return _loaded(model, config, dtype, name=name or f"hf-{config.model_type}", source=source)
+
+
+def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None) -> None:
+    """The model's weights against the memory budget, counted on the meta device (nothing allocated)."""
+    from rmsnorm_deploy.environment import check_memory
+
+    try:
+        with torch.device("meta"):
+            model = model_cls(config)
+    except Exception as exc:  # transformers raises many kinds on a config it cannot build
+        raise HFModelError(f"{where}: transformers cannot build this config ({type(exc).__name__}: "
+                           f"{one_line(exc)})") from None
+    count = sum(p.numel() for p in model.parameters())
+    check_memory(count * (per_param or torch_dtype(dtype).itemsize), f"{where}: {count:,} parameters in {dtype}",
+                 "choose a smaller model or a machine with more memory")
+
+
+def _check_safetensors(path: Path) -> None:
+    """Every ``*.safetensors`` file's header parses (only headers are read), or a one-line error naming the file."""
+    from safetensors import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
+            raise HFModelError(f"{file}: not a readable safetensors file ({one_line(exc)}); re-save the weights "
+                               "with safetensors") from None
 
 
 def _loaded(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
@@ -164,7 +197,7 @@ def _perturb_norm_gains(model: torch.nn.Module, seed: int) -> None:
 @source_builder("hf")
 def _rebuild(meta: ModelMetadata) -> torch.nn.Module:
     source = meta.source
-    if source.get("path"):
+    if source.get("path"):  # checked by rebuild_source: inside the model's folder, or given by the user
         return load_folder(source["path"], meta.dtype).module
     if isinstance(source.get("config"), dict):
         return from_config(source["config"], meta.dtype, seed=int(source.get("seed", 0))).module

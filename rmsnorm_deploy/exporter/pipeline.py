@@ -30,10 +30,12 @@ Steps (each one a line of progress on stderr):
 5. **Check** the written file with ``onnx.checker`` (full check; not for the ``ort``
    lowering, whose ``SimplifiedLayerNormalization`` is an ONNX Runtime op the checker does
    not know) before it replaces anything.
-6. **Save** atomically (``modelio``), never over an existing file without ``force``.
-7. **Parity** (``model_parity.py``): ONNX Runtime CPU against the module in its dtype and
-   against a float64 run, on the example shape and a larger one; ``report.json`` beside the
-   model.
+6. **Save** into a hidden staging folder beside the target (``onnx_file.staging_folder``).
+7. **Parity** (``parity.py``): ONNX Runtime CPU against the module in its dtype and
+   against a float64 run, on the example shape and a larger one; ``report.json``.
+8. **Publish** the model and its report together, the model last (``onnx_file.publish``),
+   never over an existing file without ``force``; steps 6-8 hold a lock on the target, and
+   the leftovers of a killed export are removed first.
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
 from rmsnorm_deploy.graph.onnx_file import (
     EXTERNAL_DATA_THRESHOLD,
     atomic_path,
+    output_lock,
+    publish,
+    remove_stale,
     save_onnx,
+    staging_folder,
 )
 from rmsnorm_deploy.graph.standalone import ir_version_for
 from rmsnorm_deploy.progress import Progress
@@ -124,6 +130,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {dtype}")
     if options.seq > loaded.max_seq_len:
         raise UserError(f"--seq {options.seq} is longer than the model's {loaded.max_seq_len} positions")
+    _check_example_size(loaded, options)
     target, report_path = plan.target, plan.report_path
     timings: dict[str, float] = {}
     module = loaded.module
@@ -205,40 +212,67 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
               "seq": [1, options.seq, max(options.seq, min(loaded.max_seq_len, MAX_SEQ))]},
         versions=tool_versions(),
     )
-    staged_data: Path | None = None
-    try:
-        with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
-            model, staged_data = _finish_graph(program, detection, options, target, meta, st, source_placements)
-            del program
-        timings["onnx_graph_s"] = st.seconds
-        del module
-        if options.release_model:
-            release_weights(loaded, detection)
-        with progress.stage(f"saving {target} (onnx.checker full check first)") as st:
-            save_onnx(model, target, force=options.force, staged_data=staged_data,
-                       check=lambda tmp: _checker(tmp, options, stage=st))
-            staged_data = None
-            del model
-        timings["save_s"] = st.seconds
-    finally:
-        if staged_data is not None and staged_data.exists():
-            staged_data.unlink()
+    # Everything is written under a hidden staging folder beside the target and published at the
+    # end, the model last (onnx_file.publish), under a lock on the target: an export killed before
+    # then leaves no model that looks finished, and two exports into one folder leave one
+    # consistent model and report, never one's model beside the other's report.
+    with output_lock(target):
+        stale = remove_stale(target)
+        with staging_folder(target) as stage:
+            staged_target = stage / target.name
+            staged_data: Path | None = None
+            try:
+                with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
+                    model, staged_data = _finish_graph(program, detection, options, staged_target, meta, st,
+                                                        source_placements)
+                    del program
+                timings["onnx_graph_s"] = st.seconds
+                del module
+                if options.release_model:
+                    release_weights(loaded, detection)
+                with progress.stage(f"saving {target} (onnx.checker full check first)") as st:
+                    if stale:
+                        st.note(f"removed {', '.join(p.name for p in stale)}, left by an interrupted export")
+                    save_onnx(model, staged_target, force=True, staged_data=staged_data,
+                              check=lambda tmp: _checker(tmp, options, stage=st))
+                    staged_data = None
+                    del model
+                timings["save_s"] = st.seconds
+            finally:
+                if staged_data is not None and staged_data.exists():
+                    staged_data.unlink()
 
-    result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
-    if expected is not None:
-        from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
+            result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
+            if expected is not None:
+                from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
 
-        with progress.stage("parity: ONNX Runtime CPU vs PyTorch and vs float64") as st:
-            result.parity = compare_with_onnxruntime(target, expected, dtype=dtype)
-            st.note(result.parity.status)
-        timings["parity_onnxruntime_s"] = st.seconds
-        report["parity"] = result.parity.to_dict()
-        report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
-        with atomic_path(report_path, force=options.force) as tmp:
-            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
-        result.report_path = report_path
+                with progress.stage("parity: ONNX Runtime CPU vs PyTorch and vs float64") as st:
+                    result.parity = compare_with_onnxruntime(staged_target, expected, dtype=dtype)
+                    st.note(result.parity.status)
+                timings["parity_onnxruntime_s"] = st.seconds
+                report["parity"] = result.parity.to_dict()
+                report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
+                with atomic_path(stage / report_path.name, force=True) as tmp:
+                    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+                result.report_path = report_path
+            names = [target.name] + [n for n in (target.name + ".data", report_path.name) if (stage / n).exists()]
+            publish(stage, target, names, force=options.force)
     report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     return result
+
+
+#: bytes per logit the parity check holds at once: the model's dtype, float64, ONNX Runtime's, the comparison's
+_BYTES_PER_LOGIT = 32
+
+
+def _check_example_size(loaded: LoadedModel, options: ExportOptions) -> None:
+    """The logits of both parity shapes against the memory budget, before the model runs."""
+    from rmsnorm_deploy.environment import check_memory
+
+    batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
+    logits = (options.batch * options.seq + batch2 * seq2) * loaded.vocab_size
+    check_memory(logits * _BYTES_PER_LOGIT, f"--batch {options.batch} --seq {options.seq}: the logits of the traced "
+                 f"and checked shapes ({logits:,} values)", "give a smaller --batch or --seq")
 
 
 def second_shape(batch: int, seq: int, max_seq: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from rmsnorm_deploy.exporter.fusions import FUSED_OPSET, check_fusion_opset
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.function import check_opset
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
-from rmsnorm_deploy.graph.onnx_file import ensure_writable
+from rmsnorm_deploy.graph.onnx_file import check_folder_writable, ensure_writable
 from rmsnorm_deploy.graph.standalone import default_opset
 
 #: Largest batch the metadata declares by default (TensorRT profiles are built from it).
@@ -55,11 +55,30 @@ class ExportOptions:
         return FUSED_OPSET if self.fuse_attention else default_opset(self.lowering)
 
 
+def is_folder_ref(ref: str) -> bool:
+    """Whether MODEL names a Hugging Face folder rather than a preset.
+
+    A bare name (``tiny``) that is both a preset and a folder in the current directory is
+    refused: which one was meant cannot be known, and reading the wrong one silently would
+    export another model. ``./tiny`` (any path) is the folder.
+    """
+    from rmsnorm_deploy.exporter import presets
+
+    if not Path(ref).is_dir():
+        return False
+    if not presets.looks_like_path(ref):
+        shadowed = next((d / f"{ref}.toml" for d in presets.preset_dirs() if (d / f"{ref}.toml").is_file()), None)
+        if shadowed is not None:
+            raise UserError(f"MODEL {ref!r} is both a folder here and a preset: write ./{ref} for the folder, or "
+                            f"{shadowed} for the preset")
+    return True
+
+
 def load_torch_model(ref: str, dtype: str) -> LoadedModel:
     """MODEL of the CLI: a preset name, a preset TOML path, or a Hugging Face folder."""
     from rmsnorm_deploy.exporter import hf, presets
 
-    if Path(ref).is_dir():
+    if is_folder_ref(ref):
         return hf.load_folder(ref, dtype)
     return presets.build_preset(presets.load_preset(ref), dtype)
 
@@ -100,7 +119,7 @@ def model_name(ref: str) -> str:
     from rmsnorm_deploy.exporter.presets import find_preset
 
     path = Path(ref)
-    if path.is_dir():
+    if is_folder_ref(ref):
         return path.resolve().name
     return find_preset(ref).stem
 
@@ -126,6 +145,7 @@ def plan_export(options: ExportOptions, *, target: str | os.PathLike | None = No
     name = model_name(model_ref) if model_ref is not None else ""
     path = Path(target) if target is not None else output_path(output, name, options.dtype, options.lowering)
     ensure_writable(path, force=options.force)
+    check_folder_writable(path.parent)  # now, not after the whole export has run
     if options.parity:
         ensure_writable(path.parent / REPORT_NAME, force=options.force)
     return ExportPlan(options, path, name)

@@ -12,7 +12,10 @@ tensors keyed by the ONNX output names.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,8 +44,14 @@ def source_builder(kind: str) -> Callable[[SourceBuilder], SourceBuilder]:
     return register
 
 
-def rebuild_source(meta: ModelMetadata) -> torch.nn.Module:
-    """The PyTorch module ``meta`` describes; a :class:`UserError` if it cannot be rebuilt."""
+def rebuild_source(meta: ModelMetadata, *, model_dir: str | os.PathLike | None = None,
+                   source_path: str | os.PathLike | None = None) -> torch.nn.Module:
+    """The PyTorch module ``meta`` describes; a :class:`UserError` if it cannot be rebuilt.
+
+    The metadata is untrusted input: a source folder it names is opened only inside
+    ``model_dir`` (the model's own folder); ``source_path``, given by the user, replaces it.
+    """
+    meta = _trusted_source(meta, model_dir, source_path)
     kind = meta.source.get("kind", "unknown")
     if kind not in _BUILDERS and kind in _KIND_MODULES:
         importlib.import_module(_KIND_MODULES[kind])
@@ -50,6 +59,30 @@ def rebuild_source(meta: ModelMetadata) -> torch.nn.Module:
         raise UserError(f"cannot rebuild a source of kind {kind!r}; known kinds: {', '.join(sorted(_KIND_MODULES))}")
     module = _BUILDERS[kind](meta)
     return module.eval()
+
+
+def _trusted_source(meta: ModelMetadata, model_dir: str | os.PathLike | None,
+                    source_path: str | os.PathLike | None) -> ModelMetadata:
+    source = dict(meta.source)
+    if source_path is not None:
+        if source.get("kind") != "hf":
+            raise UserError(f"--source gives the folder of a Hugging Face model, but this model's source is of kind "
+                            f"{source.get('kind')!r}; drop --source")
+        source["path"] = str(Path(source_path).resolve())
+        return dataclasses.replace(meta, source=source)
+    if source.get("path") is None or model_dir is None:
+        return meta
+    base = Path(model_dir).resolve()
+    named = base / str(source["path"])  # an absolute path stays itself
+    try:
+        resolved = named.resolve()
+    except (OSError, ValueError) as exc:
+        raise UserError(f"the model's metadata names an unusable source folder ({exc}); pass --source PATH") from None
+    if resolved != base and base not in resolved.parents:
+        raise UserError(f"the model's metadata names its source folder {source['path']}, outside the model's folder "
+                        f"{base}; metadata is not trusted to open other folders: pass --source PATH to use it")
+    source["path"] = str(resolved)
+    return dataclasses.replace(meta, source=source)
 
 
 class StandaloneNorm(torch.nn.Module):

@@ -7,7 +7,8 @@ lowerings    how a norm node is written: function, plugin, inline, native, ort; 
 standalone   ``rmsnorm_model``: a one-norm model for parity sweeps and benchmarks
 metadata     ``ModelMetadata``: spec, lowering, dtype, source and dims stored in the model
 onnx_file    ``load_onnx``/``save_onnx``: safe reads (external data kept in its folder) and
-             atomic writes
+             atomic writes with the user's umask; a model and its report staged and published
+             together under a folder lock
 audit        every normalization reduction of any graph and the dtype it accumulates in
 placement    where each norm stands (pre, post, sublayer_output, qk, final, other): the rules
              on an op graph, its ONNX side; a LayerNorm standing for an RMSNorm

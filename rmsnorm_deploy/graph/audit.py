@@ -24,6 +24,7 @@ executes (``optimized_model_filepath``), after its fusions and inserted casts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -36,7 +37,7 @@ from onnx import numpy_helper
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.spec import RMSNormSpec
-from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.errors import ModelFileError, UserError, one_line
 from rmsnorm_deploy.graph.function import input_names, is_rmsnorm_node, spec_from_node
 
 LOW_PRECISION = ("float16", "bfloat16")
@@ -100,6 +101,23 @@ class Reduction:
     gate: str = ""  # a gated norm's gate, e.g. "silu(z) before_norm" (our nodes: from the spec)
 
     @property
+    def problem(self) -> str:
+        """Why this norm cannot compute a correct result whatever its inputs ("" if none): an
+        epsilon that is NaN, infinite, zero or negative (NaN, all-zero or NaN rows out)."""
+        eps = self.epsilon
+        if eps is None:
+            return ""
+        if math.isnan(eps):
+            return "its epsilon is NaN: every output is NaN; the graph is broken, re-export it with a positive epsilon"
+        if math.isinf(eps):
+            return (f"its epsilon is {eps}: every output is 0 or NaN; the graph is broken, re-export it with a "
+                    "finite positive epsilon")
+        if eps <= 0:
+            return (f"its epsilon is {eps:g}, not positive: rows of small or zero values give NaN or Inf; "
+                    "re-export it with a positive epsilon")
+        return ""
+
+    @property
     def low_precision(self) -> bool:
         return self.accumulation in LOW_PRECISION or self.squares in LOW_PRECISION
 
@@ -130,6 +148,9 @@ class Reduction:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["low_precision"] = self.low_precision
+        data["problem"] = self.problem
+        if data["epsilon"] is not None and not math.isfinite(data["epsilon"]):
+            data["epsilon"] = str(data["epsilon"])  # JSON has no NaN or Infinity
         return data
 
 
@@ -140,6 +161,9 @@ def audit_model(model: onnx.ModelProto, *, stage: str = "as written", onnxruntim
     ``stash_type``) accumulate in; by default the installed ONNX Runtime's.
     """
     ours = {node.output[0]: node for node in model.graph.node if is_rmsnorm_node(node)}
+    for node in ours.values():  # their attributes become the function body's constants: checked first
+        _attr(node, "epsilon", None, "float")
+        _attr(node, "axes", None, "ints")
     inlined = _inline_for_analysis(model)
     graph = _Graph(inlined)
     ort_version = _ort_version() if onnxruntime_version is None else _parse_version(onnxruntime_version)
@@ -345,8 +369,16 @@ def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     for node in model.graph.node:
         if node.op_type == "Constant":
             for attr in node.attribute:
+                if attr.name.startswith("value") and attr.type not in _CONSTANT_TYPES.get(attr.name, ()):
+                    raise ModelFileError(f"Constant node {_label(node)!r}: attribute {attr.name!r} is "
+                                         f"{onnx.AttributeProto.AttributeType.Name(attr.type)}; the graph is invalid: "
+                                         "fix or re-export it")
                 if attr.name == "value":
-                    consts[node.output[0]] = numpy_helper.to_array(attr.t)
+                    try:
+                        consts[node.output[0]] = numpy_helper.to_array(attr.t)
+                    except (TypeError, ValueError) as exc:
+                        raise ModelFileError(f"Constant node {_label(node)!r}: its value is not a valid tensor "
+                                             f"({one_line(exc)}); the graph is invalid: fix or re-export it") from None
                 elif attr.name == "value_float":
                     consts[node.output[0]] = np.array(attr.f, dtype=np.float32)
                 elif attr.name == "value_floats":
@@ -361,13 +393,30 @@ def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return consts
 
 
+_A = onnx.AttributeProto
+#: the attribute type each ``value*`` attribute of a Constant must have
+_CONSTANT_TYPES = {"value": (_A.TENSOR,), "value_float": (_A.FLOAT,), "value_floats": (_A.FLOATS,),
+                   "value_int": (_A.INT,), "value_ints": (_A.INTS,), "value_string": (_A.STRING,),
+                   "value_strings": (_A.STRINGS,), "value_sparse": (_A.SPARSE_TENSOR,)}
+
+
 def _numel(t: onnx.TensorProto) -> int:
     return int(np.prod(t.dims)) if t.dims else 1
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+_ATTR_TYPES = {"float": onnx.AttributeProto.FLOAT, "int": onnx.AttributeProto.INT, "ints": onnx.AttributeProto.INTS}
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None, kind: str | None = None) -> Any:
+    """Attribute ``name`` of ``node``; with ``kind`` (float, int, ints) one of another type is a
+    one-line :class:`ModelFileError` (the graph is invalid), not a crash further on."""
     for a in node.attribute:
         if a.name == name:
+            if kind is not None and a.type != _ATTR_TYPES[kind]:
+                raise ModelFileError(
+                    f"node {_label(node)!r} ({node.op_type}): attribute {name!r} is "
+                    f"{onnx.AttributeProto.AttributeType.Name(a.type)}, not {kind.upper()}; "
+                    "the graph is invalid: fix or re-export it")
             return onnx.helper.get_attribute_value(a)
     return default
 
@@ -410,14 +459,14 @@ def _normalized_dims(axes: list[int], rank: int | None) -> int | None:
 def _fused(node: onnx.NodeProto, graph: _Graph, stage: str, ort_version: tuple[int, ...] | None) -> Reduction:
     in_dtype = graph.dtype(node.input[0])
     eps_default = 1e-12 if node.op_type == "SkipSimplifiedLayerNormalization" else 1e-5
-    eps = _attr(node, "epsilon", eps_default)
-    axis = int(_attr(node, "axis", -1))
+    eps = _attr(node, "epsilon", eps_default, "float")
+    axis = int(_attr(node, "axis", -1, "int"))
     rank = graph.ranks.get(node.input[0])
     note = ""
     if node.op_type in _SKIP_OPS:
         acc, note = _skip_accumulation(node, in_dtype, ort_version)
     else:
-        acc = _safe_dtype(_attr(node, "stash_type", 1))
+        acc = _safe_dtype(_attr(node, "stash_type", 1, "int"))
         if acc in LOW_PRECISION:
             note = f"stash_type asks for {acc} accumulation"
     if rank is not None and axis >= 0:
@@ -444,7 +493,7 @@ def _skip_accumulation(node: onnx.NodeProto, in_dtype: str, ort_version: tuple[i
     """
     fixed = ".".join(map(str, SKIP_FP32_ACCUMULATION_SINCE))
     unset_eps = "; epsilon unset, ONNX Runtime's default is 1e-12" if (
-        node.op_type == "SkipSimplifiedLayerNormalization" and _attr(node, "epsilon") is None) else ""
+        node.op_type == "SkipSimplifiedLayerNormalization" and _attr(node, "epsilon", None, "float") is None) else ""
     if in_dtype not in LOW_PRECISION:
         return "float32", "no stash_type" + unset_eps
     if ort_version is not None and ort_version[:2] >= SKIP_FP32_ACCUMULATION_SINCE:
@@ -612,7 +661,7 @@ def _decomposed_tensors(
 
 
 def _reduce_axes(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> list[int] | None:
-    axes = _attr(node, "axes")
+    axes = _attr(node, "axes", None, "ints")
     if axes is not None:
         return [int(a) for a in axes]
     if len(node.input) > 1 and node.input[1] in consts:
@@ -646,3 +695,8 @@ def optimized_by_onnxruntime(model: onnx.ModelProto | str | os.PathLike, *, opti
 
 def low_precision_reductions(reductions: Iterable[Reduction]) -> list[Reduction]:
     return [r for r in reductions if r.low_precision]
+
+
+def broken_reductions(reductions: Iterable[Reduction]) -> list[Reduction]:
+    """Reductions that cannot give a correct result (``Reduction.problem``: e.g. a NaN or negative epsilon)."""
+    return [r for r in reductions if r.problem]

@@ -30,7 +30,7 @@ from onnxscript import ir
 from rmsnorm_deploy.contract import formula
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.spec import RMSNormSpec
-from rmsnorm_deploy.errors import LoweringError
+from rmsnorm_deploy.errors import LoweringError, SpecError
 
 DOMAIN = "rmsnorm_deploy"
 DOMAIN_VERSION = 1
@@ -233,7 +233,13 @@ def is_rmsnorm_node(node: onnx.NodeProto) -> bool:
 def spec_from_node(node: onnx.NodeProto) -> RMSNormSpec:
     """Read the spec back from a ``rmsnorm_deploy::RMSNorm`` node's attributes."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    return spec_from_attributes(attrs, f"node {node.name!r}")
+    try:
+        return spec_from_attributes(attrs, f"node {node.name!r}")
+    except (TypeError, ValueError) as exc:  # an attribute of the wrong type (SpecError is a ValueError too)
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError(f"node {node.name!r}: epsilon {attrs.get('epsilon')!r} or axes {attrs.get('axes')!r} are not "
+                        "a float and a list of ints; the node is invalid: re-export the model") from None
 
 
 def spec_from_attributes(attrs: dict[str, Any], where: str = "RMSNorm") -> RMSNormSpec:

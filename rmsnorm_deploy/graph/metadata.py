@@ -96,13 +96,14 @@ class ModelMetadata:
             return None
         try:
             parsed = {k: json.loads(raw[k]) for k in _JSON_KEYS if k in raw}
+            _check_types(parsed, raw)
             specs = {name: RMSNormSpec.from_dict(d) for name, d in parsed.get("specs", {}).items()}
             placements = parsed.get("placements", {})
             if not isinstance(placements, dict) or not all(
                     isinstance(v, dict) and isinstance(v.get("placement"), str) and isinstance(v.get("output"), str)
                     for v in placements.values()):
                 raise ValueError("placements is not {name: {placement, output}}")
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, KeyError) as exc:
             raise ModelFileError(f"the model's rmsnorm_deploy metadata is damaged ({exc}); export it again") from None
         return cls(
             specs=specs,
@@ -114,6 +115,49 @@ class ModelMetadata:
             versions=parsed.get("versions", {}),
             placements=placements,
         )
+
+
+def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
+    """Every field of the layout above has its type (metadata is untrusted input): a ValueError naming
+    the first field that does not."""
+
+    def need(ok: bool, field: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{field} must be {what}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    specs = parsed.get("specs", {})
+    need(isinstance(specs, dict) and all(isinstance(v, dict) for v in specs.values()), "specs",
+         "an object of spec objects")
+    source = parsed.get("source", {"kind": "unknown"})
+    need(isinstance(source, dict), "source", "an object")
+    need(isinstance(source.get("kind", ""), str), "source.kind", "a string")
+    for key, types, what in (("path", str, "a string"), ("toml", str, "a string"), ("name", str, "a string"),
+                             ("model_type", str, "a string"), ("config", dict, "an object")):
+        need(source.get(key) is None or isinstance(source[key], types), f"source.{key}", what)
+    need(source.get("seed") is None or (is_int(source["seed"]) and source["seed"] >= 0), "source.seed",
+         "an integer >= 0")
+    inputs = parsed.get("inputs", {})
+    need(isinstance(inputs, dict) and all(isinstance(v, dict) for v in inputs.values()), "inputs",
+         "an object of input objects")
+    for name, info in inputs.items():
+        for key in ("kind", "dtype", "gain"):
+            need(info.get(key) is None or isinstance(info[key], str), f"inputs.{name}.{key}", "a string")
+        need(info.get("high") is None or (is_int(info["high"]) and info["high"] >= 1), f"inputs.{name}.high",
+             "an integer >= 1")
+        need(info.get("shape") is None or (isinstance(info["shape"], list) and all(
+            isinstance(d, str) or (is_int(d) and d >= 0) for d in info["shape"])), f"inputs.{name}.shape",
+            "a list of sizes and dim names")
+    dims = parsed.get("dims", {})
+    need(isinstance(dims, dict), "dims", "an object")
+    for name, rng in dims.items():
+        need(isinstance(rng, list) and len(rng) == 3 and all(is_int(d) for d in rng) and 1 <= rng[0] <= rng[1] <= rng[2],
+             f"dims.{name}", "[min, opt, max] with 1 <= min <= opt <= max")
+    versions = parsed.get("versions", {})
+    need(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), "versions",
+         "an object of version strings")
 
 
 @functools.lru_cache(maxsize=1)

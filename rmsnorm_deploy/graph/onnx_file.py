@@ -19,6 +19,18 @@ from onnx import external_data_helper
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, one_line
 
+def _read_umask() -> int:
+    # os.umask can only be read by setting it; done once, at import, before any thread writes files.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: The user's umask: outputs get the mode any tool of theirs would give (``0o666 & ~umask``),
+#: not ``tempfile.mkstemp``'s 0600.
+UMASK = _read_umask()
+FILE_MODE = 0o666 & ~UMASK
+
 #: Protobuf cannot serialize a message of 2 GB or more: past this, weights go to a side file.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
 
@@ -40,6 +52,7 @@ def load_onnx(path: str | os.PathLike, *, load_external: bool = True) -> onnx.Mo
     p = check_model_file(path)
     model = _parse(p, load_external=False)
     if load_external and _has_external_data(model):
+        check_external_data(model, p.parent, require_data=True)
         try:
             external_data_helper.load_external_data_for_model(model, str(p.parent))
         except (OSError, ValueError) as exc:
@@ -64,14 +77,18 @@ def _has_external_data(model: onnx.ModelProto) -> bool:
     return any(external_data_helper.uses_external_data(t) for t in external_data_helper._get_all_tensors(model))
 
 
-def check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Refuse external-data locations that are absolute or lead outside ``base_dir``."""
+def check_external_data(model: onnx.ModelProto, base_dir: Path, *, require_data: bool = False) -> None:
+    """Refuse external-data locations that are absolute, lead outside ``base_dir``, hold a NUL byte
+    or name something other than a regular file; with ``require_data``, missing files too."""
     base = base_dir.resolve()
     for tensor in external_data_helper._get_all_tensors(model):
         if not external_data_helper.uses_external_data(tensor):
             continue
         info = {e.key: e.value for e in tensor.external_data}
         location = info.get("location", "")
+        if "\x00" in location:
+            raise ModelFileError(f"tensor {tensor.name!r}: external data location {location!r} holds a NUL byte; "
+                                 "the model is damaged: re-export it")
         if not location or os.path.isabs(location) or Path(location).drive:
             raise ModelFileError(
                 f"tensor {tensor.name!r}: external data location {location!r} is not a relative path inside the "
@@ -83,6 +100,28 @@ def check_external_data(model: onnx.ModelProto, base_dir: Path) -> None:
                 f"tensor {tensor.name!r}: external data {location!r} points outside the model's folder {base}; "
                 "refusing to read it"
             )
+        if target.exists() and not target.is_file():  # a FIFO would block the reader forever
+            raise ModelFileError(f"tensor {tensor.name!r}: external data {location!r} is not a regular file; keep the "
+                                 "model's data file beside it")
+        if require_data and not target.exists():
+            raise ModelFileError(f"tensor {tensor.name!r}: external data file {location!r} is missing from {base}; keep "
+                                 "the model's data file beside it")
+
+
+def check_graph(path: str | os.PathLike, *, unknown_ops_ok: bool = False) -> None:
+    """``onnx.checker`` full check of the file at ``path`` (its external data resolved beside it):
+    cycles, undefined tensors, attributes of the wrong type, missing external data; a
+    :class:`ModelFileError` with the checker's first line. ``unknown_ops_ok``: an op without an
+    ONNX schema (ONNX Runtime's own ops in the default domain) is left for the caller to judge."""
+    p = check_model_file(path)
+    try:
+        onnx.checker.check_model(str(p), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError, OSError) as exc:
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        if unknown_ops_ok and first.startswith("No Op registered for"):
+            return
+        raise ModelFileError(f"{p}: not a valid ONNX graph: onnx.checker says: {first[:300]}; fix or re-export the "
+                             "model") from None
 
 
 def ensure_writable(path: str | os.PathLike, *, force: bool) -> Path:
@@ -93,6 +132,21 @@ def ensure_writable(path: str | os.PathLike, *, force: bool) -> Path:
     if p.exists() and p.is_dir():
         raise OutputExistsError(f"{p} is a folder; give a file path for the model")
     return p
+
+
+def check_folder_writable(folder: str | os.PathLike) -> None:
+    """The folder can be created and written in (its nearest existing ancestor is a writable
+    folder), checked before any work: a one-line error naming the blocking path."""
+    f = Path(folder).absolute()
+    for candidate in (f, *f.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise OutputExistsError(f"cannot write into {f}: {candidate} is a file, not a folder; choose another "
+                                        "output")
+            if not os.access(candidate, os.W_OK | os.X_OK):
+                raise OutputExistsError(f"cannot write into {f}: {candidate} is not writable; choose another output "
+                                        "or change its permissions")
+            return
 
 
 @contextlib.contextmanager
@@ -107,10 +161,89 @@ def atomic_path(path: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
         yield tmp
         if target.exists() and not force:  # appeared while we were writing
             raise OutputExistsError(f"{target} appeared while writing; pass --force to replace it")
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+# -- a model and the files that vouch for it, published together ---------------------------------
+@contextlib.contextmanager
+def output_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on the folder of ``target`` (``flock`` on the folder itself: no lock
+    file is left behind) while a writer stages and publishes its outputs; another writer into
+    the same folder waits."""
+    folder = Path(target).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks; staging still publishes in one step
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def remove_stale(target: str | os.PathLike) -> list[Path]:
+    """Remove the hidden leftovers of a killed writer of ``target``: ``.<name>.*.tmp`` files of
+    :func:`atomic_path` and ``.<name>.staging-*`` folders of :func:`staging_folder`. Call it
+    only under :func:`output_lock`, so that no live writer owns them."""
+    import shutil
+
+    t = Path(target)
+    removed = []
+    for stale in list(t.parent.glob(f".{t.name}.*.tmp")) + list(t.parent.glob(f".{t.name}.staging-*")):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
+@contextlib.contextmanager
+def staging_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """A hidden folder beside ``target`` (``.<name>.staging-*``) where its files are written under
+    their final names; removed on exit, whatever happens. :func:`publish` moves them out."""
+    import shutil
+
+    t = Path(target)
+    t.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{t.name}.staging-", dir=t.parent))
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def publish(stage: Path, target: str | os.PathLike, names: list[str], *, force: bool) -> None:
+    """Move ``names`` (the model file first in the list) from ``stage`` beside ``target``.
+
+    The model file is what makes an output look finished, so it is removed first and moved in
+    last: a writer killed in between leaves no model beside a report of another one.
+    """
+    t = Path(target)
+    model_name, others = names[0], names[1:]
+    destinations = [t.parent / n for n in names]
+    if not force:
+        for dest in destinations:
+            if dest.exists():
+                raise OutputExistsError(f"{dest} appeared while exporting; pass --force to replace it")
+    (t.parent / model_name).unlink(missing_ok=True)
+    for name in others:
+        if (stage / name).exists():
+            os.chmod(stage / name, FILE_MODE)
+            os.replace(stage / name, t.parent / name)
+    stale_data = t.parent / (model_name + ".data")
+    if stale_data.is_file() and f"{model_name}.data" not in names:
+        stale_data.unlink()  # a replaced large model's weights; the new model keeps its own inline
+    os.chmod(stage / model_name, FILE_MODE)
+    os.replace(stage / model_name, t.parent / model_name)
 
 
 def save_onnx(
@@ -144,6 +277,7 @@ def save_onnx(
                 check(tmp)
             _set_external_location(model, staged_data.name, data_name)
             onnx.save_model(model, str(tmp))
+            os.chmod(staged_data, FILE_MODE)
             os.replace(staged_data, data_path)
         return target
     large = model.ByteSize() >= EXTERNAL_DATA_THRESHOLD if _small_enough_to_size(model) else True

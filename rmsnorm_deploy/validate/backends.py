@@ -70,6 +70,20 @@ def parse_backends(text: str | Sequence[str]) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def check_provider_options(keys: Sequence[str], provider_options: dict[str, dict[str, str]] | None) -> None:
+    """Options for a provider none of ``keys`` runs would be dropped: a one-line error instead."""
+    if not provider_options:
+        return
+    from rmsnorm_deploy.runners.onnxruntime import provider_name
+
+    wanted = {provider_name(p) for k in keys for p in BACKENDS[k].providers}
+    for provider, options in provider_options.items():
+        if provider_name(provider) not in wanted:
+            requested = ",".join(keys)
+            raise UserError(f"--provider-option {provider}:{next(iter(options), '')}=...: provider {provider!r} is not "
+                            f"run by --providers {requested}; add it to --providers or drop the option")
+
+
 def _tensorrt_runner(model_path: Path, workdir: Path, *, plugin: bool) -> Runner:
     from rmsnorm_deploy.optional import require
 

@@ -4,6 +4,7 @@ from an ``.npz`` file, and checked against the graph."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -99,6 +100,7 @@ def generate_feed(
     if unsized or any(d is None for decl in decls for d in decl.dims):
         notes.append(f"dynamic dims without a size ({', '.join(unsized) or 'unnamed'}) were given "
                      f"{DEFAULT_DYNAMIC_DIM}; set them with --dim NAME=SIZE")
+    _check_feed_size([_resolve_shape(decl, sizes) for decl in decls])
     feed, described = {}, {}
     gather_sizes = _gather_index_bounds(model)
     for i, decl in enumerate(decls):
@@ -128,6 +130,30 @@ def generate_feed(
     return feed, described, notes
 
 
+#: bytes per generated value a validation holds at once: the float64 draw, the typed input, each
+#: backend's output and the reference's
+_BYTES_PER_VALUE = 32
+
+
+def _check_feed_size(shapes: list[list[int]]) -> None:
+    """The inputs about to be generated against the memory budget, before any is allocated."""
+    from rmsnorm_deploy.environment import check_memory
+
+    values = sum(math.prod(shape) for shape in shapes)
+    check_memory(values * _BYTES_PER_VALUE, f"generating inputs of shapes {shapes} ({values:,} values)",
+                 "give smaller sizes of the dynamic dims with --dim NAME=SIZE, or inputs with --feed")
+
+
+def token_bounds(model: onnx.ModelProto, meta: ModelMetadata | None) -> dict[str, int]:
+    """The exclusive upper bound of each token-id input: the metadata's ``high``, else the size of
+    the embedding table the graph gathers from."""
+    bounds = _gather_index_bounds(model)
+    for name, info in (meta.inputs.items() if meta else []):
+        if info.get("kind") == "token_ids" and info.get("high"):
+            bounds[name] = int(info["high"])
+    return bounds
+
+
 def _guess_kind(decl: InputDecl) -> str:
     """A third-party input's role, from its dtype and name."""
     if decl.dtype in FLOAT_DTYPES:
@@ -155,7 +181,8 @@ def _gather_index_bounds(model: onnx.ModelProto) -> dict[str, int]:
     return bounds
 
 
-def load_feed(path: str | Path, model: onnx.ModelProto) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
+def load_feed(path: str | Path, model: onnx.ModelProto,
+              meta: ModelMetadata | None = None) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
     """Inputs from an ``.npz`` file, checked against the graph's inputs."""
     p = Path(path)
     if not p.is_file():
@@ -165,7 +192,7 @@ def load_feed(path: str | Path, model: onnx.ModelProto) -> tuple[dict[str, np.nd
             feed = {k: np.ascontiguousarray(data[k]) for k in data.files}
     except Exception as exc:
         raise InputError(f"{p}: not a readable .npz file ({type(exc).__name__}: {exc})") from None
-    check_feed(feed, model)
+    check_feed(feed, model, meta)
     return feed, {k: {"dtype": array_dtype(v), "shape": list(v.shape), "kind": f"from {p.name}"} for k, v in feed.items()}
 
 
@@ -176,8 +203,9 @@ def array_dtype(array: np.ndarray) -> str:
         return str(array.dtype)
 
 
-def check_feed(feed: dict[str, np.ndarray], model: onnx.ModelProto) -> None:
-    """Names, dtypes, ranks and fixed dims of ``feed`` against the graph; one-line errors."""
+def check_feed(feed: dict[str, np.ndarray], model: onnx.ModelProto, meta: ModelMetadata | None = None) -> None:
+    """Names, dtypes, ranks and fixed dims of ``feed`` against the graph, and token ids inside the
+    embedding table (:func:`token_bounds`); one-line errors."""
     decls = {d.name: d for d in graph_inputs(model)}
     missing, unexpected = sorted(set(decls) - set(feed)), sorted(set(feed) - set(decls))
     if missing or unexpected:
@@ -197,3 +225,11 @@ def check_feed(feed: dict[str, np.ndarray], model: onnx.ModelProto) -> None:
                 if d in seen and seen[d][1] != size:
                     raise InputError(f"dim {d!r} is {seen[d][1]} in input {seen[d][0]!r} but {size} in {name!r}")
                 seen[d] = (name, size)
+    for name, high in token_bounds(model, meta).items():
+        array = feed.get(name)
+        if array is None or array.size == 0 or array.dtype.kind not in "iu":
+            continue
+        low_id, high_id = int(array.min()), int(array.max())
+        if low_id < 0 or high_id >= high:
+            raise InputError(f"input {name!r} holds token ids from {low_id} to {high_id}, outside the embedding "
+                             f"table's [0, {high}); give ids in that range")

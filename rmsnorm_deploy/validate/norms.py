@@ -25,6 +25,8 @@ class NormUnderTest:
     spec: Any  # RMSNormSpec, or None for a LayerNorm
     exposed: list[str]
     skip_reason: str = ""
+    #: why the norm cannot give a correct result whatever the backend (``Reduction.problem``): a failure
+    failure: str = ""
 
 
 def norms_under_test(model: onnx.ModelProto, reductions: list[Reduction]) -> list[NormUnderTest]:
@@ -39,12 +41,17 @@ def norms_under_test(model: onnx.ModelProto, reductions: list[Reduction]) -> lis
         tensors = red.tensors
         spec = red.implied_spec() if red.kind.startswith("RMSNorm") else None
         reason = ""
+        if red.problem:
+            sites.append(NormUnderTest(red, None, [], failure=red.problem))
+            continue
         if tensors is None:
             reason = "its output could not be traced in the graph"
         elif red.kind.startswith("LayerNorm") and (red.normalized_dims is None or red.epsilon is None):
-            reason = "its axes are not the trailing dims"
+            reason = "its axes are not the trailing dims" if red.epsilon is not None else "its epsilon is not a constant"
         elif red.kind.startswith("RMSNorm") and spec is None:
-            reason = "its axes are not the trailing dims or its epsilon is not a constant"
+            reason = ("its epsilon is not a constant" if red.epsilon is None else
+                      "its axes are not the trailing dims" if not red.normalized_dims else
+                      "its epsilon and axes do not form a valid RMSNorm spec")
         elif spec is not None and spec.has_gate and (tensors is None or not tensors.gate):
             reason = "it is gated and its gate input could not be traced in the graph"
         elif red.kind == "LayerNorm" and red.op not in ("LayerNormalization", "SkipLayerNormalization"):

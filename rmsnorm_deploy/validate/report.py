@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from rmsnorm_deploy.contract.compare import CompareResult
@@ -41,7 +42,10 @@ class NormReport:
     ran: dict[str, str] = dataclasses.field(default_factory=dict)  # backend -> "op (precision)"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.epsilon is not None and not math.isfinite(self.epsilon):
+            data["epsilon"] = str(self.epsilon)  # JSON has no NaN or Infinity
+        return data
 
 
 @dataclasses.dataclass
@@ -59,13 +63,25 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
-        return not any(r.status == "FAIL" for r in self.rows)
+        """No comparison failed and at least one passed: zero comparisons is not a pass."""
+        return not self.failure()
+
+    def failure(self) -> str:
+        """Why the report does not pass, in one line ("" when it passes)."""
+        failed = [r for r in self.rows if r.status == "FAIL"]
+        if failed:
+            return f"{len(failed)} comparison(s) failed (first: {failed[0].backend} {failed[0].output})"
+        if not any(r.status == "pass" for r in self.rows):
+            return ("nothing was compared (no output or norm could be checked), so nothing is verified; see the "
+                    "notes, or compare outputs with a second backend or a PyTorch source")
+        return ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "source": self.source, "reference": self.reference, "inputs": self.inputs,
-            "backends": self.backends, "passed": self.passed, "rows": [r.to_dict() for r in self.rows],
-            "norms": [n.to_dict() for n in self.norms], "notes": self.notes, "nodes_per_provider": self.placement,
+            "backends": self.backends, "passed": self.passed, "failure": self.failure(),
+            "rows": [r.to_dict() for r in self.rows], "norms": [n.to_dict() for n in self.norms], "notes": self.notes,
+            "nodes_per_provider": self.placement,
         }
 
     def table(self) -> str:
@@ -78,6 +94,8 @@ class ValidationReport:
                 continue
             status = r.status if not res.nan_mismatch and not res.inf_mismatch else (
                 f"{r.status} (nan {res.nan_mismatch}, inf {res.inf_mismatch})")
+            if res.nan_expected:
+                status += f" (reference NaN at {res.nan_expected}: not comparable)"
             body.append([r.backend, r.output, r.against, res.dtype, _num(res.max_abs), _num(res.max_rel),
                          _num(res.max_ulp), res.tolerance.describe(), status])
         text = [f"model: {self.model}", f"source: {self.source}", f"reference: {self.reference}",
@@ -92,11 +110,15 @@ class ValidationReport:
             text += ["", format_table(norm_headers, norm_body)]
         failed = [r for r in self.rows if r.status == "FAIL"]
         for r in failed:
-            if r.result is not None and r.result.first_bad:
+            if r.result is not None and (r.result.first_bad or r.result.problem()):
                 text.append(f"FAIL {r.backend} {r.output}: {r.result.summary()}")
+            elif r.result is None and r.detail:
+                text.append(f"FAIL {r.backend} {r.output}: {r.detail}")
         text += [f"note: {n}" for n in self.notes]
         counts = {s: sum(r.status == s for r in self.rows) for s in ("pass", "FAIL", "skipped")}
         text.append(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped")
+        if not self.passed:
+            text.append(f"FAIL: {self.failure()}")
         return "\n".join(text)
 
     def backends_ran(self) -> list[str]:

@@ -109,7 +109,7 @@ def output_rows(run: ValidationRun) -> list[CheckRow]:
             else:
                 tol = tolerance_for(check, tol_backend, dtype)
             res = compare(results[label][name], expected[name], tol, name=name, dtype=dtype)
-            rows.append(CheckRow(label, name, against, check, res, "pass" if res else "FAIL"))
+            rows.append(CheckRow(label, name, against, check, res, "pass" if res else "FAIL", res.problem()))
     return rows
 
 
@@ -169,5 +169,12 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
                 tol = tolerance_for(check, BACKENDS[key].tolerance_backend, dtype)
                 allowance = None
             res = compare(y, expected, tol, name=name, dtype=dtype, allowance=allowance)
-            rows.append(CheckRow(label, name, "float64 oracle", check, res, "pass" if res else "FAIL"))
+            rows.append(CheckRow(label, name, "float64 oracle", check, res, "pass" if res else "FAIL", res.problem()))
     return rows
+
+
+def broken_norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
+    """A failure per backend for each norm that cannot give a correct result whatever it runs on
+    (``Reduction.problem``: e.g. a NaN or negative epsilon in the graph)."""
+    return [CheckRow(label, f"norm {site.reduction.node}", "float64 oracle", "norm", status="FAIL", detail=site.failure)
+            for site in sites if site.failure for label in run.labels]

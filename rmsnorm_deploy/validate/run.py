@@ -31,11 +31,11 @@ from onnx import numpy_helper
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
-from rmsnorm_deploy.validate.backends import BACKENDS, parse_backends
+from rmsnorm_deploy.validate.backends import BACKENDS, check_provider_options, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
 from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
 from rmsnorm_deploy.validate.report import CheckRow, ValidationReport
-from rmsnorm_deploy.validate.rows import ValidationRun, is_standalone, norm_rows, output_rows
+from rmsnorm_deploy.validate.rows import ValidationRun, broken_norm_rows, is_standalone, norm_rows, output_rows
 
 REFERENCES = ("auto", "torch", "float64")
 
@@ -53,6 +53,7 @@ def validate_model(
     provider_options: dict[str, dict[str, str]] | None = None,
     check_norms: bool = True,
     require_all_nodes_on_provider: bool = False,
+    source: str | Path | None = None,
 ) -> ValidationReport:
     """Run ``path`` on each backend of ``providers`` and compare outputs and norms; see the module doc.
 
@@ -65,25 +66,29 @@ def validate_model(
     if reference not in REFERENCES:
         raise UserError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
     keys = parse_backends(providers)
+    check_provider_options(keys, provider_options)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise UserError(f"--seed {seed!r} is not an integer >= 0; give a seed like 0")
     model = load_onnx(path)
     meta = ModelMetadata.read(model)
     notes: list[str] = []
     if feed_path is not None:
         if dims:
             raise UserError("--dim sizes generated inputs; with --feed the arrays' shapes decide")
-        feed, described = load_feed(feed_path, model)
+        feed, described = load_feed(feed_path, model, meta)
     else:
         feed, described, feed_notes = generate_feed(model, meta, kind=inputs, seed=seed, dims=dims)
         notes += feed_notes
-        check_feed(feed, model)
-    source_module, source_label, ref_label = _reference_source(meta, reference, notes)
+        check_feed(feed, model, meta)
+    source_module, source_label, ref_label = _reference_source(meta, reference, notes, Path(path).parent, source)
+    notes += _export_report_notes(Path(path), meta)
 
     reductions = audit_model(model)
     sites = norms_under_test(model, reductions) if check_norms else []
     for site in sites:
         if site.skip_reason:
             notes.append(f"norm {site.reduction.node} not compared: {site.skip_reason}")
-    checked_sites = [s for s in sites if not s.skip_reason]
+    checked_sites = [s for s in sites if not s.skip_reason and not s.failure]
     model_outputs = [o.name for o in model.graph.output]
     output_dtypes = {o.name: elem_dtype(o.type.tensor_type.elem_type) for o in model.graph.output}
 
@@ -128,6 +133,7 @@ def validate_model(
                             source_label, source_module, reference_outputs, source_outputs, initial)
         rows += output_rows(run)
         if check_norms:
+            rows += broken_norm_rows(run, sites)
             rows += norm_rows(run, checked_sites)
     source = (f"{meta.source.get('kind', 'unknown')} (rmsnorm_deploy metadata, {meta.dtype}, lowering "
               f"{meta.lowering})" if meta else "third-party graph (no rmsnorm_deploy metadata)")
@@ -136,8 +142,38 @@ def validate_model(
     return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, placement)
 
 
-def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str]) -> tuple[Any, str, str]:
+def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
+    """An exported model (not a standalone norm) is published with its ``report.json``: say so when
+    it is missing or describes another export."""
+    import json
+
+    if meta is None or is_standalone(meta):
+        return []
+    from rmsnorm_deploy.exporter.plan import REPORT_NAME
+
+    report_path = path.parent / REPORT_NAME
+    if not report_path.is_file():
+        return [f"warning: no {REPORT_NAME} beside the model: its export-time parity was never recorded (an "
+                "interrupted export, or one without parity); re-export it to have one"]
+    try:
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return [f"warning: {report_path} is not readable JSON ({exc}); re-export the model"]
+    if not isinstance(report, dict):
+        return [f"warning: {report_path} is not an export report; re-export the model"]
+    theirs = {k: report.get(k) for k in ("dtype", "lowering")}
+    if theirs != {"dtype": meta.dtype, "lowering": meta.lowering}:
+        return [f"warning: {report_path} describes another export ({theirs}) than the model "
+                f"(dtype {meta.dtype!r}, lowering {meta.lowering!r}); re-export the model"]
+    return []
+
+
+def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str], model_dir: Path,
+                      source: str | Path | None = None) -> tuple[Any, str, str]:
     """The PyTorch module to compare outputs with, its label, and ``torch``/``float64``/``backends``."""
+    if meta is None and source is not None:
+        raise UserError("--source gives the PyTorch source of a model exported by rmsnorm-deploy; this graph has no "
+                        "rmsnorm_deploy metadata, so drop --source")
     if meta is None:
         if reference == "torch":
             raise UserError("--reference torch needs a model exported by rmsnorm-deploy (its metadata rebuilds the "
@@ -148,7 +184,7 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
 
     kind = meta.source.get("kind", "unknown")
     try:
-        module = rebuild_source(meta)
+        module = rebuild_source(meta, model_dir=model_dir, source_path=source)
     except (UserError, ImportError) as exc:
         why = f"cannot rebuild the PyTorch source of kind {kind!r}: {exc}"
         if reference != "auto":
