@@ -3,7 +3,8 @@
 =============  ==============================================================================
 plan           ``plan_export``: options, model name and output paths checked once; defaults
 pipeline       ``run_export``: detect, run, export, canonicalize, check, save, parity
-detect         norms of a module mapped to specs and confirmed bit for bit
+detect         norms of a module mapped to specs and confirmed bit for bit; ``--norm-spec``
+probing        the spec of an unknown norm class, found by running it against every candidate
 torch_op       the ``torch.library`` op carrying a spec, and its ONNX translation
 surgery        swapping submodules, silencing torch.onnx, freeing weights
 fusions        rewrite rules for ``--fuse-attention``: opset-23 Attention and RotaryEmbedding

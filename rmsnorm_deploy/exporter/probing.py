@@ -223,19 +223,21 @@ def _bit_identical(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got == want) | (torch.isnan(got) & torch.isnan(want))).all())
 
 
-def _ulp_distance(spec: RMSNormSpec, probes: list[Probe]) -> tuple[float, str]:
-    """The largest ULP distance of ``spec``'s reference from the module over the probes, and where."""
-    worst, where = 0.0, ""
+def _ulp_distance(spec: RMSNormSpec, probes: list[Probe]) -> tuple[float, str, float]:
+    """The largest ULP distance of ``spec``'s reference from the module over the probes, where, and
+    the sum over the probes of each one's largest (it ranks candidates whose worst probe ties)."""
+    worst, where, total = 0.0, "", 0.0
     exact = Tolerance(reason="probing: bit for bit")
     for p in probes:
         want = reference(spec, p.x, p.weight if spec.has_gain else None)
         if want.dtype != p.got.dtype:
-            return math.inf, f"{p.label}: the module returns {p.got.dtype}, the spec {want.dtype}"
+            return math.inf, f"{p.label}: the module returns {p.got.dtype}, the spec {want.dtype}", math.inf
         result = compare(p.got, want, exact, dtype=want.dtype)
         ulp = result.max_ulp if not (result.nan_mismatch or result.inf_mismatch) else math.inf
+        total += ulp
         if ulp > worst or not where:
             worst, where = ulp, p.label
-    return worst, where
+    return worst, where, total
 
 
 def subtracts_mean(module: torch.nn.Module, probes: list[Probe]) -> bool:
@@ -288,8 +290,8 @@ def probe_norm(module: torch.nn.Module, name: str, class_name: str, shape: tuple
         raise ProbeError(f"{where} is a LayerNorm (it subtracts the mean: its output does not change when a "
                          "constant is added to its input), not an RMSNorm; this exporter does not guarantee "
                          "LayerNorms, so it does not export this model")
-    ranked = sorted(((_ulp_distance(c, probes), c) for c in candidates), key=lambda t: t[0][0])
-    (ulp, at), best = ranked[0]
+    ranked = sorted(((_ulp_distance(c, probes), c) for c in candidates), key=lambda t: (t[0][0], t[0][2]))
+    (ulp, at, _), best = ranked[0]
     distance = "NaN/Inf where the module is finite" if math.isinf(ulp) else f"{ulp:.3g} ULP"
     raise ProbeError(f"{where} computes none of the {len(candidates)} candidate RMSNorm specs bit for bit "
                      f"(probed in {', '.join(dtypes)}); closest: {spec_name(best)} [{best.describe()}], "

@@ -59,12 +59,14 @@ def _children_read_directly(cls: type) -> frozenset[str]:
     """Names ``x`` for which the source of ``cls`` (and its bases) reads ``self.x.weight`` or ``self.x.bias``."""
     names: set[str] = set()
     for klass in cls.__mro__:
-        if klass.__module__.startswith("torch.nn"):
+        if klass.__module__.startswith("torch.nn") or klass is object:
             continue
-        try:
-            names.update(_CHILD_TENSOR.findall(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
+        for value in vars(klass).values():
+            if inspect.isfunction(value):
+                try:
+                    names.update(_CHILD_TENSOR.findall(inspect.getsource(value)))
+                except (OSError, TypeError):
+                    continue
     return frozenset(names)
 
 
