@@ -152,3 +152,30 @@ def test_parity_failure_is_exit_1_with_the_table(tmp_path, monkeypatch, capsys):
     assert "parity: FAIL: onnxruntime[cpu] vs torch float32: logits" in out
     report = json.loads((out_dir / "report.json").read_text())
     assert report["parity"]["status"] == "FAIL" and (out_dir / "model.onnx").is_file()
+
+
+# -- --norm-spec ----------------------------------------------------------------------------
+def test_norm_spec_declaration_is_confirmed_and_shown(tmp_path, monkeypatch, capsys):
+    # A full export of the tiny preset (several seconds): the declaration travels through the plan
+    # into detection and is shown as how each norm was found.
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "tiny", "--batch", "1", "--seq", "1",
+                 "--norm-spec", "SpecRMSNorm=eps=1e-5,gain=weight,order=scale_then_cast"]) == 0
+    out, _ = capsys.readouterr()
+    assert re.search(r"5\s+SpecRMSNorm\s+declared --norm-spec\s+x / sqrt\(mean\(x\^2\) \+ 1e-05\) \* w", out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--norm-spec", "SpecRMSNorm"], r"--norm-spec 'SpecRMSNorm': give CLASS_OR_PATH=SPEC"),
+    (["--norm-spec", "SpecRMSNorm=gain=sideways"], r"unknown gain 'sideways'"),
+    (["--norm-spec", "A=llama", "--norm-spec", "A=gemma"], r"--norm-spec declares 'A' more than once"),
+    (["--norm-spec", "SpecRMSNorm=gemma,eps=1e-5"], r"norm 'layers.0.attention_norm' \(.*SpecRMSNorm\) differs from its spec .* ULP\)"),
+    (["--norm-spec", "NoSuchNorm=llama"], r"--norm-spec NoSuchNorm=llama: no module of the model has the class"),
+])
+def test_norm_spec_errors_are_one_line_exit_2_with_nothing_written(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "tiny", *args]) == 2
+    _, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rmsnorm-deploy export: error: ") and re.search(message, last), last
+    assert not (tmp_path / "export").exists() or not any((tmp_path / "export").rglob("*.onnx"))
