@@ -71,7 +71,7 @@ BAD_INPUT = {
     "native below opset 23": (lambda d: ["tiny", "--lowering", "native", "--opset", "18"],
                               "RMSNormalization exists from opset 23; this model is opset 18"),
     "lowering that cannot hold the spec": (lambda d: ["tiny", "--dtype", "float16", "--lowering", "ort"],
-                                           r"cannot lower norm 'model.layers.0.attention_norm' .* to 'ort'"),
+                                           r"cannot lower norm 'layers.0.attention_norm' .* to 'ort'"),
     "sequence too long": (lambda d: ["tiny", "--seq", "300"], "--seq 300 is longer than the model's 256 positions"),
     "zero batch": (lambda d: ["tiny", "--batch", "0"], "--batch must be an integer >= 1"),
 }
