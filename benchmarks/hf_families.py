@@ -219,6 +219,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             row = {"family": name, "status": f"timeout after {args.timeout:g}s"}
         row["wall_s"] = round(time.perf_counter() - start, 1)
+        if JSON.is_file():  # another chunk may have written rows meanwhile
+            data["rows"] = {**json.loads(JSON.read_text())["rows"], **data["rows"]}
         data["rows"][name] = row
         print(json.dumps(row), flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ Known classes (matched by their exact class, never by a name pattern):
   the model, recorded during one run of the model on ``example`` inputs. Embeddings, linear
   and convolution layers are never norms whatever their name (their inner norms are still
   seen), nor is a module with children whose ``forward(x)`` does not map a float tensor to
-  one of the same shape. Mean-subtracting norms are refused as LayerNorms.
+  one of the same shape or that computes no candidate spec (a block named like a norm).
+  Mean-subtracting norms are refused as LayerNorms.
 
 Every spec is then *confirmed*: the module and ``reference(spec, x, weight)`` run on seeded
 random inputs in the module's own dtype (rows from 1e-3 to 1e2 in magnitude, so epsilon
@@ -318,6 +319,8 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
                 raise UnknownNormError(f"{where} is named like a normalization but {exc}; this exporter cannot "
                                        "confirm what it computes (a gated norm takes a second input)") from None
             except ProbeError as exc:
+                if exc.kind == "none" and any(True for _ in module.children()):
+                    continue  # a block named like a norm that computes none: not claimed; its inner norms are seen
                 raise UnknownNormError(str(exc)) from None
             found = (result.spec, f"confirmed by probing: {result.name}")
         spec, how = found

@@ -69,7 +69,11 @@ NOT_NORMS: tuple[type, ...] = (torch.nn.Embedding, torch.nn.EmbeddingBag, torch.
 
 
 class ProbeError(UserError):
-    """A module probing cannot map to exactly one spec."""
+    """A module probing cannot map to exactly one spec: ``kind`` is ``ambiguous``, ``layernorm`` or ``none``."""
+
+    def __init__(self, message: str, kind: str = "none"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class NotANormError(Exception):
@@ -285,11 +289,11 @@ def probe_norm(module: torch.nn.Module, name: str, class_name: str, shape: tuple
         why = f" (it does not run in {', '.join(untried)})" if untried else ""
         raise ProbeError(f"{where}: probing cannot decide between {len(classes)} specs that all reproduce it bit for "
                          f"bit in {', '.join(dtypes)}{why}: {listed}; declare the right one with "
-                         f"--norm-spec {class_name.rsplit('.', 1)[-1]}=SPEC or an rmsnorm_spec attribute")
+                         f"--norm-spec {class_name.rsplit('.', 1)[-1]}=SPEC or an rmsnorm_spec attribute", "ambiguous")
     if subtracts_mean(module, probes):
         raise ProbeError(f"{where} is a LayerNorm (it subtracts the mean: its output does not change when a "
                          "constant is added to its input), not an RMSNorm; this exporter does not guarantee "
-                         "LayerNorms, so it does not export this model")
+                         "LayerNorms, so it does not export this model", "layernorm")
     ranked = sorted(((_ulp_distance(c, probes), c) for c in candidates), key=lambda t: (t[0][0], t[0][2]))
     (ulp, at, _), best = ranked[0]
     distance = "NaN/Inf where the module is finite" if math.isinf(ulp) else f"{ulp:.3g} ULP"

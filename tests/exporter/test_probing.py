@@ -324,3 +324,17 @@ def test_a_moe_models_float64_reference_run_works_and_leaves_its_experts_as_they
     with experts_implementation(module) as count:
         assert count == 1 and module.model.config._experts_implementation_internal == "batched_mm"
     assert module.model.config._experts_implementation_internal == impl
+
+
+def test_a_block_named_like_a_norm_that_computes_none_is_not_claimed_and_its_norms_are_seen():
+    class NormalizedMLP(torch.nn.Module):  # maps x to the same shape, but is a block
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(16, 16)
+            self.norm = RenamedLlamaNorm(16)
+
+        def forward(self, x):
+            return x + self.up(self.norm(x))
+
+    detection = detect_norms(Wrapper(mlp=NormalizedMLP()), example={"x": torch.randn(2, 16)})
+    assert [n.path for n in detection.norms] == ["mlp.norm"]
