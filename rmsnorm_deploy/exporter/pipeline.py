@@ -16,6 +16,9 @@ Steps (each one a line of progress on stderr):
    constant folding is. With ``fuse_attention`` (opset 23) the rules of ``fusions.py`` write
    rotary embeddings as ``RotaryEmbedding`` with caches valid at every batch size, and give
    ``Attention`` the key/value heads unrepeated; the norms are opaque nodes while they run.
+   transformers' MoE blocks are traced with ``batched_mm`` experts (``upcast.experts_implementation``:
+   their default ``grouped_mm`` is a custom op torch.onnx cannot translate); parity compares
+   the graph with the model's own run.
 4. **Canonicalize** the graph, serialized without its weights: each node gets exactly the
    attributes and overload ``onnx_function.rmsnorm_node`` gives it, and its module path as
    name; the nodes are counted against the detected norms; ``lowerings.lower_model`` writes
