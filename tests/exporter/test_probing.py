@@ -338,3 +338,22 @@ def test_a_block_named_like_a_norm_that_computes_none_is_not_claimed_and_its_nor
 
     detection = detect_norms(Wrapper(mlp=NormalizedMLP()), example={"x": torch.randn(2, 16)})
     assert [n.path for n in detection.norms] == ["mlp.norm"]
+
+
+def test_a_float64_run_that_fails_is_one_line_not_a_traceback():
+    from rmsnorm_deploy.exporter.upcast import Float64RunError, float64_outputs
+
+    class Float32Kernel(torch.nn.Module):  # like a kernel with no float64 version
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            if x.dtype == torch.float64:
+                raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double\n  at kernel.cpp")
+            return {"y": x * self.scale}
+
+    with pytest.raises(Float64RunError, match=r"^the float64 reference run of the model failed, so its parity cannot "
+                                              r"be checked: RuntimeError: Expected mat_a .* got Double") as info:
+        float64_outputs(Float32Kernel(), (), x=torch.randn(2, 4, dtype=torch.float64))
+    assert "\n" not in str(info.value) and isinstance(info.value, UserError)
