@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 JSON = RESULTS / "hf_families.json"
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, head_dim=16)
+            num_key_value_heads=2, max_position_embeddings=128, head_dim=16, pad_token_id=0, bos_token_id=1,
+            eos_token_id=1)
 #: Per-family config fields a tiny model of that family needs besides TINY.
 EXTRA: dict[str, dict] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -120,8 +121,10 @@ def run_family(model_type: str) -> dict:
         if row["ours"] == "pass":
             try:
                 half = hf.from_config(_config(model_type), "float16", seed=1)
-                row["ours_fp16"] = export_model(half, Path(tmp) / "fp16" / "model.onnx",
-                                                ExportOptions(dtype="float16")).parity.status
+                parity16 = export_model(half, Path(tmp) / "fp16" / "model.onnx", ExportOptions(dtype="float16")).parity
+                row["ours_fp16"] = parity16.status
+                if parity16.reason:
+                    row["ours_fp16_reason"] = parity16.reason[:300]
             except Exception as exc:  # noqa: BLE001
                 row["ours_fp16"] = f"error: {type(exc).__name__}: {one_line(exc, limit=160)}"
         start = time.perf_counter()
@@ -176,8 +179,9 @@ def write_markdown(data: dict) -> None:
         fmt = lambda v: f"{v:.2g}" if isinstance(v, float) else ""  # noqa: E731
         nodes = f"{r['norm_nodes']} / {r['norm_modules']}" if "norm_nodes" in r else ""
         how = ", ".join(h.replace("confirmed by probing: ", "probing: ") for h in r.get("how", []))
+        fp16 = r.get("ours_fp16", "") + (f": {r['ours_fp16_reason'][:160]}" if r.get("ours_fp16_reason") else "")
         lines.append(f"| {r['family']} | {', '.join(r.get('norm_classes', []))} | {ours.replace('|', '/')} | "
-                     f"{fmt(r.get('ours_max_abs'))} | {nodes} | {r.get('ours_fp16', '')} | {how} | "
+                     f"{fmt(r.get('ours_max_abs'))} | {nodes} | {fp16.replace('|', '/')} | {how} | "
                      f"{torch_onnx.replace('|', '/')} | {fmt(r.get('torch_onnx_max_abs'))} | "
                      f"{r.get('status', '')} |")
     (RESULTS / "hf_families.md").write_text("\n".join(lines) + "\n")
