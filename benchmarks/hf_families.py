@@ -46,6 +46,9 @@ EXTRA: dict[str, dict] = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1),
 }
 GATED_HINT = "gated norm"
 
