@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
                         help=f"example sequence length: traced and checked (default {DEFAULT_SEQ})")
+    parser.add_argument("--norm-spec", action="append", default=[], metavar="CLASS_OR_PATH=SPEC",
+                        help="declare the spec of the norms of a class (e.g. MixtralRMSNorm) or at a module path: a "
+                             "named spec (torch, llama, gemma, olmo2, nogain; epsilon read from the module) or fields "
+                             "(eps=1e-6,gain=offset,order=scale_then_cast); confirmed bit for bit; repeatable")
     parser.add_argument("--force", action="store_true", help="replace an existing model and report")
 
 
@@ -47,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.table import format_table
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
-                            seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention)
+                            seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention,
+                            norm_specs=tuple(args.norm_spec))
     plan = plan_export(options, model_ref=args.model, output=args.output)
     target = plan.target
 
@@ -62,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
           f"lowering {options.lowering})")
     if result.fusions is not None:
         print(f"fused: {result.fusions.describe()}")
-    groups: dict[tuple[str, str], int] = {}
+    groups: dict[tuple[str, str, str], int] = {}
     for norm in result.detection.norms:
-        key = (norm.class_name.rsplit(".", 1)[-1], norm.spec.describe())
+        key = (norm.class_name.rsplit(".", 1)[-1], norm.how, norm.spec.describe())
         groups[key] = groups.get(key, 0) + 1
-    print(format_table(["norms", "class", "spec (confirmed bit for bit against the module)"],
-                       [[count, cls, spec] for (cls, spec), count in groups.items()]))
+    print(format_table(["norms", "class", "found as", "spec (confirmed bit for bit against the module)"],
+                       [[count, cls, how, spec] for (cls, how, spec), count in groups.items()]))
     for path, cls in result.detection.other_norms:
         print(f"left as exported by torch (not an RMSNorm): {path} ({cls})")
     if result.parity is not None:

@@ -266,25 +266,37 @@ def parse_spec(text: str) -> RMSNormSpec:
     """A spec from text: a named spec (``llama``), fields (``eps=1e-5,gain=offset``) or both, the name
     first (``mamba2_gated,eps=1e-5,group_size=64``). ``eps`` is short for ``epsilon``; a field
     given after a name replaces the name's value."""
+    named, given = spec_fields(text)
+    return RMSNormSpec(**{**named, **given})
+
+
+def spec_fields(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields ``text`` names (see :func:`parse_spec`): those of its named spec, if it starts
+    with one, and those given as ``FIELD=VALUE``, each read into its type."""
     if not isinstance(text, str) or not text.strip():
         raise SpecError("an empty spec; give a named spec (" + ", ".join({**named_specs(), **gated_named_specs()})
                         + ") or fields like eps=1e-6")
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    base: dict[str, Any] = {}
+    named: dict[str, Any] = {}
     if "=" not in parts[0]:
         names = {**named_specs(), **gated_named_specs()}
         if parts[0] not in names:
             raise SpecError(f"unknown named spec {parts[0]!r}; choose one of {', '.join(names)}")
-        base = dataclasses.asdict(names[parts.pop(0)])
+        named = dataclasses.asdict(names[parts.pop(0)])
     known = {f.name: f for f in dataclasses.fields(RMSNormSpec)}
+    given: dict[str, Any] = {}
     for part in parts:
         key, sep, value = (s.strip() for s in part.partition("="))
-        key = "epsilon" if key == "eps" else key
+        key = _FIELD_ALIASES.get(key, key)
         if not sep or key not in known:
             raise SpecError(f"cannot read {part!r} in spec {text!r}: expected FIELD=VALUE with a field of "
                             f"{', '.join(sorted(known))}")
-        base[key] = _parse_value(key, value, text)
-    return RMSNormSpec(**base)
+        given[key] = _parse_value(key, value, text)
+    return named, given
+
+
+#: short names accepted for spec fields in text
+_FIELD_ALIASES = {"eps": "epsilon", "dims": "normalized_dims", "placement": "epsilon_placement"}
 
 
 def _parse_value(key: str, value: str, text: str) -> Any:

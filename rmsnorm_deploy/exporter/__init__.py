@@ -3,7 +3,8 @@
 =============  ==============================================================================
 plan           ``plan_export``: options, model name and output paths checked once; defaults
 pipeline       ``run_export``: detect, run, export, canonicalize, check, save, parity
-detect         norms of a module mapped to specs and confirmed bit for bit
+detect         norms of a module mapped to specs and confirmed bit for bit; ``--norm-spec``
+probing        the spec of an unknown norm class, found by running it against every candidate
 placement      where each norm stands in the module run eagerly; compared with the graph's
 gated          gated norms of the hybrid families and Gemma3n/Gemma4's norms: known classes,
                the gate input of a confirmation, candidate gated specs for probing

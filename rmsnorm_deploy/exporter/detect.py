@@ -13,14 +13,27 @@ Known classes (matched by their exact class, never by a name pattern):
 * this project's :class:`SpecRMSNorm`;
 * any class that declares its spec: an ``rmsnorm_spec`` attribute holding an
   :class:`RMSNormSpec` (or its dict), with the gain in ``weight`` and, when it has no weight,
-  the normalized shape in ``normalized_shape``.
+  the normalized shape in ``normalized_shape``;
+* any module the user declares a spec for: ``export --norm-spec CLASS_OR_PATH=SPEC``
+  (:func:`parse_norm_spec`, :class:`NormSpecOverride`); it takes precedence over the class;
+* any other module whose class name says it is a norm: *probed* (``probing.py``) and taken
+  when exactly one candidate spec reproduces it bit for bit ("confirmed by probing").
+  A weightless module without a ``normalized_shape`` is probed at the width it sees inside
+  the model, recorded during one run of the model on ``example`` inputs. Embeddings, linear
+  and convolution layers are never norms whatever their name (their inner norms are still
+  seen), nor is a module with children whose ``forward(x)`` does not map a float tensor to
+  one of the same shape or that computes no candidate spec (a block named like a norm).
+  Mean-subtracting norms are refused as LayerNorms.
 
 Every spec is then *confirmed*: the module and ``reference(spec, x, weight)`` run on seeded
 random inputs in the module's own dtype (rows from 1e-3 to 1e2 in magnitude, so epsilon
-matters in some) and must agree bit for bit. A module whose class name says it is a norm but
-that is none of the above stops the export, naming its path and class: a norm is never guessed.
-Normalizations that are not RMSNorm (``LayerNorm``, ``GroupNorm``, batch and instance norms)
-are left as they are and listed.
+matters in some) and must agree bit for bit; a mismatch is refused with its distance in ULPs.
+A module whose class name says it is a norm but that none of the above maps to one spec stops
+the export, naming its path and class: a norm is never guessed. Normalizations that are not
+RMSNorm (``LayerNorm``, ``GroupNorm``, batch and instance norms) are left as they are and listed.
+
+Paths in messages and in :attr:`DetectedNorm.name` are the model's own (Hugging Face) module
+paths: the wrapper's attribute (``TokenLogits.model``) is not part of them.
 """
 
 from __future__ import annotations
@@ -31,11 +44,20 @@ from typing import Any, Callable
 
 import torch
 
+from rmsnorm_deploy.contract.compare import compare
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.contract.reference import SpecRMSNorm, reference
-from rmsnorm_deploy.contract.spec import RMSNormSpec
-from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.contract.spec import RMSNormSpec, named_specs, spec_fields
+from rmsnorm_deploy.contract.tolerances import Tolerance
+from rmsnorm_deploy.errors import SpecError, UserError, one_line
 from rmsnorm_deploy.exporter.gated import GAINLESS_CAPABLE_CLASSES, GATED_CLASSES, PROBE_WIDTH, call_norm, gate_input
+from rmsnorm_deploy.exporter.probing import (
+    NOT_NORMS,
+    NotANormError,
+    ProbeCache,
+    ProbeError,
+    epsilons_of,
+)
 
 #: The attribute a user class sets to declare its spec.
 SPEC_ATTRIBUTE = "rmsnorm_spec"
@@ -60,10 +82,15 @@ class DetectedNorm:
     weight: torch.Tensor | None
     normalized_shape: tuple[int, ...]
     dtype: torch.dtype
-    how: str  # "known class", "declared spec", ...
+    how: str  # "known class", "declared rmsnorm_spec", "declared --norm-spec", "confirmed by probing: llama (...)"
+    name: str = ""  # the model's own module path (``path`` without the wrapper's prefix)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.path
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "class": self.class_name, "spec": self.spec.to_dict(), "how": self.how,
+        return {"path": self.path, "name": self.name, "class": self.class_name, "spec": self.spec.to_dict(),
+                "how": self.how,
                 "normalized_shape": list(self.normalized_shape), "dtype": str(self.dtype).removeprefix("torch.")}
 
 
@@ -131,6 +158,80 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+#: The attribute of a wrapper module (``TokenLogits``) giving the prefix its own attribute adds to
+#: the wrapped model's module paths (``"model."``); messages name modules without it.
+PATH_PREFIX_ATTRIBUTE = "module_path_prefix"
+
+
+def model_path(root: torch.nn.Module, path: str) -> str:
+    """``path`` (relative to ``root``) as the wrapped model names it."""
+    prefix = getattr(root, PATH_PREFIX_ATTRIBUTE, "")
+    return path[len(prefix):] if prefix and path.startswith(prefix) else path
+
+
+# -- --norm-spec CLASS_OR_PATH=SPEC ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class NormSpecOverride:
+    """A spec the user declares for the modules of a class or at a path (``--norm-spec``).
+
+    ``fields`` are :class:`RMSNormSpec` fields; without ``epsilon`` the module's epsilon
+    attribute is read (it must have exactly one), without ``normalized_dims`` its weight's.
+    """
+
+    target: str  # class name (short or full) or module path
+    fields: tuple[tuple[str, Any], ...]
+    text: str  # as the user wrote it
+
+    def spec_for(self, module: torch.nn.Module, where: str) -> RMSNormSpec:
+        fields = dict(self.fields)
+        if "epsilon" not in fields:
+            eps = epsilons_of(module)
+            if len(eps) != 1:
+                found = f"its epsilon attributes hold {eps}" if eps else "it has no epsilon attribute"
+                raise UserError(f"--norm-spec {self.text}: {where}: {found}; give it as eps=VALUE")
+            fields["epsilon"] = eps[0]
+        if "normalized_dims" not in fields:
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and fields.get("gain", "weight") != "none":
+                fields["normalized_dims"] = max(1, weight.dim())
+        try:
+            return RMSNormSpec(**fields)
+        except SpecError as exc:
+            raise UserError(f"--norm-spec {self.text}: {exc}") from None
+
+
+def parse_norm_spec(text: str) -> NormSpecOverride:
+    """``CLASS_OR_PATH=SPEC``: SPEC as :func:`~rmsnorm_deploy.contract.spec.parse_spec` reads it
+    (``llama``, ``eps=1e-6,gain=offset,order=scale_then_cast``, ``gemma,eps=1e-5``), except that a
+    named spec lends its gain, order, accumulation and epsilon placement only: epsilon and the
+    normalized dims come from the module unless given."""
+    usage = ("give CLASS_OR_PATH=SPEC, SPEC a named spec (" + ", ".join(named_specs()) +
+             ") or fields (e.g. eps=1e-6,gain=offset,order=scale_then_cast)")
+    if not isinstance(text, str) or "=" not in text:
+        raise UserError(f"--norm-spec {text!r}: {usage}")
+    target, _, spec_text = text.partition("=")
+    target, spec_text = target.strip(), spec_text.strip()
+    if not target or not spec_text:
+        raise UserError(f"--norm-spec {text!r}: {usage}")
+    try:
+        named, given = spec_fields(spec_text)
+        fields = {**{k: v for k, v in named.items() if k not in ("epsilon", "normalized_dims")}, **given}
+        RMSNormSpec(**{"epsilon": 1e-6, **fields})  # every field checked now, before any work
+    except SpecError as exc:
+        raise UserError(f"--norm-spec {text!r}: {exc}") from None
+    return NormSpecOverride(target, tuple(sorted(fields.items())), text)
+
+
+def _override_for(overrides: dict[str, NormSpecOverride], path: str, name: str, module: torch.nn.Module,
+                  used: set[str]) -> NormSpecOverride | None:
+    cls = type(module)
+    for key in (path, name, class_path(cls), cls.__qualname__, cls.__name__):
+        if key in overrides:
+            used.add(key)
+            return overrides[key]
+    return None
+
+
 def spec_of(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[RMSNormSpec, str] | None:
     """The spec a module's class says it computes, and how it was found; ``None`` if it says nothing."""
     dtype = dtype or _module_dtype(module) or torch.float32
@@ -151,51 +252,151 @@ def spec_of(module: torch.nn.Module, dtype: torch.dtype | None = None) -> tuple[
     return None
 
 
-def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = True, seed: int = 0) -> Detection:
+def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = True, seed: int = 0,
+                 overrides: Any = (), example: dict[str, Any] | None = None) -> Detection:
     """Every RMSNorm of ``model`` with its spec (confirmed unless ``confirm=False``).
 
     ``dtype``: the activation dtype, for norms without a weight (default: the model's first
-    floating-point parameter's dtype).
+    floating-point parameter's dtype). ``overrides``: :class:`NormSpecOverride` objects (each
+    must match a module). ``example``: keyword inputs of ``model`` for one run that records the
+    width weightless norms see.
 
-    Raises :class:`UnknownNormError` for a module that looks like a norm but is not known,
-    and :class:`NormMismatchError` for a spec that does not reproduce its module.
+    Raises :class:`UnknownNormError` for a module that looks like a norm but whose spec cannot
+    be found, and :class:`NormMismatchError` for a spec that does not reproduce its module.
     """
     default_dtype = torch_dtype(dtype) if dtype is not None else _first_float_dtype(model)
+    table = {o.target: o for o in overrides}
+    used: set[str] = set()
+    cache = ProbeCache()
+    widths: dict[str, Any] | None = None
     norms: list[DetectedNorm] = []
     others: list[tuple[str, str]] = []
     skip_under: list[str] = []
     for path, module in model.named_modules():
         if any(path.startswith(prefix + ".") for prefix in skip_under):
             continue
-        cls_name = type(module).__name__
-        found = spec_of(module)
+        name = model_path(model, path)
+        where = f"module {name or '<root>'!r} ({class_path(type(module))})"
+        override = _override_for(table, path, name, module, used)
+        how = "declared --norm-spec"
+        found = (override.spec_for(module, where), how) if override is not None else spec_of(module)
+        shape: tuple[int, ...] | None = None
         if found is None:
             if isinstance(module, OTHER_NORMS):
-                others.append((path, class_path(type(module))))
+                others.append((name, class_path(type(module))))
                 skip_under.append(path)
-            elif _NORM_LIKE.search(cls_name) and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-                raise UnknownNormError(
-                    f"module {path or '<root>'!r} ({class_path(type(module))}) looks like a normalization but its "
-                    f"computation is not known; declare it with an {SPEC_ATTRIBUTE} attribute (an RMSNormSpec) or "
-                    "replace it with torch.nn.RMSNorm"
-                )
-            continue
+                continue
+            if isinstance(module, NOT_NORMS) or not _NORM_LIKE.search(type(module).__name__) or \
+                    isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                continue
+            module_dtype = _module_dtype(module) or default_dtype
+            shape = _probe_shape(module)
+            if shape is None:
+                if widths is None:
+                    widths = _record_inputs(model, example, where)
+                shape = _recorded_width(widths, path, module, where)
+            if shape is None:  # a container that is not itself a norm
+                continue
+            try:
+                result = cache.probe(module, name, class_path(type(module)), shape, module_dtype, seed=seed)
+            except NotANormError as exc:
+                if any(True for _ in module.children()):
+                    continue  # not a normalization; its inner norms are still seen
+                raise UnknownNormError(f"{where} is named like a normalization but {exc}; this exporter cannot "
+                                       "confirm what it computes (a gated norm takes a second input)") from None
+            except ProbeError as exc:
+                if exc.kind == "none" and any(True for _ in module.children()):
+                    continue  # a block named like a norm that computes none: not claimed; its inner norms are seen
+                raise UnknownNormError(str(exc)) from None
+            found = (result.spec, f"confirmed by probing: {result.name}")
         spec, how = found
         weight = getattr(module, "weight", None) if spec.has_gain else None
         if spec.has_gain and not isinstance(weight, torch.Tensor):
-            raise UnknownNormError(
-                f"module {path!r} ({class_path(type(module))}) has gain {spec.gain!r} but no tensor 'weight' attribute"
-            )
-        shape = _normalized_shape(module, spec, weight, path, how)
+            raise UnknownNormError(f"{where} has gain {spec.gain!r} but no tensor 'weight' attribute")
+        # A weightless norm's width is what it sees in the model; a known class without a run to
+        # read it from is checked at PROBE_WIDTH (nothing in it depends on the width).
+        if shape is None and weight is None and _probe_shape(module) is None and not (
+                example is None and how == "known class"):
+            if widths is None:
+                widths = _record_inputs(model, example, where)
+            shape = _recorded_width(widths, path, module, where)
+        if shape is None or spec.has_gain:
+            shape = _normalized_shape(module, spec, weight, where, recorded=shape, how=how)
         norm_dtype = weight.dtype if weight is not None else (_module_dtype(module) or default_dtype)
         # Specs whose epsilon depends on the dtype (torch.nn.RMSNorm with eps=None) are read in it.
-        spec = spec_of(module, norm_dtype)[0]  # type: ignore[index]
-        norm = DetectedNorm(path, class_path(type(module)), spec, module, weight, shape, norm_dtype, how)
+        if how in ("known class", "SpecRMSNorm") or how.startswith("declared rmsnorm"):
+            spec = spec_of(module, norm_dtype)[0]  # type: ignore[index]
+        norm = DetectedNorm(path, class_path(type(module)), spec, module, weight, shape, norm_dtype, how, name)
         if confirm:
             confirm_norm(norm, seed=seed + len(norms))
         norms.append(norm)
         skip_under.append(path)
+    unused = [k for k in table if k not in used]
+    if unused:
+        raise UserError(f"--norm-spec {table[unused[0]].text}: no module of the model has the class or path "
+                        f"{unused[0]!r}")
     return Detection(norms, others)
+
+
+def _probe_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
+    """The normalized shape a module states: its weight's, or its ``normalized_shape``."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dim() >= 1:
+        return tuple(int(d) for d in weight.shape)
+    declared = getattr(module, "normalized_shape", None)
+    if isinstance(declared, int):
+        return (declared,)
+    if isinstance(declared, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in declared):
+        return tuple(declared)
+    return None
+
+
+def _record_inputs(model: torch.nn.Module, example: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """The first call's tensor arguments of every module, from one run of ``model``."""
+    if example is None:
+        raise UnknownNormError(f"{where} has no weight and no normalized_shape, so its width is read from a run "
+                               "of the model; give example inputs (the export does)")
+    calls: dict[str, Any] = {}
+    handles = []
+
+    def recorder(path: str):
+        def hook(_module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if path not in calls:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+                calls[path] = tensors
+        return hook
+
+    for path, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(recorder(path), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**example)
+    except Exception as exc:  # the model's own failure, in one line
+        raise UnknownNormError(f"the model run that records the width of its weightless norms failed: "
+                               f"{type(exc).__name__}: {one_line(exc)}") from None
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _recorded_width(widths: dict[str, Any], path: str, module: torch.nn.Module, where: str) -> tuple[int, ...] | None:
+    tensors = widths.get(path)
+    if tensors is None:
+        if any(True for _ in module.children()):
+            return None
+        raise UnknownNormError(f"{where} has no weight and no normalized_shape, and the model's forward does not call "
+                               "it on the example input, so its width is unknown")
+    if len(tensors) != 1:
+        if any(True for _ in module.children()):
+            return None
+        raise UnknownNormError(f"{where} is called with {len(tensors)} tensors inside the model, not one; this "
+                               "exporter cannot confirm what it computes (a gated norm takes a second input)")
+    x = tensors[0]
+    if not x.is_floating_point() or x.dim() < 1:
+        return None
+    return (int(x.shape[-1]),)
 
 
 def confirm_norm(norm: DetectedNorm, *, seed: int = 0, rows: int = 16) -> None:
@@ -211,43 +412,42 @@ def confirm_norm(norm: DetectedNorm, *, seed: int = 0, rows: int = 16) -> None:
         try:
             got = call_norm(norm.module, x, z)
         except Exception as exc:  # the module's own failure, reported with its path
-            raise NormMismatchError(f"norm {norm.path!r} ({norm.class_name}) failed on a {list(shape)} "
+            raise NormMismatchError(f"norm {norm.name!r} ({norm.class_name}) failed on a {list(shape)} "
                                     f"{norm.dtype} input: {exc}") from None
         want = reference(norm.spec, x, norm.weight, z)
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
         raise NormMismatchError(
-            f"norm {norm.path!r} ({norm.class_name}) returned {_describe(got)}; its spec gives {_describe(want)}"
+            f"norm {norm.name!r} ({norm.class_name}) returned {_describe(got)}; its spec gives {_describe(want)}"
         )
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))
     if not bool(same.all()):
         bad = int((~same).sum())
         err = float((got.double() - want.double()).abs().max())
+        ulp = compare(got, want, Tolerance(reason="confirmation: bit for bit"), dtype=want.dtype).max_ulp
         raise NormMismatchError(
-            f"norm {norm.path!r} ({norm.class_name}) differs from its spec [{norm.spec.describe()}] in {bad} of "
-            f"{got.numel()} {norm.dtype} elements (max abs {err:.3g}); its class computes something else: declare "
-            f"its real spec with an {SPEC_ATTRIBUTE} attribute"
+            f"norm {norm.name!r} ({norm.class_name}) differs from its spec [{norm.spec.describe()}] in {bad} of "
+            f"{got.numel()} {norm.dtype} elements (max abs {err:.3g}, {ulp:.3g} ULP); its class computes something "
+            f"else: declare its real spec (an {SPEC_ATTRIBUTE} attribute, or export --norm-spec)"
         )
 
 
-def _normalized_shape(module: torch.nn.Module, spec: RMSNormSpec, weight: Any, path: str,
-                      how: str = "") -> tuple[int, ...]:
+def _normalized_shape(module: torch.nn.Module, spec: RMSNormSpec, weight: Any, where: str,
+                      recorded: tuple[int, ...] | None = None, how: str = "") -> tuple[int, ...]:
     if weight is not None:
         shape = tuple(int(d) for d in weight.shape)
+    elif recorded is not None:
+        shape = recorded
     else:
         declared = getattr(module, "normalized_shape", None)
         if declared is None and how == "known class" and spec.normalized_dims == 1 and spec.group_size is None:
             declared = PROBE_WIDTH  # a known gainless class: nothing in it depends on the width
         if declared is None:
-            raise UnknownNormError(
-                f"module {path!r} ({class_path(type(module))}) has no weight and no normalized_shape attribute, "
-                "so it cannot be checked; give it a normalized_shape"
-            )
+            raise UnknownNormError(f"{where} has no weight and no normalized_shape attribute, so it cannot be "
+                                   "checked; give it a normalized_shape")
         shape = (int(declared),) if isinstance(declared, int) else tuple(int(d) for d in declared)
     if len(shape) != spec.normalized_dims:
-        raise UnknownNormError(
-            f"module {path!r} ({class_path(type(module))}) normalizes shape {list(shape)} but its spec normalizes "
-            f"{spec.normalized_dims} dim(s)"
-        )
+        raise UnknownNormError(f"{where} normalizes shape {list(shape)} but its spec normalizes "
+                               f"{spec.normalized_dims} dim(s)")
     return shape
 
 

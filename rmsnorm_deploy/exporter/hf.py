@@ -185,12 +185,22 @@ def _causal_lm_class(config: Any, transformers: Any, where: str) -> Any:
 
 @torch.no_grad()
 def _perturb_norm_gains(model: torch.nn.Module, seed: int) -> None:
+    """Every norm's gain moved off its initial value: the known classes', and those of any other
+    module whose class name says it is a norm and that has a floating-point ``weight`` (the
+    modules detection probes), embeddings and linear layers excepted."""
+    import re
+
     from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
+    from rmsnorm_deploy.exporter.probing import NOT_NORMS
 
     gen = torch.Generator().manual_seed(seed + 7919)
     for _, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if class_path(type(module)) in KNOWN_CLASSES and isinstance(weight, torch.Tensor):
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            continue
+        known = class_path(type(module)) in KNOWN_CLASSES
+        norm_like = re.search("norm", type(module).__name__, re.IGNORECASE) and not isinstance(module, NOT_NORMS)
+        if known or norm_like:
             weight.add_(torch.randn(weight.shape, generator=gen, dtype=torch.float32).to(weight.dtype) * NORM_GAIN_NOISE)
 
 

@@ -19,7 +19,13 @@ OUTPUT_NAME = "logits"
 
 
 class TokenLogits(torch.nn.Module):
-    """``forward(input_ids) -> {"logits": model(input_ids)}`` around a model returning logits."""
+    """``forward(input_ids) -> {"logits": model(input_ids)}`` around a model returning logits.
+
+    Module paths under it start with ``model.``, which the wrapped model's own names do not:
+    ``module_path_prefix`` says so, and messages name modules without it (``detect.model_path``).
+    """
+
+    module_path_prefix = "model."
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()

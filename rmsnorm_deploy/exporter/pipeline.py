@@ -18,6 +18,9 @@ Steps (each one a line of progress on stderr):
    constant folding is. With ``fuse_attention`` (opset 23) the rules of ``fusions.py`` write
    rotary embeddings as ``RotaryEmbedding`` with caches valid at every batch size, and give
    ``Attention`` the key/value heads unrepeated; the norms are opaque nodes while they run.
+   transformers' MoE blocks are traced with ``batched_mm`` experts (``upcast.experts_implementation``:
+   their default ``grouped_mm`` is a custom op torch.onnx cannot translate); parity compares
+   the graph with the model's own run.
 4. **Canonicalize** the graph, serialized without its weights: each node gets exactly the
    attributes and overload ``onnx_function.rmsnorm_node`` gives it, and its module path as
    name; the nodes are counted against the detected norms; ``lowerings.lower_model`` writes
@@ -65,6 +68,7 @@ from rmsnorm_deploy.exporter.plan import (
     ExportError,
     ExportOptions,
     ExportPlan,
+    norm_overrides,
     plan_export,
 )
 from rmsnorm_deploy.exporter.surgery import (
@@ -135,18 +139,21 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     timings: dict[str, float] = {}
     module = loaded.module
 
+    input_ids = example_input_ids(options.batch, options.seq, loaded.vocab_size, options.seed)
     with progress.stage("detecting norms and confirming their specs") as st:
-        detection = detect_norms(module, dtype=dtype)
+        detection = detect_norms(module, dtype=dtype, overrides=norm_overrides(options),
+                                 example={INPUT_NAME: input_ids})
         if not detection.norms:
             raise ExportError(f"{loaded.name}: no RMSNorm found; nothing for this exporter to guarantee")
         for norm in detection.norms:
             reason = refusal(lowering, norm.spec, norm.spec.upcasts(dtype), opset)
             if reason:
-                raise LoweringError(f"cannot lower norm {norm.path!r} ({norm.class_name}) to {lowering!r}: {reason}")
-        st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)")
+                raise LoweringError(f"cannot lower norm {norm.name!r} ({norm.class_name}) to {lowering!r}: {reason}")
+        probed = sum(1 for n in detection.norms if n.how.startswith("confirmed by probing"))
+        st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)"
+                + (f", {probed} confirmed by probing" if probed else ""))
     timings["detect_s"] = st.seconds
 
-    input_ids = example_input_ids(options.batch, options.seq, loaded.vocab_size, options.seed)
     with progress.stage(f"running the PyTorch model in {dtype} on input_ids {list(input_ids.shape)}") as st:
         try:
             with torch.no_grad():
@@ -289,9 +296,10 @@ def example_input_ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tens
 def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor, opset: int,
                   export_norm: type) -> Any:
     from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE
+    from rmsnorm_deploy.exporter.upcast import experts_implementation
 
     replacements = {n.path: export_norm(n.spec, n.weight, n.path) for n in norms}
-    with swapped_modules(module, replacements), quiet_exporter():
+    with swapped_modules(module, replacements), quiet_exporter(), experts_implementation(module):
         try:
             program = torch.onnx.export(
                 module, (), kwargs={INPUT_NAME: input_ids}, dynamo=True, opset_version=opset,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.detect import NormSpecOverride, parse_norm_spec
 from rmsnorm_deploy.exporter.fusions import FUSED_OPSET, check_fusion_opset
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.function import check_opset
@@ -48,6 +49,8 @@ class ExportOptions:
     #: Free the PyTorch module (``loaded.module`` and the detected norms' references) once its
     #: outputs are computed, so ONNX Runtime's copy of the weights does not sit beside it.
     release_model: bool = False
+    #: ``CLASS_OR_PATH=SPEC`` declarations (``--norm-spec``), confirmed like every other spec.
+    norm_specs: tuple[str, ...] = ()
 
     def resolved_opset(self) -> int:
         if self.opset is not None:
@@ -112,6 +115,19 @@ def check_options(options: ExportOptions) -> None:
         value = getattr(options, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"--{name} must be an integer >= 1, got {value!r}")
+    norm_overrides(options)
+
+
+def norm_overrides(options: ExportOptions) -> tuple[NormSpecOverride, ...]:
+    """The parsed ``--norm-spec`` declarations; one line for a bad one or a target declared twice."""
+    if isinstance(options.norm_specs, str):
+        raise UserError("norm_specs must be a sequence of CLASS_OR_PATH=SPEC strings, not one string")
+    parsed = tuple(parse_norm_spec(text) for text in options.norm_specs)
+    targets = [o.target for o in parsed]
+    twice = sorted({t for t in targets if targets.count(t) > 1})
+    if twice:
+        raise UserError(f"--norm-spec declares {twice[0]!r} more than once; give one spec per class or path")
+    return parsed
 
 
 def model_name(ref: str) -> str:

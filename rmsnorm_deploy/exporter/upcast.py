@@ -11,7 +11,16 @@ at a time, only while that module runs:
 * exact ``nn.Embedding``: rows gathered in the weight's dtype, then widened (exact);
 * detected norms: replaced by :class:`OracleRMSNorm`;
 * any other module with its own floating-point parameters or buffers: those are widened
-  for the duration of its forward and put back afterwards.
+  for the duration of its forward and put back afterwards; so are the parameters of the
+  children its class's code reads directly (``self.dt_proj.weight @ x`` in Mamba and Jamba's
+  mixers: without this the parent would multiply float64 by the child's float32 weight);
+* mixture-of-experts blocks of transformers (``@use_experts_implementation``): their default
+  ``grouped_mm`` kernel has no float64 version, so for the duration of their forward their
+  config says ``"eager"`` (the class's own loop over experts, float64-capable); the
+  same-dtype run keeps the implementation the model was loaded with.
+
+A float64 run that still fails is a one-line :class:`Float64RunError`: the reference is never
+skipped silently.
 
 The result equals ``copy.deepcopy(model).double()`` with oracle norms (tests/exporter/test_pipeline.py
 checks it).
@@ -20,6 +29,9 @@ checks it).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import re
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -27,10 +39,42 @@ import torch.nn.functional as F
 
 from rmsnorm_deploy.contract.reference import oracle
 from rmsnorm_deploy.contract.spec import RMSNormSpec
+from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.exporter.gated import check_gate_call
 
 #: At most this many bytes of a Linear weight are widened to float64 at once.
 CHUNK_BYTES = 64 << 20
+#: The experts implementation of transformers' MoE blocks during the float64 run.
+FLOAT64_EXPERTS = "eager"
+
+
+class Float64RunError(UserError):
+    """The float64 reference run of a model failed (the export stops: parity needs it)."""
+
+
+_CHILD_TENSOR = re.compile(r"self\.(\w+)\.(?:weight|bias)\b")
+
+
+@functools.lru_cache(maxsize=None)
+def _children_read_directly(cls: type) -> frozenset[str]:
+    """Names ``x`` for which the source of ``cls`` (and its bases) reads ``self.x.weight`` or ``self.x.bias``."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch.nn") or klass is object:
+            continue
+        for value in vars(klass).values():
+            if inspect.isfunction(value):
+                try:
+                    names.update(_CHILD_TENSOR.findall(inspect.getsource(value)))
+                except (OSError, TypeError):
+                    continue
+    return frozenset(names)
+
+
+def _is_experts_block(module: torch.nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    impl = getattr(config, "_experts_implementation_internal", None)
+    return hasattr(type(module), "_apply_gate") and isinstance(impl, str) and impl != FLOAT64_EXPERTS
 
 
 class OracleRMSNorm(torch.nn.Module):
@@ -83,8 +127,12 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
     saved: dict[int, dict[str, Any]] = {}
     norm_paths = set(replacements)
 
-    def widen(module: torch.nn.Module, _inputs: Any) -> None:
+    owners: dict[int, torch.nn.Module] = {}
+    experts: dict[int, str] = {}
+
+    def widen_own(module: torch.nn.Module) -> None:
         store = saved.setdefault(id(module), {})
+        owners[id(module)] = module
         for group in ("_parameters", "_buffers"):
             table = getattr(module, group)
             for name, t in table.items():
@@ -92,9 +140,23 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
                     store[(group, name)] = t
                     table[name] = t.detach().to(torch.float64)
 
+    def widen(module: torch.nn.Module, _inputs: Any) -> None:
+        widen_own(module)
+        for child_name in _children_read_directly(type(module)):
+            child = module._modules.get(child_name)
+            if child is not None and id(child) not in saved:
+                widen_own(child)
+        if _is_experts_block(module):
+            experts[id(module)] = module.config._experts_implementation_internal
+            module.config._experts_implementation_internal = FLOAT64_EXPERTS
+
     def restore(module: torch.nn.Module, *_: Any) -> None:
-        for (group, name), t in saved.pop(id(module), {}).items():
-            getattr(module, group)[name] = t
+        if id(module) in experts:
+            module.config._experts_implementation_internal = experts.pop(id(module))
+        children = [module._modules.get(n) for n in _children_read_directly(type(module))]
+        for m in [module] + [c for c in children if c is not None]:
+            for (group, name), t in saved.pop(id(m), {}).items():
+                getattr(m, group)[name] = t
 
     try:
         with swapped_modules(model, replacements):
@@ -107,7 +169,8 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
                 elif type(module) is torch.nn.Embedding:
                     module.forward = _embedding64(module)  # type: ignore[method-assign]
                     patched.append(module)
-                elif any(t.is_floating_point() for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))):
+                elif (any(t.is_floating_point() for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)))
+                      or _children_read_directly(type(module)) or _is_experts_block(module)):
                     handles.append(module.register_forward_pre_hook(widen))
                     handles.append(module.register_forward_hook(restore, always_call=True))
             yield model
@@ -116,15 +179,41 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
             h.remove()
         for module in patched:
             del module.forward
-        for key in list(saved):
-            for (group, name), t in saved.pop(key).items():  # a forward that raised midway
-                for m in model.modules():
-                    if id(m) == key:
-                        getattr(m, group)[name] = t
+        for key in list(saved):  # a forward that raised midway
+            for (group, name), t in saved.pop(key).items():
+                getattr(owners[key], group)[name] = t
+        for key, impl in experts.items():
+            for m in model.modules():
+                if id(m) == key:
+                    m.config._experts_implementation_internal = impl
+
+
+#: The experts implementation of transformers' MoE blocks while torch.onnx traces them: the
+#: default ``grouped_mm`` is a custom op torch.onnx cannot translate.
+EXPORT_EXPERTS = "batched_mm"
+
+
+@contextlib.contextmanager
+def experts_implementation(model: torch.nn.Module, implementation: str = EXPORT_EXPERTS) -> Iterator[int]:
+    """Inside the block, every MoE block of ``model`` runs ``implementation``; yields how many there are."""
+    changed: list[tuple[Any, str]] = []
+    try:
+        for module in model.modules():
+            if _is_experts_block(module) and module.config._experts_implementation_internal != implementation:
+                changed.append((module.config, module.config._experts_implementation_internal))
+                module.config._experts_implementation_internal = implementation
+        yield len(changed)
+    finally:
+        for config, impl in reversed(changed):
+            config._experts_implementation_internal = impl
 
 
 @torch.no_grad()
 def float64_outputs(model: torch.nn.Module, norms: Sequence[Any], **inputs: Any) -> Any:
-    """``model(**inputs)`` computed in float64 (see :func:`float64_view`)."""
+    """``model(**inputs)`` computed in float64 (see :func:`float64_view`); a failure is one line."""
     with float64_view(model, norms) as m:
-        return m(**inputs)
+        try:
+            return m(**inputs)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+            raise Float64RunError(f"the float64 reference run of the model failed, so its parity cannot be checked: "
+                                  f"{type(exc).__name__}: {one_line(exc)}") from None

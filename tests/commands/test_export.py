@@ -29,7 +29,7 @@ def test_main_job_exports_tiny_and_prints_its_parity(tmp_path, monkeypatch, caps
     assert main(["export", "tiny", "--force", "--batch", "1", "--seq", "1"]) == 0
     out, err = capsys.readouterr()
     assert f"exported {DEFAULT_OUT}" in out
-    assert "5      SpecRMSNorm  x / sqrt(mean(x^2) + 1e-05) * w over the last dim" in out
+    assert re.search(r"5\s+SpecRMSNorm\s+SpecRMSNorm\s+x / sqrt\(mean\(x\^2\) \+ 1e-05\) \* w over the last dim", out)
     assert "onnxruntime[cpu] vs torch float32  logits float32[1, 1, 512]" in out
     assert "logits float32[2, 6, 512]" in out and "parity: PASS" in out
     assert "export [1] loading tiny in float32" in err and "torch.onnx.export (dynamo, opset 18): done" in err
@@ -71,7 +71,7 @@ BAD_INPUT = {
     "native below opset 23": (lambda d: ["tiny", "--lowering", "native", "--opset", "18"],
                               "RMSNormalization exists from opset 23; this model is opset 18"),
     "lowering that cannot hold the spec": (lambda d: ["tiny", "--dtype", "float16", "--lowering", "ort"],
-                                           r"cannot lower norm 'model.layers.0.attention_norm' .* to 'ort'"),
+                                           r"cannot lower norm 'layers.0.attention_norm' .* to 'ort'"),
     "sequence too long": (lambda d: ["tiny", "--seq", "300"], "--seq 300 is longer than the model's 256 positions"),
     "zero batch": (lambda d: ["tiny", "--batch", "0"], "--batch must be an integer >= 1"),
 }
@@ -152,3 +152,30 @@ def test_parity_failure_is_exit_1_with_the_table(tmp_path, monkeypatch, capsys):
     assert "parity: FAIL: onnxruntime[cpu] vs torch float32: logits" in out
     report = json.loads((out_dir / "report.json").read_text())
     assert report["parity"]["status"] == "FAIL" and (out_dir / "model.onnx").is_file()
+
+
+# -- --norm-spec ----------------------------------------------------------------------------
+def test_norm_spec_declaration_is_confirmed_and_shown(tmp_path, monkeypatch, capsys):
+    # A full export of the tiny preset (several seconds): the declaration travels through the plan
+    # into detection and is shown as how each norm was found.
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "tiny", "--batch", "1", "--seq", "1",
+                 "--norm-spec", "SpecRMSNorm=eps=1e-5,gain=weight,order=scale_then_cast"]) == 0
+    out, _ = capsys.readouterr()
+    assert re.search(r"5\s+SpecRMSNorm\s+declared --norm-spec\s+x / sqrt\(mean\(x\^2\) \+ 1e-05\) \* w", out)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--norm-spec", "SpecRMSNorm"], r"--norm-spec 'SpecRMSNorm': give CLASS_OR_PATH=SPEC"),
+    (["--norm-spec", "SpecRMSNorm=gain=sideways"], r"unknown gain 'sideways'"),
+    (["--norm-spec", "A=llama", "--norm-spec", "A=gemma"], r"--norm-spec declares 'A' more than once"),
+    (["--norm-spec", "SpecRMSNorm=gemma,eps=1e-5"], r"norm 'layers.0.attention_norm' \(.*SpecRMSNorm\) differs from its spec .* ULP\)"),
+    (["--norm-spec", "NoSuchNorm=llama"], r"--norm-spec NoSuchNorm=llama: no module of the model has the class"),
+])
+def test_norm_spec_errors_are_one_line_exit_2_with_nothing_written(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "tiny", *args]) == 2
+    _, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rmsnorm-deploy export: error: ") and re.search(message, last), last
+    assert not (tmp_path / "export").exists() or not any((tmp_path / "export").rglob("*.onnx"))

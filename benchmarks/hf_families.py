@@ -1,0 +1,240 @@
+"""Every decoder family of the installed transformers that has an RMS norm: our export against torch.onnx alone.
+
+For each causal-LM model type of transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), a tiny
+random model from its config (2 layers, hidden 64, 4 heads over 2 KV heads, vocabulary 256; norm
+gains moved off their initial values by ``hf.from_config``) is
+
+* exported by rmsnorm-deploy in float32 (``function`` lowering; probing finds the specs of
+  unknown norm classes): status (``pass`` / ``FAIL`` / the one-line error), max abs error of
+  ONNX Runtime's logits vs transformers' eager float32 logits, RMSNorm nodes in the graph and
+  norm modules found, and the float16 export's parity status;
+* exported by ``torch.onnx.export(dynamo=True)`` alone (same wrapper, same input, no norm
+  handling): status and max abs error vs eager float32 in ONNX Runtime.
+
+Families without a module whose class name says RMS norm are listed as skipped. Each family runs
+in its own process with a timeout; results are merged into benchmarks/results/hf_families.json
+(so the run can be split: ``--families a,b`` or ``--chunk 2/5``) and the table rewritten into
+hf_families.md.
+
+    python benchmarks/hf_families.py --chunk 1/4 --timeout 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+JSON = RESULTS / "hf_families.json"
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, head_dim=16, pad_token_id=0, bos_token_id=1,
+            eos_token_id=1)
+#: Per-family config fields a tiny model of that family needs besides TINY.
+EXTRA: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        n_group=1, topk_group=1),
+}
+GATED_HINT = "gated norm"
+
+
+def families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _config(model_type: str) -> dict:
+    return {**TINY, **EXTRA.get(model_type, {}), "model_type": model_type}
+
+
+def _max_abs(a, b) -> float:
+    import numpy as np
+
+    return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64))))
+
+
+def run_family(model_type: str) -> dict:
+    """One family, in this process."""
+    warnings.simplefilter("ignore")
+    import re
+
+    import torch
+
+    from rmsnorm_deploy.errors import one_line
+    from rmsnorm_deploy.exporter import hf
+    from rmsnorm_deploy.exporter.pipeline import export_model, norm_node_count
+    from rmsnorm_deploy.exporter.probing import NOT_NORMS
+
+    row: dict = {"family": model_type}
+    try:
+        loaded = hf.from_config(_config(model_type), "float32", seed=1)
+    except Exception as exc:  # noqa: BLE001 - a family whose tiny config does not build is reported
+        row["status"] = "config failed"
+        row["error"] = f"{type(exc).__name__}: {one_line(exc, limit=200)}"
+        return row
+    classes = sorted({type(m).__name__ for m in loaded.module.modules()
+                      if re.search("norm", type(m).__name__, re.I) and not isinstance(m, NOT_NORMS)})
+    row["norm_classes"] = classes
+    if not any(re.search("rms", c, re.I) for c in classes):
+        row["status"] = "no RMS norm"
+        return row
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        eager = loaded.module(input_ids=ids)["logits"].numpy()
+    import onnx
+
+    from rmsnorm_deploy.exporter.plan import ExportOptions
+    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
+
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        try:
+            result = export_model(loaded, Path(tmp) / "ours.onnx", ExportOptions())
+            row["ours"] = result.parity.status
+            if result.parity.reason:
+                row["ours_reason"] = result.parity.reason[:300]
+            row["norm_nodes"] = norm_node_count(onnx.load(str(Path(tmp) / "ours.onnx")))
+            row["norm_modules"] = len(result.detection.norms)
+            row["how"] = sorted({n.how for n in result.detection.norms})
+            with OnnxRuntimeRunner(Path(tmp) / "ours.onnx", ["cpu"]) as runner:
+                row["ours_max_abs"] = _max_abs(runner.infer({"input_ids": ids.numpy()})["logits"], eager)
+        except Exception as exc:  # noqa: BLE001
+            row["ours"] = "error"
+            message = f"{type(exc).__name__}: {one_line(exc, limit=300)}"
+            row["ours_reason"] = message
+            if "gated" in message or "second input" in message or "tensors inside the model" in message:
+                row["ours"] = GATED_HINT
+        row["ours_s"] = round(time.perf_counter() - start, 1)
+        if row["ours"] == "pass":
+            try:
+                half = hf.from_config(_config(model_type), "float16", seed=1)
+                parity16 = export_model(half, Path(tmp) / "fp16" / "model.onnx", ExportOptions(dtype="float16")).parity
+                row["ours_fp16"] = parity16.status
+                if parity16.reason:
+                    row["ours_fp16_reason"] = parity16.reason[:300]
+            except Exception as exc:  # noqa: BLE001
+                row["ours_fp16"] = f"error: {type(exc).__name__}: {one_line(exc, limit=160)}"
+        start = time.perf_counter()
+        try:
+            from rmsnorm_deploy.exporter.surgery import quiet_exporter
+
+            with quiet_exporter():
+                program = torch.onnx.export(loaded.module, (), kwargs={"input_ids": ids}, dynamo=True,
+                                            input_names=["input_ids"], output_names=["logits"],
+                                            dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}})
+            program.save(str(Path(tmp) / "torch.onnx"))
+            with OnnxRuntimeRunner(Path(tmp) / "torch.onnx", ["cpu"]) as runner:
+                row["torch_onnx_max_abs"] = _max_abs(runner.infer({"input_ids": ids.numpy()})["logits"], eager)
+            row["torch_onnx"] = "exports"
+        except Exception as exc:  # noqa: BLE001
+            chain = exc
+            while chain.__cause__ is not None:
+                chain = chain.__cause__
+            row["torch_onnx"] = "fails"
+            row["torch_onnx_error"] = f"{type(chain).__name__}: {one_line(chain, limit=200)}"
+        row["torch_onnx_s"] = round(time.perf_counter() - start, 1)
+    ok_ours = row.get("ours") == "pass" and row.get("ours_max_abs", 1.0) <= 1e-4 and \
+        row.get("norm_nodes") == row.get("norm_modules")
+    row["status"] = "target met" if ok_ours else ("torch.onnx fails too" if row["torch_onnx"] == "fails" else "miss")
+    return row
+
+
+def write_markdown(data: dict) -> None:
+    rows = sorted(data["rows"].values(), key=lambda r: r["family"])
+    met = sum(1 for r in rows if r.get("status") == "target met")
+    tested = [r for r in rows if r.get("status") not in ("no RMS norm", "config failed")]
+    lines = [
+        "# Decoder families of transformers with an RMS norm: rmsnorm-deploy vs torch.onnx alone",
+        "",
+        "Tiny random configs (2 layers, hidden 64, vocabulary 256, norm gains perturbed), float32, `function` "
+        "lowering; max abs error of ONNX Runtime CPU's logits vs transformers' eager float32 on input_ids 2x16. "
+        f"`python benchmarks/hf_families.py`. {len(rows)} families run so far; {len(tested)} with an RMS norm; "
+        f"target (logits within 1e-4, one norm node per norm module) met by {met}.",
+        f"Versions: {json.dumps(data.get('versions', {}))}.",
+        "",
+        "| family | norm classes | ours | max abs vs eager | norm nodes / modules | fp16 parity | found as | "
+        "torch.onnx alone | torch.onnx max abs | verdict |",
+        "|---|---|---|---:|---|---|---|---|---:|---|",
+    ]
+    for r in rows:
+        ours = r.get("ours", r.get("status", ""))
+        if r.get("ours_reason") and ours != "pass":
+            ours += f": {r['ours_reason'][:160]}"
+        torch_onnx = r.get("torch_onnx", "")
+        if r.get("torch_onnx_error"):
+            torch_onnx += f": {r['torch_onnx_error'][:120]}"
+        fmt = lambda v: f"{v:.2g}" if isinstance(v, float) else ""  # noqa: E731
+        nodes = f"{r['norm_nodes']} / {r['norm_modules']}" if "norm_nodes" in r else ""
+        how = ", ".join(h.replace("confirmed by probing: ", "probing: ") for h in r.get("how", []))
+        fp16 = r.get("ours_fp16", "") + (f": {r['ours_fp16_reason'][:160]}" if r.get("ours_fp16_reason") else "")
+        lines.append(f"| {r['family']} | {', '.join(r.get('norm_classes', []))} | {ours.replace('|', '/')} | "
+                     f"{fmt(r.get('ours_max_abs'))} | {nodes} | {fp16.replace('|', '/')} | {how} | "
+                     f"{torch_onnx.replace('|', '/')} | {fmt(r.get('torch_onnx_max_abs'))} | "
+                     f"{r.get('status', '')} |")
+    (RESULTS / "hf_families.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", help="comma-separated model types (default: all)")
+    parser.add_argument("--chunk", help="I/N: the I-th of N equal parts of the family list")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per family (default 600)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one family, JSON on stdout
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if args.one:
+        try:
+            row = run_family(args.one)
+        except Exception as exc:  # noqa: BLE001
+            row = {"family": args.one, "status": "crashed", "error": traceback.format_exc(limit=-2)[-400:]}
+            del exc
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
+    names = args.families.split(",") if args.families else families()
+    if args.chunk:
+        i, n = (int(v) for v in args.chunk.split("/"))
+        names = names[i - 1::n]
+    from rmsnorm_deploy.graph.metadata import tool_versions
+
+    data = json.loads(JSON.read_text()) if JSON.is_file() else {"benchmark": "hf_families", "rows": {}}
+    data["versions"] = tool_versions()
+    data["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
+                                  timeout=args.timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+            row = json.loads(lines[-1][4:]) if lines else {
+                "family": name, "status": "crashed", "error": (proc.stderr or "")[-300:]}
+        except subprocess.TimeoutExpired:
+            row = {"family": name, "status": f"timeout after {args.timeout:g}s"}
+        row["wall_s"] = round(time.perf_counter() - start, 1)
+        if JSON.is_file():  # another chunk may have written rows meanwhile
+            data["rows"] = {**json.loads(JSON.read_text())["rows"], **data["rows"]}
+        data["rows"][name] = row
+        print(json.dumps(row), flush=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        JSON.write_text(json.dumps(data, indent=1) + "\n")
+        write_markdown(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
