@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-attention", action="store_true",
                         help="write attention and rotary embeddings as ONNX opset-23 Attention and RotaryEmbedding "
                              "(faster in ONNX Runtime; TensorRT imports them from 10.15 on); implies --opset 23")
+    parser.add_argument("--kv-cache", action="store_true",
+                        help="one graph for prefill and decode with past/present key-value tensors (the convention "
+                             "optimum and onnxruntime-genai read), genai_config.json and the Hugging Face config and "
+                             "tokenizer files beside it; run it with `rmsnorm-deploy generate`")
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
@@ -47,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.table import format_table
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
-                            seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention)
+                            seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention,
+                            kv_cache=args.kv_cache)
     plan = plan_export(options, model_ref=args.model, output=args.output)
     target = plan.target
 

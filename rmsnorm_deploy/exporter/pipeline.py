@@ -135,11 +135,20 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)")
     timings["detect_s"] = st.seconds
 
-    input_ids = example_input_ids(options.batch, options.seq, loaded.vocab_size, options.seed)
-    with progress.stage(f"running the PyTorch model in {dtype} on input_ids {list(input_ids.shape)}") as st:
+    kv = None
+    if options.kv_cache:
+        from rmsnorm_deploy.exporter.kv_export import KVExport
+
+        kv = KVExport.of(loaded, options)
+        module = kv.module
+        feed = kv.trace_feed
+    else:
+        feed = {INPUT_NAME: example_input_ids(options.batch, options.seq, loaded.vocab_size, options.seed)}
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in list(feed.items())[:2])
+    with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
         try:
             with torch.no_grad():
-                torch_out = module(**{INPUT_NAME: input_ids})[OUTPUT_NAME]
+                torch_out = module(**feed)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
                             "choose another --dtype") from None
@@ -151,15 +160,19 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         # freed (release_model) as soon as the graph holds its own copy.
         from rmsnorm_deploy.exporter.parity import torch_expectations
 
-        batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
-        feeds = [{INPUT_NAME: input_ids}, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
+        if kv is not None:
+            feeds, torch_outputs = kv.parity_feeds(), []
+        else:
+            batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
+            feeds = [feed, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
+            torch_outputs = [torch_out]
         with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
-            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype,
-                                          torch_outputs=[{OUTPUT_NAME: torch_out}])
+            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs)
         timings["parity_torch_s"] = st.seconds
 
     with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
-        program = _torch_export(module, detection.norms, input_ids, opset, ExportRMSNorm)
+        call = kv.export_call() if kv is not None else {}
+        program = _torch_export(module, detection.norms, feed.get(INPUT_NAME), opset, ExportRMSNorm, **call)
     timings["torch_onnx_export_s"] = st.seconds
     fusions = None
     if options.fuse_attention:
@@ -195,6 +208,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
               "seq": [1, options.seq, max(options.seq, min(loaded.max_seq_len, MAX_SEQ))]},
         versions=tool_versions(),
     )
+    if kv is not None:
+        kv.describe(meta, report)
     staged_data: Path | None = None
     try:
         with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
@@ -214,6 +229,10 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         if staged_data is not None and staged_data.exists():
             staged_data.unlink()
 
+    if kv is not None:
+        with progress.stage("writing genai_config.json and the Hugging Face files beside the model") as st:
+            report["serving_files"] = kv.write_serving_files(target)
+            st.note(", ".join(report["serving_files"]))
     result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
     if expected is not None:
         from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
@@ -242,17 +261,25 @@ def example_input_ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tens
     return torch.from_numpy(token_ids((batch, seq), vocab, seed=seed))
 
 
-def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor, opset: int,
-                  export_norm: type) -> Any:
+def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor | None, opset: int,
+                  export_norm: type, *, exported: torch.nn.Module | None = None, args: tuple[Any, ...] = (),
+                  kwargs: dict[str, Any] | None = None, input_names: list[str] | None = None,
+                  output_names: list[str] | None = None, dynamic_shapes: Any = None) -> Any:
+    """``torch.onnx.export`` of ``module`` with its norms swapped for our op. By default the
+    ``input_ids -> logits`` signature; a KV-cache export passes its own call (``kv_export``):
+    ``exported`` (a module sharing ``module``'s submodules), its arguments, names and shapes."""
     from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE
 
+    if exported is None:
+        exported, kwargs = module, {INPUT_NAME: input_ids}
+        input_names, output_names = [INPUT_NAME], [OUTPUT_NAME]
+        dynamic_shapes = {INPUT_NAME: {0: "batch", 1: "seq"}}
     replacements = {n.path: export_norm(n.spec, n.weight, n.path) for n in norms}
     with swapped_modules(module, replacements), quiet_exporter():
         try:
             program = torch.onnx.export(
-                module, (), kwargs={INPUT_NAME: input_ids}, dynamo=True, opset_version=opset,
-                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                dynamic_shapes={INPUT_NAME: {0: "batch", 1: "seq"}},
+                exported, args, kwargs=kwargs, dynamo=True, opset_version=opset,
+                input_names=input_names, output_names=output_names, dynamic_shapes=dynamic_shapes,
                 custom_translation_table=TRANSLATION_TABLE, optimize=False, verbose=False,
             )
         except Exception as exc:  # torch raises many kinds; the user needs the first line of why

@@ -28,6 +28,10 @@ dims               ``{dynamic dim name: [min, opt, max]}``: the range the model 
                    ``max(8, batch)`` for ``batch`` and the model's positions (at most 4096) for
                    ``seq``
 versions           ``{package: version}`` of the tools that wrote the file
+kv_cache           only in KV-cache graphs (``export --kv-cache``): the I/O convention,
+                   ``exporter.kv_cache.KVCacheLayout.to_dict()`` (layers, heads, head_dim,
+                   vocabulary, maximum length, dtype, graph target); read back through
+                   ``KVCacheLayout.from_dict``, which checks every field
 =================  ==========================================================================
 """
 
@@ -45,7 +49,7 @@ from rmsnorm_deploy.errors import ModelFileError
 
 PREFIX = "rmsnorm_deploy."
 FORMAT = "1"
-_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions")
+_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "kv_cache")
 _TEXT_KEYS = ("format", "lowering", "dtype")
 
 
@@ -58,9 +62,11 @@ class ModelMetadata:
     inputs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: KV-cache graphs only: the I/O convention (``exporter.kv_cache``); ``None`` otherwise.
+    kv_cache: dict[str, Any] | None = None
 
     def to_props(self) -> dict[str, str]:
-        return {
+        props = {
             "format": FORMAT,
             "specs": json.dumps({k: v.to_dict() for k, v in self.specs.items()}, sort_keys=True),
             "lowering": self.lowering,
@@ -70,6 +76,9 @@ class ModelMetadata:
             "dims": json.dumps(self.dims, sort_keys=True),
             "versions": json.dumps(self.versions, sort_keys=True),
         }
+        if self.kv_cache is not None:
+            props["kv_cache"] = json.dumps(self.kv_cache, sort_keys=True)
+        return props
 
     def write(self, model: onnx.ModelProto) -> None:
         """Replace the model's ``rmsnorm_deploy.*`` entries with these."""
@@ -98,6 +107,7 @@ class ModelMetadata:
             inputs=parsed.get("inputs", {}),
             dims=parsed.get("dims", {}),
             versions=parsed.get("versions", {}),
+            kv_cache=parsed.get("kv_cache"),
         )
 
 
