@@ -7,7 +7,10 @@ exported, the module compared at export time and its float64 run all speak the g
 
 For a transformers model it builds a ``DynamicCache`` from the past tensors (each layer
 updated once with its past: a cache of length ``past``, 0 allowed), calls the model with
-``cache=`` and its ``attention_mask`` (transformers 5 builds the causal mask with the past
+``cache=`` and its ``attention_mask``. The cache is built without the model's config, so every
+layer is a full layer: a sliding-window layer (Gemma) would crop its present below
+``past + sequence``, and the convention gives every layer the same length; the window itself
+is applied by the attention mask, as transformers does for full caches (transformers 5 builds the causal mask with the past
 and the left padding from it, under ``torch.export`` too) and reads each layer's keys and
 values back as the presents. The preset stack (``blocks.Transformer``) has its own cache path
 (``Transformer.forward_cached``).
@@ -50,12 +53,12 @@ class KVCacheLM(torch.nn.Module):
             return self.model.forward_cached(input_ids, attention_mask, position_ids, past)
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()  # full layers: a sliding-window layer would crop its present (Gemma)
         for i in range(self.layout.num_layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, use_cache=True)
-        cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None) or cache
+        cache = getattr(out, "cache", None) or cache
         presents: list[torch.Tensor] = []
         for layer in cache.layers[: self.layout.num_layers]:
             presents += [layer.keys, layer.values]
