@@ -51,7 +51,7 @@ def _token_id(value: Any) -> int | list[int] | None:
 
 def special_tokens(hf_config: Mapping[str, Any] | None) -> dict[str, Any]:
     """``bos``/``eos``/``pad`` token ids of a transformers config dict (``None`` where absent)."""
-    cfg = dict(hf_config or {})
+    cfg = dict(hf_config) if isinstance(hf_config, Mapping) else {}  # untrusted: anything else has no tokens
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else {}
     out = {}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

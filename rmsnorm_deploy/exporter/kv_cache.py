@@ -214,15 +214,16 @@ def check_io(layout: KVCacheLayout, inputs: Mapping[str, tuple[str, Sequence[Any
 
 def graph_io(model: Any) -> tuple[dict[str, tuple[str, list[Any]]], dict[str, tuple[str, list[Any]]]]:
     """``{name: (dtype, shape)}`` of an ``onnx.ModelProto``'s inputs and outputs (dims as int or str)."""
-    from rmsnorm_deploy.contract.dtypes import dtype_name
+    import onnx
 
     def one(values: Any) -> dict[str, tuple[str, list[Any]]]:
         out = {}
         for v in values:
             t = v.type.tensor_type
             try:
-                dtype = dtype_name(t.elem_type)
-            except Exception:  # an unknown element type: reported as its number
+                dtype = onnx.TensorProto.DataType.Name(t.elem_type).lower()
+                dtype = {"float": "float32", "double": "float64"}.get(dtype, dtype)
+            except ValueError:  # an unknown element type: reported as its number
                 dtype = f"type {t.elem_type}"
             shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
             out[v.name] = (dtype, shape)
