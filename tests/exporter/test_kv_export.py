@@ -102,3 +102,87 @@ def test_export_kv_cache_of_a_preset_through_the_cli(tmp_path, capsys):
     with KVCacheModel(out) as kv:
         tokens = generate(kv, [[1, 2, 3], [4]], max_new_tokens=4, eos_token_id=None).tokens
     assert len(tokens) == 2 and all(len(t) == 4 for t in tokens)
+
+
+def _cache_attention_graph(is_causal: int = 0):
+    from onnx import TensorProto as TP
+    from onnx import helper
+
+    f = TP.FLOAT
+    inputs = [helper.make_tensor_value_info("q", f, ["b", 4, "s", 8]),
+              helper.make_tensor_value_info("k", f, ["b", 2, "s", 8]),
+              helper.make_tensor_value_info("v", f, ["b", 2, "s", 8]),
+              helper.make_tensor_value_info("mask", TP.BOOL, ["b", 1, "s", "t"]),
+              helper.make_tensor_value_info("past_key_values.0.key", f, ["b", 2, "p", 8]),
+              helper.make_tensor_value_info("past_key_values.0.value", f, ["b", 2, "p", 8])]
+    outputs = [helper.make_tensor_value_info("y", f, ["b", 4, "s", 8]),
+               helper.make_tensor_value_info("present.0.key", f, ["b", 2, "t", 8]),
+               helper.make_tensor_value_info("present.0.value", f, ["b", 2, "t", 8])]
+    nodes = [helper.make_node("Concat", ["past_key_values.0.key", "k"], ["present.0.key"], axis=2),
+             helper.make_node("Concat", ["past_key_values.0.value", "v"], ["present.0.value"], axis=2),
+             helper.make_node("Attention", ["q", "present.0.key", "present.0.value", "mask"], ["y"],
+                              is_causal=is_causal)]
+    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+
+
+@pytest.mark.parametrize("past", [0, 3])
+def test_attention_takes_the_cache_as_past_and_present(past):
+    import numpy as np
+    import onnx
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from rmsnorm_deploy.exporter.fusions import attention_with_cache
+
+    before = _cache_attention_graph()
+    model = ir.serde.deserialize_model(before)
+    assert attention_with_cache(model) == 1
+    after = ir.serde.serialize_model(model)
+    onnx.checker.check_model(after, full_check=True)
+    assert [n.op_type for n in after.graph.node] == ["Attention"]
+    assert list(after.graph.node[0].input[4:]) == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert [o.name for o in after.graph.output] == ["y", "present.0.key", "present.0.value"]
+    rng = np.random.default_rng(past)
+    s = 2
+    feed = {"q": rng.standard_normal((2, 4, s, 8)), "k": rng.standard_normal((2, 2, s, 8)),
+            "v": rng.standard_normal((2, 2, s, 8)), "past_key_values.0.key": rng.standard_normal((2, 2, past, 8)),
+            "past_key_values.0.value": rng.standard_normal((2, 2, past, 8))}
+    feed = {k: v.astype(np.float32) for k, v in feed.items()}
+    mask = np.ones((2, 1, s, past + s), dtype=bool)
+    mask[0, :, :, 0] = past == 0  # a padded first key where there is a past
+    feed["mask"] = mask
+    want = ort.InferenceSession(before.SerializeToString()).run(None, feed)
+    got = ort.InferenceSession(after.SerializeToString()).run(None, feed)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_causal_attention_keeps_its_concatenation():
+    import onnx_ir as ir
+
+    from rmsnorm_deploy.exporter.fusions import attention_with_cache
+
+    model = ir.serde.deserialize_model(_cache_attention_graph(is_causal=1))
+    assert attention_with_cache(model) == 0
+    assert [n.op_type for n in model.graph] == ["Concat", "Concat", "Attention"]
+
+
+@pytest.mark.slow  # one torch.onnx export of the tiny Llama with --fuse-attention
+def test_fused_kv_export_generates_the_tokens_of_the_plain_graph():
+    import onnx
+    from tests.kv_models import exported_kv
+
+    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+
+    fused, result = exported_kv("llama", fuse_attention=True)
+    plain, _ = exported_kv("llama")
+    assert result.parity.status == "pass", result.parity.reason
+    layers = result.report["kv_cache"]["num_layers"]
+    assert result.fusions.with_cache == result.fusions.attention == layers
+    graph = onnx.load(str(fused / "model.onnx"), load_external_data=False).graph
+    attention = [n for n in graph.node if n.op_type == "Attention"]
+    assert all(len(n.output) == 3 and n.input[4].startswith("past_key_values.") for n in attention)
+    prompts = [[5, 17, 99, 3], [11, 12]]
+    with KVCacheModel(fused) as a, KVCacheModel(plain) as b:
+        assert generate(a, prompts, max_new_tokens=16).tokens == generate(b, prompts, max_new_tokens=16).tokens
