@@ -94,3 +94,17 @@ def test_a_graph_without_kv_metadata_keeps_one_profile():
 
     model = rmsnorm_model(RMSNormSpec.llama(), dtype="float32", shape=(2, 8))
     assert len(engine_profiles(model, ModelMetadata.read(model))) == 1
+
+
+def test_check_trt_knows_kv_cache_graphs():
+    from rmsnorm_deploy.tensorrt.compat import check_model
+
+    model, meta, _ = _model()
+    reports = check_model(model, ["10.15"])
+    kv = [f for f in reports[0].findings if f.op == "KV cache"]
+    assert len(kv) == 1 and not kv[0].blocking and "prefill (past 0" in kv[0].problem
+    # metadata that does not describe the graph blocks: build could not make its profiles
+    meta.kv_cache = {**meta.kv_cache, "kv_heads": 4}
+    meta.write(model)
+    kv = [f for f in check_model(model, ["10.15"])[0].findings if f.op == "KV cache"]
+    assert kv[0].blocking and "the KV-cache convention says ['batch', 4, 'past', 16]" in kv[0].problem
