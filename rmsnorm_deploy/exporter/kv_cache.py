@@ -124,7 +124,7 @@ class KVCacheLayout:
 
     def metadata_inputs(self) -> dict[str, dict[str, Any]]:
         """The ``inputs`` entry of :class:`~rmsnorm_deploy.graph.metadata.ModelMetadata`."""
-        kinds = {INPUT_IDS: "token_ids", ATTENTION_MASK: "attention_mask", POSITION_IDS: "position_ids"}
+        kinds = {INPUT_IDS: "token_ids", ATTENTION_MASK: "mask", POSITION_IDS: "positions"}
         out: dict[str, dict[str, Any]] = {}
         for name, (dtype, shape) in self.inputs().items():
             out[name] = {"dtype": dtype, "shape": shape, "kind": kinds.get(name, "kv_cache")}

@@ -186,3 +186,15 @@ def test_fused_kv_export_generates_the_tokens_of_the_plain_graph():
     prompts = [[5, 17, 99, 3], [11, 12]]
     with KVCacheModel(fused) as a, KVCacheModel(plain) as b:
         assert generate(a, prompts, max_new_tokens=16).tokens == generate(b, prompts, max_new_tokens=16).tokens
+
+
+@pytest.mark.slow  # shares the exported tiny Llama (tests/kv_models.py)
+def test_validate_runs_a_kv_cache_graph_against_its_rebuilt_source():
+    from tests.kv_models import exported_kv
+
+    from rmsnorm_deploy.validate.run import validate_model
+
+    folder, _ = exported_kv("llama")
+    report = validate_model(folder / "model.onnx")
+    outputs = {r.output for r in report.rows if r.status == "pass"}
+    assert report.passed and {"logits", "present.0.key", "present.1.value"} <= outputs
