@@ -14,6 +14,7 @@ _INSTALL_HINTS = {
     "triton": "pip install 'rmsnorm-deploy[triton]'",
     "transformers": "pip install 'rmsnorm-deploy[hf]'",
     "safetensors": "pip install 'rmsnorm-deploy[hf]'",
+    "tokenizers": "pip install 'rmsnorm-deploy[hf]' (transformers brings tokenizers)",
 }
 
 
