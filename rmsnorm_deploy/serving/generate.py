@@ -45,6 +45,8 @@ from rmsnorm_deploy.exporter.kv_cache import (
 
 MODEL_FILE = "model.onnx"
 DEFAULT_MAX_NEW_TOKENS = 32
+#: ``generate``'s default special tokens: those of the model folder (genai_config.json / config.json).
+FROM_FOLDER = "from the model folder"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,17 +227,20 @@ def _pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> n
 
 def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              sampling: Sampling | None = None, return_logits: bool = False,
-             eos_token_id: int | Sequence[int] | None = "config", pad_token_id: int | None = None) -> GenerationResult:
+             eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
+             pad_token_id: int | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after each prompt (see the module docstring).
 
-    ``eos_token_id``: the end-of-sequence ids; by default the folder's, ``None`` to never stop early.
+    ``eos_token_id``: the end-of-sequence ids; by default (:data:`FROM_FOLDER`) the folder's,
+    ``None`` to never stop early. ``pad_token_id``: by default the folder's, else the first
+    end-of-sequence id, else 0.
     """
     sampling = sampling or Sampling()
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
     rows = [[int(t) for t in r] for r in prompts]
     model.check_prompts(rows, max_new_tokens)
-    if isinstance(eos_token_id, str):
+    if eos_token_id == FROM_FOLDER:
         eos_token_id = model.special.get("eos_token_id")
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     pad = pad_token_id if pad_token_id is not None else model.special.get("pad_token_id")
