@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
           f"lowering {options.lowering})")
     if result.fusions is not None:
         print(f"fused: {result.fusions.describe()}")
+    if result.report.get("kv_cache"):
+        kv = result.report["kv_cache"]
+        print(f"KV cache: {kv['num_layers']} layers x past/present [batch, {kv['kv_heads']}, past, {kv['head_dim']}] "
+              f"{kv['dtype']}, up to {kv['max_length']} positions; beside it: "
+              f"{', '.join(result.report.get('serving_files', []))} (run it: rmsnorm-deploy generate {target.parent})")
     groups: dict[tuple[str, str], int] = {}
     for norm in result.detection.norms:
         key = (norm.class_name.rsplit(".", 1)[-1], norm.spec.describe())
