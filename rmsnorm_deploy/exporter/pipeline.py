@@ -30,6 +30,11 @@ Steps (each one a line of progress on stderr):
 7. **Parity** (``model_parity.py``): ONNX Runtime CPU against the module in its dtype and
    against a float64 run, on the example shape and a larger one; ``report.json`` beside the
    model.
+
+With ``kv_cache`` (``export --kv-cache``) the module run, traced and compared is
+``kv_model.KVCacheLM`` and ``kv_export.KVExport`` supplies the feeds (a prefill and a decode
+step for parity), the ``torch.onnx.export`` call and the metadata; ``genai_config.json`` and
+the Hugging Face config and tokenizer files are written beside the model after it is saved.
 """
 
 from __future__ import annotations
