@@ -64,7 +64,10 @@ class FusionCounts:
         return text
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not d["with_cache"]:  # only KV-cache graphs have attention with past/present
+            del d["with_cache"]
+        return d
 
 
 def check_fusion_opset(opset: int) -> None:

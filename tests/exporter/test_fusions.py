@@ -74,8 +74,7 @@ def test_tiny_preset_fused_at_every_batch_and_length(tmp_path, capsys):
         f"{2 * layers} RotaryEmbedding" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["opset"] == 23 and report["fuse_attention"] is True
-    assert report["fusions"] == {"attention": layers, "shared_kv": layers, "rotary": 2 * layers, "decomposed_rotary": 0,
-                                 "with_cache": 0}
+    assert report["fusions"] == {"attention": layers, "shared_kv": layers, "rotary": 2 * layers, "decomposed_rotary": 0}
     parity = report["parity"]
     assert parity["status"] == "pass" and parity["onnxruntime_norm_accumulation"] == "float32"
     assert parity["onnxruntime_norm_ops"] == "SimplifiedLayerNormalization"

@@ -180,7 +180,7 @@ def test_fused_kv_export_generates_the_tokens_of_the_plain_graph():
     plain, _ = exported_kv("llama")
     assert result.parity.status == "pass", result.parity.reason
     layers = result.report["kv_cache"]["num_layers"]
-    assert result.fusions.with_cache == result.fusions.attention == layers
+    assert result.fusions.with_cache == result.fusions.attention == layers == result.report["fusions"]["with_cache"]
     graph = onnx.load(str(fused / "model.onnx"), load_external_data=False).graph
     attention = [n for n in graph.node if n.op_type == "Attention"]
     assert all(len(n.output) == 3 and n.input[4].startswith("past_key_values.") for n in attention)
