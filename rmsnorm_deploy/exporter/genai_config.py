@@ -64,10 +64,12 @@ def genai_config(layout: KVCacheLayout, *, model_file: str = "model.onnx", model
     """The ``genai_config.json`` of a KV-cache model (see the module docstring)."""
     tokens = special_tokens(hf_config)
     eos = tokens["eos_token_id"]
-    eos = eos if eos is not None else -1  # genai needs a value; -1 never matches a token
+    # No end-of-sequence token: an empty list, which onnxruntime-genai accepts and never matches
+    # (generation runs to max_length, as transformers does with eos_token_id None); -1 is refused.
+    eos = eos if eos is not None else []
     pad = tokens["pad_token_id"]
     if pad is None:
-        pad = eos[0] if isinstance(eos, list) else max(eos, 0)
+        pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
     provider_options = [] if provider == "cpu" else [{provider: {}}]
     return {
         "model": {

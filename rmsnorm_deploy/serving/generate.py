@@ -288,10 +288,7 @@ def _special_tokens(folder: Path) -> dict[str, Any]:
 
     genai = read_genai_config(folder)
     if genai is not None:
-        tokens = special_tokens(genai["model"])
-        if tokens.get("eos_token_id") == -1:
-            tokens["eos_token_id"] = None
-        return tokens
+        return special_tokens(genai["model"])
     path = folder / "config.json"
     if path.is_file():
         try:

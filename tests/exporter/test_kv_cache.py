@@ -147,6 +147,9 @@ def test_genai_config_names_every_tensor_and_shares_no_buffer():
     assert genai_config(lay, model_type="qwen3")["model"]["type"] == "qwen3"
     assert cfg["model"]["eos_token_id"] == [1, 7] and cfg["model"]["pad_token_id"] == 1
     assert cfg["model"]["context_length"] == 128
+    # no end-of-sequence token: an empty list (onnxruntime-genai refuses -1), pad 0
+    bare = genai_config(lay, hf_config={"model_type": "qwen3"})["model"]
+    assert bare["eos_token_id"] == [] and bare["pad_token_id"] == 0 and bare["bos_token_id"] == 0
 
 
 @pytest.mark.parametrize("config, expected", [

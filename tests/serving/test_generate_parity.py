@@ -91,10 +91,11 @@ def test_float16_tokens_match_torch_in_float16_while_torch_agrees_with_float32()
         assert res.passed, res.summary()
 
 
-def test_onnxruntime_genai_generates_our_tokens_from_the_folder_unmodified():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3's config has no end-of-sequence token
+def test_onnxruntime_genai_generates_our_tokens_from_the_folder_unmodified(family):
     og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install "
                                                          "onnxruntime-genai==0.18.0)")
-    folder, _ = exported_kv("llama")
+    folder, _ = exported_kv(family)
     prompt = PROMPTS[1][0]
     with KVCacheModel(folder) as kv:
         ours = generate(kv, [prompt], max_new_tokens=NEW_TOKENS)
