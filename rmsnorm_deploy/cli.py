@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("audit", "list every RMSNorm/LayerNorm reduction and the dtype it accumulates in, as written and after "
               "ONNX Runtime's optimizations; exit 1 if any is float16/bfloat16"),
     "export": ("export", "export a pre-norm model (preset or Hugging Face folder) to ONNX, every RMSNorm exact; check parity"),
+    "generate": ("generate", "generate tokens with a KV-cache model (export --kv-cache) in ONNX Runtime: greedy or "
+                 "sampled, past/present bound with IOBinding; prints prefill ms, decode ms/token, tokens/s"),
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
     "build": ("build", "build a strongly typed TensorRT engine from an ONNX model and check where its norms run"),
     "check-trt": ("check_trt", "check without TensorRT whether a TensorRT version's ONNX parser imports a model"),

@@ -6,6 +6,7 @@ audit      every norm reduction, its dtype and placement, as written and after O
 parity     the standalone model of each lowering in ONNX Runtime CPU
 build      a strongly typed TensorRT engine
 check_trt  what a TensorRT version's parser imports, without TensorRT
+generate   tokens from a KV-cache model (``serving.generate``), with its timings
 env        versions, GPU, providers, TensorRT and the plugin
 =========  ====================================================================================
 =======

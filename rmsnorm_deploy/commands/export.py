@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-attention", action="store_true",
                         help="write attention and rotary embeddings as ONNX opset-23 Attention and RotaryEmbedding "
                              "(faster in ONNX Runtime; TensorRT imports them from 10.15 on); implies --opset 23")
+    parser.add_argument("--kv-cache", action="store_true",
+                        help="one graph for prefill and decode with past/present key-value tensors (the convention "
+                             "optimum and onnxruntime-genai read), genai_config.json and the Hugging Face config and "
+                             "tokenizer files beside it; run it with `rmsnorm-deploy generate`")
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
                             seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention,
-                            norm_specs=tuple(args.norm_spec))
+                            norm_specs=tuple(args.norm_spec), kv_cache=args.kv_cache)
     plan = plan_export(options, model_ref=args.model, output=args.output)
     target = plan.target
 
@@ -67,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
           f"lowering {options.lowering})")
     if result.fusions is not None:
         print(f"fused: {result.fusions.describe()}")
+    if result.report.get("kv_cache"):
+        kv = result.report["kv_cache"]
+        print(f"KV cache: {kv['num_layers']} layers x past/present [batch, {kv['kv_heads']}, past, {kv['head_dim']}] "
+              f"{kv['dtype']}, up to {kv['max_length']} positions; beside it: "
+              f"{', '.join(result.report.get('serving_files', []))} (run it: rmsnorm-deploy generate {target.parent})")
     groups: dict[tuple[str, str, str], int] = {}
     for norm in result.detection.norms:
         key = (norm.class_name.rsplit(".", 1)[-1], norm.how, norm.spec.describe())

@@ -18,5 +18,9 @@ blocks         the pre-norm LLaMA-style block and stack
 presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)
 hf             Hugging Face folders (config.json + safetensors), no Hub access
 rebuild        the PyTorch source of an exported model, rebuilt from its metadata
+kv_cache       the KV-cache I/O convention (names, shapes, dtypes), its metadata and checks
+kv_model       ``KVCacheLM``: a causal LM over the flat past/present tensors of the convention
+kv_export      the ``--kv-cache`` steps of the pipeline: feeds, export call, metadata
+genai_config   ``genai_config.json`` and the Hugging Face config/tokenizer files beside a model
 =============  ==============================================================================
 """

@@ -12,6 +12,12 @@ feed-forward (SwiGLU, or GeGLU for Gemma), optional RMSNorm of q and k over ``he
 
 The norms compute ``reference(spec, x, w)``, so the spec in the preset *is* the model's
 numerics: there is no second RMSNorm formula here.
+
+``Transformer.forward_cached`` is the same stack with a key/value cache (the ``--kv-cache``
+export, ``exporter/kv_model.py``): explicit positions (left padding), past keys and values
+concatenated before attention, and a mask from the attention mask and causality. A query
+whose every key is padding (a padded slot of a left-padded prompt) still sees itself, so no
+row of the softmax is empty; those positions' outputs are never used.
 """
 
 from __future__ import annotations
@@ -152,6 +158,25 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rotary_cos_sin_at(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin of the rotary angles at ``positions`` ``[batch, seq]``, shaped ``[batch, 1, seq, head_dim]``
+    (the numbers of :func:`rotary_cos_sin` at those positions)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def cached_attention_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[batch, 1, seq, total]`` booleans: key ``j`` is visible to query ``i`` (at ``total - seq + i``)
+    when it is not padding and not in the future; each query always sees itself."""
+    total = attention_mask.shape[1]
+    query = torch.arange(seq_len, device=attention_mask.device) + (total - seq_len)
+    key = torch.arange(total, device=attention_mask.device)
+    allowed = (key[None, :] <= query[:, None])[None] & attention_mask[:, None, :].bool()
+    return (allowed | (key[None, :] == query[:, None])[None])[:, None]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype, device: Any = None):
         super().__init__()
@@ -185,6 +210,26 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim))
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
+                       past_v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` after ``past_k``/``past_v``; returns the output and the presents."""
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        kr, vr = k, v
+        if self.n_kv_heads != self.n_heads:
+            repeat = self.n_heads // self.n_kv_heads
+            kr, vr = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim)), k, v
+
 
 class FeedForward(nn.Module):
     """``w2(act(w1(x)) * w3(x))``: SwiGLU with silu, GeGLU with gelu_tanh."""
@@ -215,6 +260,12 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
+                       past_v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, k, v = self.attention.forward_cached(self.attention_norm(x), cos, sin, past_k, past_v, mask)
+        h = x + a
+        return h + self.feed_forward(self.ffn_norm(h)), k, v
+
 
 class Transformer(nn.Module):
     """Token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]`` through ``n_layers`` pre-norm blocks."""
@@ -244,6 +295,20 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+    def forward_cached(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits and the presents (``[k0, v0, k1, v1, ...]``) after ``past`` (see the module docstring)."""
+        h = self.tok_embeddings(input_ids)
+        if self.args.embedding_scale:
+            h = h * torch.tensor(math.sqrt(self.args.dim), dtype=h.dtype)
+        cos, sin = rotary_cos_sin_at(position_ids, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
+        mask = cached_attention_mask(attention_mask, input_ids.shape[1])
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h, k, v = layer.forward_cached(h, cos, sin, past[2 * i], past[2 * i + 1], mask)
+            presents += [k, v]
+        return self.output(self.norm(h)), presents
 
 
 def build_model(args: ModelArgs, dtype: Any = "float32", *, seed: int = 0) -> Transformer:

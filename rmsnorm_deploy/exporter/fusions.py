@@ -17,6 +17,9 @@ Runtime's kernels run in one pass:
 * :class:`SharedKVAttention`: ``Attention(q, repeat(k), repeat(v))`` -> ``Attention(q, k, v)``:
   ``Attention`` takes fewer key/value heads than query heads and shares each among a group
   of query heads, exactly as ``repeat_kv`` and ``repeat_interleave`` copy them.
+* :func:`attention_with_cache` (KV-cache graphs): ``Attention(q, Concat(past_k, k), ...)`` ->
+  ``Attention(q, k, v, mask, past_k, past_v)`` whose ``present_key``/``present_value`` outputs
+  are the graph's ``present.{i}.*``: the cache update moves into the attention op.
 
 Neither rule matches a norm, and :func:`fuse_attention` runs while every norm is still one
 opaque ``rmsnorm_deploy::RMSNorm`` node (it checks that their number is unchanged), so no
@@ -50,16 +53,21 @@ class FusionCounts:
     shared_kv: int = 0  # of which take key/value heads shared among query heads
     rotary: int = 0  # RotaryEmbedding nodes written
     decomposed_rotary: int = 0  # rotate_half patterns left as they were (not provably rotary)
+    with_cache: int = 0  # Attention nodes taking the KV cache as past_key/past_value (--kv-cache)
 
     def describe(self) -> str:
-        text = (f"{self.attention} Attention ({self.shared_kv} on shared key/value heads), "
-                f"{self.rotary} RotaryEmbedding")
+        text = (f"{self.attention} Attention ({self.shared_kv} on shared key/value heads"
+                + (f", {self.with_cache} with past/present" if self.with_cache else "")
+                + f"), {self.rotary} RotaryEmbedding")
         if self.decomposed_rotary:
             text += f"; {self.decomposed_rotary} rotary embedding(s) left decomposed"
         return text
 
     def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not d["with_cache"]:  # only KV-cache graphs have attention with past/present
+            del d["with_cache"]
+        return d
 
 
 def check_fusion_opset(opset: int) -> None:
@@ -347,11 +355,12 @@ def fuse_attention(model: Any, *, norm_op: tuple[str, str]) -> FusionCounts:
 
     norms_before = norm_count()
     pattern.RewriteRuleSet(RULES, commute=True).apply_to_model(model)
+    with_cache = attention_with_cache(model)
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     if norm_count() != norms_before:
         raise AssertionError("an attention fusion changed the norm nodes")  # the rules cannot match them
-    counts = FusionCounts()
+    counts = FusionCounts(with_cache=with_cache)
     for node in model.graph:
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
             counts.attention += 1
@@ -381,3 +390,62 @@ def fusion_counts_in(nodes: Sequence[Any]) -> dict[str, int]:
         if node.op_type in counts and node.domain in ("", "ai.onnx"):
             counts[node.op_type] += 1
     return counts
+
+
+# -- KV-cache graphs: the cache concatenation into Attention's past/present --------------------
+def _cache_concat(value: Any, graph: Any) -> tuple[Any, Any] | None:
+    """``(past, new)`` when ``value`` is ``Concat(past, new, axis=2)`` with ``past`` a graph input."""
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    axis = node.attributes.get("axis")
+    if axis is None or axis.value not in (2, -2):
+        return None
+    past, new = node.inputs
+    if past is None or new is None or not past.is_graph_input():
+        return None
+    return past, new
+
+
+def attention_with_cache(model: Any) -> int:
+    """``Attention(q, Concat(past_k, k), Concat(past_v, v), mask)`` -> ``Attention(q, k, v, mask, past_k,
+    past_v)`` whose ``present_key``/``present_value`` outputs replace the concatenations.
+
+    Opset-23 ``Attention`` concatenates the past itself (``present = Concat(past, new)`` on the
+    sequence axis, the same tensor) and attends over it; ONNX Runtime and TensorRT then run the
+    cache update inside the attention kernel. Only an explicit-mask attention (``is_causal`` 0)
+    is rewritten, and only when both concatenations take a graph input as their past; the
+    presents keep their graph-output names. Returns the number of nodes rewritten.
+    """
+    import onnx_ir as ir
+
+    graph = model.graph
+    rewritten = 0
+    for node in list(graph):
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            continue
+        inputs = list(node.inputs) + [None] * (4 - len(node.inputs))
+        causal = node.attributes.get("is_causal")
+        if any(i is not None for i in inputs[4:]) or (causal is not None and causal.value):
+            continue
+        key, value = _cache_concat(inputs[1], graph), _cache_concat(inputs[2], graph)
+        if key is None or value is None:
+            continue
+        concat_k, concat_v = inputs[1], inputs[2]
+        fused = ir.Node("", "Attention", [inputs[0], key[1], value[1], inputs[3], key[0], value[0]],
+                        list(node.attributes.values()), num_outputs=3, name=node.name)
+        graph.insert_after(node, fused)
+        ir.convenience.replace_all_uses_with(node.outputs[0], fused.outputs[0], replace_graph_outputs=True)
+        for old, new in ((node.outputs[0], fused.outputs[0]), (concat_k, fused.outputs[1]),
+                         (concat_v, fused.outputs[2])):
+            new.type, new.shape = old.type, old.shape
+        for old, new in ((concat_k, fused.outputs[1]), (concat_v, fused.outputs[2])):
+            name = old.name
+            ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+            old.name = None
+            new.name = name
+        fused.outputs[0].name = node.outputs[0].name
+        graph.remove(node, safe=True)
+        rewritten += 1
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    return rewritten

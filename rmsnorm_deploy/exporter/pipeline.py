@@ -39,6 +39,11 @@ Steps (each one a line of progress on stderr):
 8. **Publish** the model and its report together, the model last (``onnx_file.publish``),
    never over an existing file without ``force``; steps 6-8 hold a lock on the target, and
    the leftovers of a killed export are removed first.
+
+With ``kv_cache`` (``export --kv-cache``) the module run, traced and compared is
+``kv_model.KVCacheLM`` and ``kv_export.KVExport`` supplies the feeds (a prefill and a decode
+step for parity), the ``torch.onnx.export`` call and the metadata; ``genai_config.json`` and
+the Hugging Face config and tokenizer files are staged and published with the model.
 """
 
 from __future__ import annotations
@@ -154,17 +159,27 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                 + (f", {probed} confirmed by probing" if probed else ""))
     timings["detect_s"] = st.seconds
 
-    with progress.stage(f"running the PyTorch model in {dtype} on input_ids {list(input_ids.shape)}") as st:
+    kv = None
+    if options.kv_cache:
+        from rmsnorm_deploy.exporter.kv_export import KVExport
+
+        kv = KVExport.of(loaded, options)
+        module = kv.module
+        feed = kv.trace_feed
+    else:
+        feed = {INPUT_NAME: input_ids}
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in list(feed.items())[:2])
+    with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
         try:
             with torch.no_grad():
-                torch_out = module(**{INPUT_NAME: input_ids})[OUTPUT_NAME]
+                torch_out = module(**feed)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
                             "choose another --dtype") from None
     timings["torch_run_s"] = st.seconds
 
     with progress.stage("placing each norm in the PyTorch model (pre, post, qk, final, ...)") as st:
-        source_placements = _source_placements(module, detection, input_ids)
+        source_placements = _source_placements(loaded.module, detection, input_ids)
         st.note(_count_placements(source_placements))
     timings["placement_s"] = st.seconds
 
@@ -174,15 +189,19 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         # freed (release_model) as soon as the graph holds its own copy.
         from rmsnorm_deploy.exporter.parity import torch_expectations
 
-        batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
-        feeds = [{INPUT_NAME: input_ids}, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
+        if kv is not None:
+            feeds, torch_outputs = kv.parity_feeds(), []
+        else:
+            batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
+            feeds = [feed, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
+            torch_outputs = [torch_out]
         with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
-            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype,
-                                          torch_outputs=[{OUTPUT_NAME: torch_out}])
+            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs)
         timings["parity_torch_s"] = st.seconds
 
     with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
-        program = _torch_export(module, detection.norms, input_ids, opset, ExportRMSNorm)
+        call = kv.export_call() if kv is not None else {}
+        program = _torch_export(module, detection.norms, feed.get(INPUT_NAME), opset, ExportRMSNorm, **call)
     timings["torch_onnx_export_s"] = st.seconds
     fusions = None
     if options.fuse_attention:
@@ -219,6 +238,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
               "seq": [1, options.seq, max(options.seq, min(loaded.max_seq_len, MAX_SEQ))]},
         versions=tool_versions(),
     )
+    if kv is not None:
+        kv.describe(meta, report)
     # Everything is written under a hidden staging folder beside the target and published at the
     # end, the model last (onnx_file.publish), under a lock on the target: an export killed before
     # then leaves no model that looks finished, and two exports into one folder leave one
@@ -249,6 +270,12 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                 if staged_data is not None and staged_data.exists():
                     staged_data.unlink()
 
+            serving_files: list[str] = []
+            if kv is not None:
+                with progress.stage("writing genai_config.json and the Hugging Face files beside the model") as st:
+                    serving_files = kv.write_serving_files(staged_target)
+                    report["serving_files"] = serving_files
+                    st.note(", ".join(serving_files))
             result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
             if expected is not None:
                 from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
@@ -262,7 +289,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                 with atomic_path(stage / report_path.name, force=True) as tmp:
                     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
                 result.report_path = report_path
-            names = [target.name] + [n for n in (target.name + ".data", report_path.name) if (stage / n).exists()]
+            names = [target.name] + [n for n in (target.name + ".data", report_path.name, *serving_files)
+                                     if (stage / n).exists()]
             publish(stage, target, names, force=options.force)
     report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     return result
@@ -293,18 +321,26 @@ def example_input_ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tens
     return torch.from_numpy(token_ids((batch, seq), vocab, seed=seed))
 
 
-def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor, opset: int,
-                  export_norm: type) -> Any:
+def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids: torch.Tensor | None, opset: int,
+                  export_norm: type, *, exported: torch.nn.Module | None = None, args: tuple[Any, ...] = (),
+                  kwargs: dict[str, Any] | None = None, input_names: list[str] | None = None,
+                  output_names: list[str] | None = None, dynamic_shapes: Any = None) -> Any:
+    """``torch.onnx.export`` of ``module`` with its norms swapped for our op. By default the
+    ``input_ids -> logits`` signature; a KV-cache export passes its own call (``kv_export``):
+    ``exported`` (a module sharing ``module``'s submodules), its arguments, names and shapes."""
     from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE
     from rmsnorm_deploy.exporter.upcast import experts_implementation
 
+    if exported is None:
+        exported, kwargs = module, {INPUT_NAME: input_ids}
+        input_names, output_names = [INPUT_NAME], [OUTPUT_NAME]
+        dynamic_shapes = {INPUT_NAME: {0: "batch", 1: "seq"}}
     replacements = {n.path: export_norm(n.spec, n.weight, n.path) for n in norms}
     with swapped_modules(module, replacements), quiet_exporter(), experts_implementation(module):
         try:
             program = torch.onnx.export(
-                module, (), kwargs={INPUT_NAME: input_ids}, dynamo=True, opset_version=opset,
-                input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                dynamic_shapes={INPUT_NAME: {0: "batch", 1: "seq"}},
+                exported, args, kwargs=kwargs, dynamo=True, opset_version=opset,
+                input_names=input_names, output_names=output_names, dynamic_shapes=dynamic_shapes,
                 custom_translation_table=TRANSLATION_TABLE, optimize=False, verbose=False,
             )
         except Exception as exc:  # torch raises many kinds; the user needs the first line of why

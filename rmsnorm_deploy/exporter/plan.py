@@ -46,6 +46,9 @@ class ExportOptions:
     seed: int = 0  # parity inputs
     force: bool = False
     parity: bool = True
+    #: One graph for prefill and decode in the KV-cache convention (``kv_cache.py``), with
+    #: ``genai_config.json`` and the Hugging Face config and tokenizer files beside it.
+    kv_cache: bool = False
     #: Free the PyTorch module (``loaded.module`` and the detected norms' references) once its
     #: outputs are computed, so ONNX Runtime's copy of the weights does not sit beside it.
     release_model: bool = False
@@ -164,4 +167,9 @@ def plan_export(options: ExportOptions, *, target: str | os.PathLike | None = No
     check_folder_writable(path.parent)  # now, not after the whole export has run
     if options.parity:
         ensure_writable(path.parent / REPORT_NAME, force=options.force)
+    if options.kv_cache:
+        from rmsnorm_deploy.exporter.genai_config import GENAI_CONFIG, HF_FILES
+
+        for name in (GENAI_CONFIG, *HF_FILES):
+            ensure_writable(path.parent / name, force=options.force)
     return ExportPlan(options, path, name)

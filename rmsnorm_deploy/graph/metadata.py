@@ -33,6 +33,10 @@ placements         ``{norm call name: {"placement": str, "output": str}}``: wher
                    sublayer_output, qk, final, other) and the tensor the call writes, which
                    names the norm in every lowering; the second call of a norm is
                    ``path#2``. Exported models only; the audit checks the graph against it
+kv_cache           only in KV-cache graphs (``export --kv-cache``): the I/O convention,
+                   ``exporter.kv_cache.KVCacheLayout.to_dict()`` (layers, heads, head_dim,
+                   vocabulary, maximum length, dtype, graph target); read back through
+                   ``KVCacheLayout.from_dict``, which checks every field
 =================  ==========================================================================
 """
 
@@ -50,7 +54,7 @@ from rmsnorm_deploy.errors import ModelFileError
 
 PREFIX = "rmsnorm_deploy."
 FORMAT = "1"
-_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "placements")
+_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "placements", "kv_cache")
 _TEXT_KEYS = ("format", "lowering", "dtype")
 
 
@@ -64,6 +68,8 @@ class ModelMetadata:
     dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     placements: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    #: KV-cache graphs only: the I/O convention (``exporter.kv_cache``); ``None`` otherwise.
+    kv_cache: dict[str, Any] | None = None
 
     def to_props(self) -> dict[str, str]:
         props = {
@@ -78,6 +84,8 @@ class ModelMetadata:
         }
         if self.placements:
             props["placements"] = json.dumps(self.placements, sort_keys=True)
+        if self.kv_cache is not None:
+            props["kv_cache"] = json.dumps(self.kv_cache, sort_keys=True)
         return props
 
     def write(self, model: onnx.ModelProto) -> None:
@@ -114,6 +122,7 @@ class ModelMetadata:
             dims=parsed.get("dims", {}),
             versions=parsed.get("versions", {}),
             placements=placements,
+            kv_cache=parsed.get("kv_cache"),
         )
 
 
@@ -153,8 +162,9 @@ def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
     dims = parsed.get("dims", {})
     need(isinstance(dims, dict), "dims", "an object")
     for name, rng in dims.items():
-        need(isinstance(rng, list) and len(rng) == 3 and all(is_int(d) for d in rng) and 1 <= rng[0] <= rng[1] <= rng[2],
-             f"dims.{name}", "[min, opt, max] with 1 <= min <= opt <= max")
+        # 0 is a size: a KV-cache graph's past starts empty
+        need(isinstance(rng, list) and len(rng) == 3 and all(is_int(d) for d in rng) and 0 <= rng[0] <= rng[1] <= rng[2],
+             f"dims.{name}", "[min, opt, max] with 0 <= min <= opt <= max")
     versions = parsed.get("versions", {})
     need(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), "versions",
          "an object of version strings")

@@ -36,7 +36,7 @@ The rules (first match wins), for a norm with input ``x`` and output ``y``
 ``final``
     ``y`` reaches a graph output through at most one weight ``matmul`` (the LM head) and no
     residual add, activation product, attention or other norm (the last norm of a model
-    without a head counts too).
+    without a head counts too). A KV cache's ``present.*`` outputs do not count.
 ``pre``
     ``x`` also bypasses the norm into a residual add whose other operand derives from ``y``:
     ``x + f(norm(x))``.
@@ -73,6 +73,9 @@ from rmsnorm_deploy.graph.audit import Reduction, _inline_for_analysis, audit_mo
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 PLACEMENTS: tuple[str, ...] = ("pre", "post", "sublayer_output", "qk", "final", "other")
+#: a KV-cache graph's ``present.{i}.key/value`` outputs: a key or value projection of a normalized
+#: value reaches them through one weight matmul, which does not make that norm the final one
+KV_CACHE_OUTPUT_PREFIX = "present"
 KINDS = ("norm", "add", "matmul", "softmax", "attention", "cast", "shape", "op")
 
 
@@ -238,7 +241,7 @@ class Placer:
         seen, stack = {(y, 0)}, [(y, 0)]
         while stack:
             v, matmuls = stack.pop()
-            if v in self.graph.outputs:
+            if v in self.graph.outputs and not v.startswith(KV_CACHE_OUTPUT_PREFIX):
                 return True
             for op in self.consumers.get(v, []):
                 if op.kind in ("norm", "shape", "attention") or self.is_activation_product(op):

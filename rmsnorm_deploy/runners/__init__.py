@@ -8,7 +8,8 @@ so a missing optional dependency is a clear error at activation, not at import.
 base         ``Runner``: the activate/infer/deactivate template every runner follows
 onnxruntime  ``OnnxRuntimeRunner``: CPU, CUDA and TensorRT providers, bf16 through IOBinding,
              never a silent provider fallback
-tensorrt     ``TensorRTRunner``: a built engine, its sidecar checked before deserializing
+tensorrt     ``TensorRTRunner``: a built engine, its sidecar checked before deserializing;
+             ``generate``: the decode loop of a KV-cache engine (prefill and decode profiles)
 torch        ``TorchRunner``: a PyTorch module (a rebuilt source) in its dtype or float64
 ===========  ================================================================================
 """

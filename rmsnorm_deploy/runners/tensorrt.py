@@ -11,9 +11,15 @@ and the synchronization run on it, not on the legacy default stream, which synch
 every other stream of the device (and TensorRT warns that it costs extra synchronization).
 The plugin is loaded with the implementation (``aot``/``jit``) the engine was built with.
 
+A KV-cache engine (``export --kv-cache``, built with a prefill and a decode profile) also runs
+the decode loop, :meth:`TensorRTRunner.generate`: one execution context per profile, the prefill
+on profile 0 with an empty past, then one decode step per token on profile 1, each step's
+``present`` tensors (torch CUDA tensors) bound as the next step's ``past`` without leaving the GPU.
+
 TensorRT API used (10.9 to 11.x): ``Runtime.deserialize_cuda_engine``,
 ``ICudaEngine.num_io_tensors/get_tensor_name/get_tensor_mode/get_tensor_dtype/
-get_tensor_profile_shape``, ``create_execution_context``, ``set_input_shape``,
+get_tensor_profile_shape/num_optimization_profiles``, ``create_execution_context``,
+``IExecutionContext.set_optimization_profile_async``, ``set_input_shape``,
 ``get_tensor_shape``, ``set_tensor_address``, ``execute_async_v3``.
 """
 
@@ -28,7 +34,7 @@ import numpy as np
 from rmsnorm_deploy.contract.dtypes import dtype_name, to_numpy, to_torch
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.runners.base import Runner
-from rmsnorm_deploy.tensorrt.profiles import Profiles
+from rmsnorm_deploy.tensorrt.profiles import profiles_from_dict
 from rmsnorm_deploy.tensorrt.runtime import PluginError
 from rmsnorm_deploy.tensorrt.sidecar import (
     Device,
@@ -90,7 +96,8 @@ class TensorRTRunner(Runner):
                             f"{self.logger.last_errors()}")
         self.trt, self.engine, self.context, self.sidecar = trt, engine, context, sidecar
         self.stream = _new_stream(_cuda_device())
-        self.profiles = Profiles.from_dict(sidecar.profiles)
+        self.profile_set = profiles_from_dict(sidecar.profiles)
+        self.profiles = self.profile_set[0]
         self.io = self._io_tensors()
 
     def _io_tensors(self) -> dict[str, dict[str, Any]]:
@@ -169,6 +176,18 @@ class TensorRTRunner(Runner):
         stream.synchronize()
         return {name: to_numpy(t) for name, t in outputs.items()}
 
+    def generate(self, layout: Any, prompts: Any, *, max_new_tokens: int, eos_token_id: Any = None,
+                 pad_token_id: int = 0) -> list[list[int]]:
+        """Greedy decoding on a KV-cache engine (see the module docstring): the new tokens of each prompt.
+
+        ``layout``: the model's ``exporter.kv_cache.KVCacheLayout``; ``prompts``: token-id lists,
+        left-padded here with ``pad_token_id``.
+        """
+        if not self.is_active:
+            raise RuntimeError("TensorRTRunner.generate used outside its `with` block; call activate() first")
+        return _generate(self, layout, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id)
+
     def _check_profile(self, name: str, shape: tuple[int, ...]) -> None:
         if name in self.profiles.inputs:
             self.profiles.check_shape(name, shape)
@@ -214,3 +233,83 @@ def _torch_dtype(name: str):
         "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int32": torch.int32,
         "int64": torch.int64, "bool": torch.bool, "int8": torch.int8, "uint8": torch.uint8,
     }[name]
+
+
+class _Step:
+    """One execution context on one optimization profile, with its stream."""
+
+    def __init__(self, runner: TensorRTRunner, index: int, stream: Any):
+        self.runner = runner
+        context = runner.engine.create_execution_context() if index else runner.context
+        if context is None or not context.set_optimization_profile_async(index, stream.cuda_stream):
+            raise UserError(f"TensorRT cannot select optimization profile {index} of {runner.engine_path}: "
+                            f"{runner.logger.last_errors()}")
+        self.context, self.stream, self.profile = context, stream, runner.profile_set[index]
+
+    def run(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Bind torch CUDA tensors, run, return the outputs as torch CUDA tensors."""
+        import torch
+
+        device = _cuda_device()
+        placeholder = torch.empty(1, dtype=torch.uint8, device=device)  # empty tensors still need an address
+        for name in self.runner.input_names():
+            tensor = inputs[name]
+            self.profile.check_shape(name, tuple(tensor.shape))
+            if not self.context.set_input_shape(name, tuple(int(d) for d in tensor.shape)):
+                raise InputError(f"TensorRT refused shape {list(tensor.shape)} for input {name!r}: "
+                                 f"{self.runner.logger.last_errors()}")
+            self.context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else placeholder.data_ptr())
+        outputs = {}
+        for name in self.runner.output_names():
+            shape = tuple(self.context.get_tensor_shape(name))
+            tensor = torch.empty(shape, dtype=_torch_dtype(self.runner.io[name]["dtype"]), device=device)
+            outputs[name] = tensor
+            self.context.set_tensor_address(name, tensor.data_ptr() if tensor.numel() else placeholder.data_ptr())
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise UserError(f"TensorRT failed to run {self.runner.engine_path}: {self.runner.logger.last_errors()}")
+        return outputs
+
+
+def _generate(runner: TensorRTRunner, layout: Any, prompts: Any, *, max_new_tokens: int,
+              eos_token_id: Any = None, pad_token_id: int = 0) -> list[list[int]]:
+    import torch
+
+    from rmsnorm_deploy.exporter.kv_cache import (
+        ATTENTION_MASK,
+        INPUT_IDS,
+        LOGITS,
+        POSITION_IDS,
+        left_padded,
+        position_ids_for,
+    )
+
+    if len(runner.profile_set) < 2 or runner.engine.num_optimization_profiles < 2:
+        raise UserError(f"{runner.engine_path} has no decode profile; build it from a KV-cache model "
+                        "(`export --kv-cache`, then `build`)")
+    device = _cuda_device()
+    stream = torch.cuda.Stream(device)
+    prefill, decode = _Step(runner, 0, stream), _Step(runner, 1, stream)
+    ids, mask = left_padded(prompts, pad_token_id)
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    batch = ids.shape[0]
+    dtype = _torch_dtype(layout.dtype)
+    past = {n: torch.empty((batch, layout.kv_heads, 0, layout.head_dim), dtype=dtype, device=device)
+            for n in layout.past_names()}
+    finished = np.zeros(batch, dtype=bool)
+    tokens: list[np.ndarray] = []
+    step, step_ids = prefill, ids
+    with torch.cuda.stream(stream):
+        while True:
+            feed = {INPUT_IDS: torch.from_numpy(step_ids).to(device), ATTENTION_MASK: torch.from_numpy(mask).to(device),
+                    POSITION_IDS: torch.from_numpy(position_ids_for(mask, step_ids.shape[1])).to(device), **past}
+            out = step.run(feed)
+            next_token = out[LOGITS][:, -1, :].float().argmax(dim=-1).cpu().numpy()  # synchronizes the stream
+            next_token = np.where(finished, pad_token_id, next_token).astype(np.int64)
+            tokens.append(next_token)
+            finished |= np.isin(next_token, list(eos))
+            if len(tokens) == max_new_tokens or finished.all():
+                break
+            past = {p: out[q] for p, q in zip(layout.past_names(), layout.present_names())}
+            mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+            step, step_ids = decode, next_token[:, None]
+    return np.stack(tokens, axis=1).tolist()

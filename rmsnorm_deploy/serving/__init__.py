@@ -1,4 +1,5 @@
-"""Serving: the exported model behind NVIDIA Triton Inference Server, embedded or standalone.
+"""Serving: generation over a KV-cache graph, and the exported model behind NVIDIA Triton Inference
+Server, embedded or standalone.
 
 ==============  =============================================================================
 signature       ``Signature``: a graph's inputs, outputs, batch dim and KV-cache pairs, read from
@@ -11,5 +12,8 @@ pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpyth
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
 parity_client   a served model's answers over HTTP and gRPC against the same model run here
+generate        ``KVCacheModel`` and ``generate``: greedy or seeded sampling over a KV-cache graph
+                (``export --kv-cache``) in ONNX Runtime, past/present kept in ONNX Runtime's
+                memory through IOBinding; timings (prefill ms, decode ms per token, tokens/s)
 ==============  =============================================================================
 """

@@ -4,7 +4,8 @@
 
 ==========  ===================================================================================
 compat      static check (no TensorRT): what a TensorRT version's ONNX parser imports, and fixes
-profiles    optimization profiles from the model's dynamic dims, its metadata and ``--profile``
+profiles    optimization profiles from the model's dynamic dims, its metadata and ``--profile``;
+            prefill and decode profiles for KV-cache graphs
 prepare     the graph given to the parser: functions inlined per overload, or mapped to the plugin
 precision   which TensorRT layers implement each norm, and the dtype its reduction runs in
 sidecar     the JSON beside each engine (TensorRT version, GPU, profile, plugin, hashes)

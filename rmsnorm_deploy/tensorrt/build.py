@@ -56,7 +56,7 @@ from rmsnorm_deploy.tensorrt.precision import (
     raise_on_failures,
 )
 from rmsnorm_deploy.tensorrt.prepare import PreparedModel, prepare_for_tensorrt
-from rmsnorm_deploy.tensorrt.profiles import Profiles, resolve_profiles
+from rmsnorm_deploy.tensorrt.profiles import Profiles, engine_profiles, profiles_to_dict
 from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
 from rmsnorm_deploy.tensorrt.sidecar import (
     Device,
@@ -180,7 +180,8 @@ def build_engine(
     onnx_path = check_model_file(onnx_path)
     model = load_onnx(onnx_path, load_external=False)
     meta = ModelMetadata.read(model)
-    resolved = resolve_profiles(model, profiles, meta.dims if meta else None)
+    profile_list = engine_profiles(model, meta, profiles)
+    resolved = profile_list[0]
     prepared = prepare_for_tensorrt(model, plugin=plugin)
     engine_path = Path(engine_path) if engine_path is not None else default_engine_path(onnx_path, plugin)
     side_path = sidecar_path(engine_path)
@@ -213,7 +214,8 @@ def build_engine(
     if workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
     cache = _load_timing_cache(config, cache_path)
-    _add_profile(trt, builder, config, network, resolved)
+    for each in profile_list:  # a KV-cache graph: prefill (index 0) and decode (index 1)
+        _add_profile(trt, builder, config, network, each)
     bar = None
     if progress:
         from rmsnorm_deploy.tensorrt.progress import BuildProgress, progress_monitor
@@ -245,7 +247,7 @@ def build_engine(
     sidecar = Sidecar(
         engine_sha256=sha256_bytes(plan),
         device=device,
-        profiles=resolved.to_dict(),
+        profiles=profiles_to_dict(profile_list),
         plugin=plugin_info,
         source_model={"path": str(onnx_path.resolve()), "sha256": sha256_file(onnx_path)},
         lowering=meta.lowering if meta else "",

@@ -203,7 +203,43 @@ def _check(model: onnx.ModelProto, facts: ParserFacts) -> CompatReport:
             for where, node in _walk_nodes(fn.node, f"{fn.name}/"):
                 _check_node(node, where, facts, functions_by_name, set(), add)
     findings.extend(_dtype_findings(model, facts))
+    findings.extend(_kv_cache_findings(model, facts))
     return CompatReport(facts.name, findings)
+
+
+def _kv_cache_findings(model: onnx.ModelProto, facts: ParserFacts) -> list[Finding]:
+    """A KV-cache graph (``export --kv-cache``): its I/O must follow the convention its metadata
+    records, since ``build`` makes its prefill and decode profiles from them; an ``Attention``
+    taking the cache as ``past_key``/``past_value`` (``--fuse-attention``) is flagged as unverified."""
+    from rmsnorm_deploy.exporter.kv_cache import check_io, graph_io, layout_of
+    from rmsnorm_deploy.graph.metadata import ModelMetadata
+
+    try:
+        meta = ModelMetadata.read(model)
+    except UserError:
+        return []  # damaged metadata is reported by the commands that read it
+    if meta is None or not meta.kv_cache:
+        return []
+    out = []
+    try:
+        layout = layout_of(meta)
+        check_io(layout, *graph_io(model))
+    except UserError as exc:
+        return [Finding(facts.name, "(model)", "KV cache", str(exc), "export the model again with --kv-cache")]
+    out.append(Finding(facts.name, "(model)", "KV cache",
+                       f"a KV-cache graph ({layout.num_layers} layers, {layout.kv_heads} key/value heads, head_dim "
+                       f"{layout.head_dim}): `rmsnorm-deploy build` makes two optimization profiles, prefill (past 0, "
+                       "an empty tensor) and decode (sequence 1)",
+                       "nothing to fix; give --profile batch:... / sequence:... to change their ranges", blocking=False))
+    cached = [n.name or n.op_type for n in model.graph.node
+              if n.op_type == "Attention" and n.domain in ("", "ai.onnx") and len(n.input) > 4 and n.input[4]]
+    if cached and "Attention" in facts.ops:
+        out.append(Finding(facts.name, _first(set(cached)), "Attention",
+                           f"{len(cached)} Attention node(s) take the cache as past_key/past_value; whether TensorRT's "
+                           "Attention importer accepts those inputs is not stated in the documents this check reads "
+                           "(inferred, unverified)",
+                           "if the parse fails, re-export with --kv-cache and without --fuse-attention", blocking=False))
+    return out
 
 
 def _check_node(node, where, facts, functions_by_name, used_functions, add) -> None:

@@ -5,6 +5,12 @@ named ``d0`` wherever it appears, so inputs that share a dim (batch, sequence) a
 consistent shapes. Named dims keep their ONNX ``dim_param``; an unnamed dynamic dim is called
 ``<input>.<axis>`` (e.g. ``x.0``). Ranges come from ``--profile`` first, then from the export
 metadata (``ModelMetadata.dims``); a dynamic dim with neither is an error that says what to pass.
+
+A KV-cache graph (``export --kv-cache``, metadata ``kv_cache``) gets two profiles
+(:func:`kv_cache_profiles`), because one range cannot hold both of its phases well: **prefill**
+(``past`` 0, ``sequence`` 1..max) and **decode** (``sequence`` 1, ``past`` 1..max - 1); the
+attention mask's ``total`` follows as ``past + sequence``. ``batch`` and the maximum length come
+from ``--profile batch:...`` / ``--profile sequence:...``, then from the metadata.
 """
 
 from __future__ import annotations
@@ -55,9 +61,11 @@ class Profiles:
 
     dims: dict[str, DimRange]
     inputs: dict[str, InputProfile]
+    name: str = ""  # "prefill" / "decode" for a KV-cache engine's two profiles
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            **({"name": self.name} if self.name else {}),
             "dims": {name: {"min": r.min, "opt": r.opt, "max": r.max, "source": r.source} for name, r in self.dims.items()},
             "inputs": {
                 name: {"dims": list(p.dims), "min": list(p.min), "opt": list(p.opt), "max": list(p.max)}
@@ -75,7 +83,7 @@ class Profiles:
             name: InputProfile(name, tuple(p["dims"]), tuple(p["min"]), tuple(p["opt"]), tuple(p["max"]))
             for name, p in data.get("inputs", {}).items()
         }
-        return cls(dims, inputs)
+        return cls(dims, inputs, str(data.get("name", "")))
 
     def check_shape(self, name: str, shape: Sequence[int]) -> None:
         """Raise :class:`InputError` unless ``shape`` lies within the profile of input ``name``."""
@@ -209,3 +217,98 @@ def resolve_profiles(
         pick = lambda attr: tuple(getattr(ranges[d], attr) if isinstance(d, str) else d for d in dims)  # noqa: E731
         shaped[name] = InputProfile(name, dims, pick("min"), pick("opt"), pick("max"))
     return Profiles(ranges, shaped)
+
+
+# -- KV-cache graphs: a prefill and a decode profile --------------------------------------------
+#: The sidecar key holding several profiles (a KV-cache engine's prefill and decode).
+PROFILE_SET = "profile_set"
+
+
+def profiles_to_dict(profiles: Sequence[Profiles]) -> dict[str, Any]:
+    """One profile as before; several as ``{"profile_set": [...]}`` (in the engine's profile order)."""
+    if len(profiles) == 1:
+        return profiles[0].to_dict()
+    return {PROFILE_SET: [p.to_dict() for p in profiles]}
+
+
+def profiles_from_dict(data: Mapping[str, Any]) -> list[Profiles]:
+    if isinstance(data.get(PROFILE_SET), list):
+        return [Profiles.from_dict(p) for p in data[PROFILE_SET]]
+    return [Profiles.from_dict(data)]
+
+
+def kv_cache_profiles(
+    model: onnx.ModelProto,
+    layout: Any,
+    profiles: Mapping[str, Sequence[int]] | Iterable[str] | None = None,
+    metadata_dims: Mapping[str, Sequence[int]] | None = None,
+) -> list[Profiles]:
+    """The prefill and decode profiles of a KV-cache graph (``exporter.kv_cache.KVCacheLayout``).
+
+    ``--profile`` may give ``batch`` and ``sequence`` (its max is the longest past + sequence);
+    ``past`` and ``total`` follow from them and cannot be given.
+    """
+    from rmsnorm_deploy.exporter.kv_cache import BATCH, PAST, SEQUENCE, TOTAL
+
+    inputs = model_input_dims(model)
+    dynamic = {d for dims in inputs.values() for d in dims if isinstance(d, str)}
+    unknown = sorted(dynamic - {BATCH, SEQUENCE, PAST, TOTAL})
+    if unknown:
+        raise UserError(f"the KV-cache graph has dynamic dims {unknown} besides {BATCH}, {SEQUENCE}, {PAST}, "
+                        f"{TOTAL}; export it again with `export --kv-cache`")
+    overrides = _overrides(profiles)
+    fixed = sorted(set(overrides) - {BATCH, SEQUENCE})
+    if fixed:
+        raise UserError(f"--profile {fixed[0]}: a KV-cache engine's {PAST} and {TOTAL} follow from {BATCH} and "
+                        f"{SEQUENCE} (prefill: past 0; decode: sequence 1); give only --profile {BATCH}:... and "
+                        f"--profile {SEQUENCE}:MIN,OPT,MAX")
+    metadata_dims = metadata_dims or {}
+
+    def pick(name: str, default: Sequence[int]) -> tuple[tuple[int, int, int], str]:
+        if name in overrides:
+            return overrides[name], "--profile"
+        values = metadata_dims.get(name)
+        if isinstance(values, (list, tuple)) and len(values) == 3 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return (int(values[0]), int(values[1]), int(values[2])), "model metadata"
+        return tuple(default), "default"  # type: ignore[return-value]
+
+    batch, batch_src = pick(BATCH, (1, 1, 8))
+    seq, seq_src = pick(SEQUENCE, (1, min(128, layout.max_length), layout.max_length))
+    for dim, (lo, opt, hi), src in ((BATCH, batch, batch_src), (SEQUENCE, seq, seq_src)):
+        if not 1 <= lo <= opt <= hi:
+            raise UserError(f"profile of {dim!r} from {src}: need 1 <= min <= opt <= max, got {lo},{opt},{hi}")
+    longest = seq[2]
+    if longest > layout.max_length:
+        raise UserError(f"profile of {SEQUENCE!r}: max {longest} exceeds the model's {layout.max_length} positions")
+    if longest < 2:
+        raise UserError(f"profile of {SEQUENCE!r}: max must be at least 2 (a prompt and one new token), got {longest}")
+    opt_past = max(1, min(seq[1], longest - 1))
+    phases = {
+        "prefill": {BATCH: (batch, batch_src), SEQUENCE: (seq, seq_src), PAST: ((0, 0, 0), "prefill"),
+                    TOTAL: (seq, "past + sequence")},
+        "decode": {BATCH: (batch, batch_src), SEQUENCE: ((1, 1, 1), "decode"),
+                   PAST: ((1, opt_past, longest - 1), "decode"), TOTAL: ((2, opt_past + 1, longest), "past + sequence")},
+    }
+    result = []
+    for phase, ranges in phases.items():
+        dims = {d: DimRange(d, *ranges[d][0], source=ranges[d][1]) for d in (BATCH, SEQUENCE, PAST, TOTAL)
+                if d in dynamic}
+        shaped = {}
+        for name, shape in inputs.items():
+            sel = lambda i: tuple(dims[d].as_list()[i] if isinstance(d, str) else d for d in shape)  # noqa: E731
+            shaped[name] = InputProfile(name, shape, sel(0), sel(1), sel(2))
+        result.append(Profiles(dims, shaped, phase))
+    return result
+
+
+def engine_profiles(model: onnx.ModelProto, meta: Any,
+                    profiles: Mapping[str, Sequence[int]] | Iterable[str] | None = None) -> list[Profiles]:
+    """The optimization profiles ``build`` gives TensorRT: prefill and decode for a KV-cache graph
+    (its metadata says so), else the one profile of :func:`resolve_profiles`."""
+    dims = meta.dims if meta is not None else None
+    if meta is not None and getattr(meta, "kv_cache", None):
+        from rmsnorm_deploy.exporter.kv_cache import layout_of
+
+        return kv_cache_profiles(model, layout_of(meta), profiles, dims)
+    return [resolve_profiles(model, profiles, dims)]

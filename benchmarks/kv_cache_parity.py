@@ -1,0 +1,138 @@
+"""Parity of `export --kv-cache` graphs: generation against transformers with its own cache, and onnxruntime-genai.
+
+For each family (tiny random models from their configs, norm gains perturbed): export with
+--kv-cache (default graph, and --fuse-attention for Llama), then greedy generation of 32 new
+tokens at batch 1 and at batch 3 with left padding, by our loop in ONNX Runtime CPU and by
+transformers' generate(do_sample=False); the per-step logits of our loop against transformers
+fed the same tokens with its DynamicCache; onnxruntime-genai on the folder, unmodified (batch 1).
+float16 for Llama: tokens against torch float16 on the rows where torch float16 and float32
+agree. Writes benchmarks/results/kv_cache_parity.{json,md}.
+
+    python benchmarks/kv_cache_parity.py [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rmsnorm_deploy.exporter.hf import TINY_CONFIGS, from_config  # noqa: E402
+from rmsnorm_deploy.exporter.kv_cache import left_padded, position_ids_for  # noqa: E402
+from rmsnorm_deploy.exporter.pipeline import export_model  # noqa: E402
+from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
+from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
+
+NEW = 32
+PROMPTS = {1: [[5, 17, 99, 3, 250, 41, 7]], 3: [[5, 17, 99, 3, 250, 41, 7], [11, 12, 13], [200, 1, 64, 64, 9]]}
+CASES = [("llama", "float32", False), ("llama", "float32", True), ("qwen3", "float32", False),
+         ("gemma3", "float32", False), ("olmo2", "float32", False), ("llama", "float16", False)]
+
+
+def hf_generate(model, prompts, pad):
+    ids, mask = left_padded(prompts, pad)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                             max_new_tokens=NEW, pad_token_id=pad)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def hf_step_logits(model, prompts, tokens, pad):
+    from transformers import DynamicCache
+
+    ids, mask = left_padded(prompts, pad)
+    cache, out_logits, step_ids = DynamicCache(), [], ids
+    with torch.no_grad():
+        for step in range(len(tokens[0])):
+            out = model(input_ids=torch.from_numpy(step_ids), attention_mask=torch.from_numpy(mask),
+                        position_ids=torch.from_numpy(position_ids_for(mask, step_ids.shape[1])), cache=cache,
+                        use_cache=True)
+            out_logits.append(out.logits[:, -1, :].float().numpy())
+            step_ids = np.array([[row[step]] for row in tokens], dtype=np.int64)
+            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
+    return out_logits
+
+
+def genai_tokens(folder, prompt):
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        return None
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + NEW, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([prompt], dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)][len(prompt):]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kv-parity-") as tmp:
+        for family, dtype, fuse in CASES:
+            folder = Path(tmp) / f"{family}-{dtype}-{fuse}"
+            clock = time.perf_counter()
+            result = export_model(from_config(TINY_CONFIGS[family], dtype), folder / "model.onnx",
+                                  ExportOptions(dtype=dtype, kv_cache=True, fuse_attention=fuse))
+            export_s = time.perf_counter() - clock
+            model = from_config(TINY_CONFIGS[family], dtype).module.model
+            full = from_config(TINY_CONFIGS[family], "float32").module.model if dtype != "float32" else None
+            row = {"family": family, "dtype": dtype, "fuse_attention": fuse, "export_s": round(export_s, 1),
+                   "export_parity": result.parity.status, "norm_nodes": len(result.detection.norms)}
+            with KVCacheModel(folder) as kv:
+                pad = kv.special["pad_token_id"]
+                for batch, prompts in PROMPTS.items():
+                    ours = generate(kv, prompts, max_new_tokens=NEW, return_logits=True)
+                    theirs = hf_generate(model, prompts, pad)
+                    ref = hf_step_logits(model, prompts, ours.tokens, pad)
+                    diff = max(float(np.abs(a - b).max()) for a, b in zip(ours.step_logits, ref))
+                    if full is not None:
+                        theirs32 = hf_generate(full, prompts, pad)
+                        agree = [r for r in range(batch) if theirs[r] == theirs32[r]]
+                        same = all(ours.tokens[r] == theirs[r] for r in agree)
+                        row[f"b{batch}_rows_compared"] = f"{len(agree)}/{batch}"
+                    else:
+                        same = ours.tokens == theirs
+                    row[f"b{batch}_tokens_equal"] = same
+                    row[f"b{batch}_max_abs_step_logits"] = diff
+                    row[f"b{batch}_decode_ms_per_token"] = round(ours.decode_ms_per_token, 3)
+                genai = genai_tokens(folder, PROMPTS[1][0]) if dtype == "float32" else None
+                row["genai_tokens_equal"] = (None if genai is None else
+                                             genai == generate(kv, PROMPTS[1], max_new_tokens=NEW).tokens[0])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "onnxruntime": __import__("onnxruntime").__version__, "new_tokens": NEW, "prompts": PROMPTS}
+    (args.out_dir / "kv_cache_parity.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = ["| family | dtype | graph | export parity | tokens = transformers (b1 / b3 left-padded) | "
+             "max abs step logits (b1 / b3) | onnxruntime-genai tokens equal |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b3 = "yes" if r["b3_tokens_equal"] else "NO"
+        if "b3_rows_compared" in r:
+            b3 += f" ({r['b3_rows_compared']} rows where torch fp16 = fp32)"
+        genai = {True: "yes", False: "NO", None: "n/a"}[r["genai_tokens_equal"]]
+        lines.append(f"| {r['family']} | {r['dtype']} | {'--fuse-attention' if r['fuse_attention'] else 'default'} | "
+                     f"{r['export_parity']} | {'yes' if r['b1_tokens_equal'] else 'NO'} / {b3} | "
+                     f"{r['b1_max_abs_step_logits']:.2g} / {r['b3_max_abs_step_logits']:.2g} | {genai} |")
+    (args.out_dir / "kv_cache_parity.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Generate tokens with a KV-cache model (``export --kv-cache``) in ONNX Runtime.
+
+MODEL_DIR is the folder the export wrote (or its model.onnx). The prompt is text (encoded with the
+folder's tokenizer.json) or token ids; greedy decoding unless --sample. Past and present stay in
+ONNX Runtime's memory between steps (IOBinding). Prints the text (or the tokens), the prefill time,
+the decode time per token and the decode throughput. Exit code 2 on bad input: a model without a
+KV cache, a prompt longer than the model's maximum, an unknown or unavailable provider."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rmsnorm_deploy.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS
+
+    parser.add_argument("model", metavar="MODEL_DIR", help="folder written by `export --kv-cache` (or its model.onnx)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs tokenizer.json in the folder)")
+    prompt.add_argument("--input-ids", metavar="1,2,3", help="prompt token ids, comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                        help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--providers", default="cpu", metavar="cpu|cuda|tensorrt",
+                        help="ONNX Runtime execution provider(s), comma-separated; every one must be what runs (default cpu)")
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"--input-ids {text!r} is not a comma-separated list of integers, e.g. 1,2,3") from None
+    if not ids:
+        raise UserError("--input-ids is empty; give at least one token id")
+    return ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from rmsnorm_deploy.serving.generate import KVCacheModel, Sampling, generate
+
+    sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k)
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    providers = [p for p in args.providers.split(",") if p.strip()]
+    ids = parse_ids(args.input_ids) if args.input_ids is not None else None
+    model = KVCacheModel(args.model, providers, intra_op_threads=args.threads)
+    with model:
+        prompt = ids if ids is not None else model.encode(args.prompt)
+        result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+        return 0
+    if result.text is not None:
+        print(result.text[0])
+    else:
+        print("tokens: " + ",".join(str(t) for t in result.tokens[0]))
+    print(f"prefill {result.prefill_ms:.2f} ms ({len(prompt)} tokens), decode {result.decode_ms_per_token:.3f} ms/token "
+          f"over {result.steps} steps, {result.tokens_per_s:.1f} tokens/s "
+          f"on {','.join(result.providers)}")
+    return 0

@@ -1,0 +1,164 @@
+"""The files beside a KV-cache model: ``genai_config.json`` and the Hugging Face config and tokenizer.
+
+onnxruntime-genai reads a folder holding the model and ``genai_config.json``
+(``og.Model(folder)``); optimum-onnx's ``ORTModelForCausalLM`` reads the model, ``config.json``
+and the tokenizer files. :func:`write_serving_files` writes the first and copies the others
+from the Hugging Face folder the model came from, so the exported folder runs unmodified in
+both. Everything is written atomically and nothing is replaced without ``force``.
+
+The genai config names every input and output of the KV-cache convention
+(``exporter.kv_cache``), and says ``past_present_share_buffer: false``: the portable graph
+returns a new ``present`` one step longer than its ``past`` (no shared buffer). Its
+``model.type`` is the transformers ``model_type`` where onnxruntime-genai knows it, else
+``llama`` (a plain decoder: the graph itself carries everything family-specific).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
+from rmsnorm_deploy.graph.onnx_file import atomic_path
+
+GENAI_CONFIG = "genai_config.json"
+#: Files of a Hugging Face folder that tokenizers, transformers and optimum read beside a model.
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+            "chat_template.jinja")
+#: Decoder-only model types onnxruntime-genai 0.18 knows (its ``model.type``).
+GENAI_TYPES = frozenset({"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gpt2", "granite", "llama",
+                         "mistral", "nemotron", "olmo", "phi", "phi3", "qwen2", "qwen3", "smollm3"})
+
+
+def genai_type(model_type: str | None) -> str:
+    return model_type if model_type in GENAI_TYPES else "llama"
+
+
+def _token_id(value: Any) -> int | list[int] | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, (list, tuple)):
+        ids = [v for v in value if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+        return ids or None
+    return None
+
+
+def special_tokens(hf_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``bos``/``eos``/``pad`` token ids of a transformers config dict (``None`` where absent)."""
+    cfg = dict(hf_config) if isinstance(hf_config, Mapping) else {}  # untrusted: anything else has no tokens
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else {}
+    out = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        out[key] = _token_id(cfg.get(key, text.get(key)))
+    return out
+
+
+def genai_config(layout: KVCacheLayout, *, model_file: str = "model.onnx", model_type: str | None = None,
+                 hf_config: Mapping[str, Any] | None = None, provider: str = "cpu") -> dict[str, Any]:
+    """The ``genai_config.json`` of a KV-cache model (see the module docstring)."""
+    tokens = special_tokens(hf_config)
+    eos = tokens["eos_token_id"]
+    # No end-of-sequence token: an empty list, which onnxruntime-genai accepts and never matches
+    # (generation runs to max_length, as transformers does with eos_token_id None); -1 is refused.
+    eos = eos if eos is not None else []
+    pad = tokens["pad_token_id"]
+    if pad is None:
+        pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+    provider_options = [] if provider == "cpu" else [{provider: {}}]
+    return {
+        "model": {
+            "bos_token_id": tokens["bos_token_id"] if tokens["bos_token_id"] is not None else 0,
+            "context_length": layout.max_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": provider_options},
+                "filename": model_file,
+                "head_size": layout.head_dim,
+                "hidden_size": layout.hidden_size,
+                "inputs": dict(KVCacheLayout.to_dict_names()[0]),
+                "outputs": dict(KVCacheLayout.to_dict_names()[1]),
+                "num_attention_heads": layout.num_heads,
+                "num_hidden_layers": layout.num_layers,
+                "num_key_value_heads": layout.kv_heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": genai_type(model_type),
+            "vocab_size": layout.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+            "max_length": layout.max_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "num_return_sequences": 1, "past_present_share_buffer": layout.past_present_share_buffer,
+            "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }
+
+
+def write_json(path: Path, data: Any, *, force: bool) -> None:
+    with atomic_path(path, force=force) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def copy_hf_files(source: str | os.PathLike, folder: Path, *, force: bool) -> list[str]:
+    """Copy the config and tokenizer files of a Hugging Face folder (regular files only, no links
+    that leave it) into ``folder``; returns the names copied."""
+    src = Path(source)
+    copied = []
+    for name in HF_FILES:
+        path = src / name
+        if not path.is_file() or path.is_symlink() and not path.resolve().is_relative_to(src.resolve()):
+            continue
+        with atomic_path(folder / name, force=force) as tmp:
+            shutil.copyfile(path, tmp)
+        copied.append(name)
+    return copied
+
+
+def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping[str, Any], *,
+                        force: bool) -> list[str]:
+    """``genai_config.json`` beside ``model_path`` and the HF files of its source; returns the names written.
+
+    A Hugging Face folder's own files are copied; a model built from a config gets that
+    config as ``config.json`` (no tokenizer: it has none).
+    """
+    folder = model_path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    hf_config: dict[str, Any] | None = None
+    if source.get("kind") == "hf" and source.get("path"):
+        written += copy_hf_files(source["path"], folder, force=force)
+        try:
+            hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            hf_config = None
+    elif source.get("kind") == "hf" and isinstance(source.get("config"), Mapping):
+        hf_config = dict(source["config"])
+        write_json(folder / "config.json", hf_config, force=force)
+        written.append("config.json")
+    model_type = (hf_config or {}).get("model_type") if isinstance(hf_config, Mapping) else None
+    data = genai_config(layout, model_file=model_path.name, model_type=model_type, hf_config=hf_config)
+    write_json(folder / GENAI_CONFIG, data, force=force)
+    written.append(GENAI_CONFIG)
+    return written
+
+
+def read_genai_config(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The folder's ``genai_config.json``, or ``None``; damaged files are a one-line error."""
+    from rmsnorm_deploy.exporter.kv_cache import KVCacheError
+
+    path = Path(folder) / GENAI_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KVCacheError(f"{path}: not readable JSON ({exc}); export the model again") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise KVCacheError(f"{path}: has no 'model' object; export the model again")
+    return data
