@@ -28,6 +28,9 @@ dims               ``{dynamic dim name: [min, opt, max]}``: the range the model 
                    ``max(8, batch)`` for ``batch`` and the model's positions (at most 4096) for
                    ``seq``
 versions           ``{package: version}`` of the tools that wrote the file
+kv_cache           only in graphs with a KV cache: ``{"convention": str, "target": "onnxruntime" |
+                   "portable", "past_present_share_buffer": bool, "max_length": int, "layers",
+                   "heads", "kv_heads", "head_dim", ...}`` (see ``exporter/ort_decoder.py``)
 =================  ==========================================================================
 """
 
@@ -45,7 +48,7 @@ from rmsnorm_deploy.errors import ModelFileError
 
 PREFIX = "rmsnorm_deploy."
 FORMAT = "1"
-_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions")
+_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "kv_cache")
 _TEXT_KEYS = ("format", "lowering", "dtype")
 
 
@@ -58,9 +61,11 @@ class ModelMetadata:
     inputs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Empty for graphs without a KV cache (then not written).
+    kv_cache: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_props(self) -> dict[str, str]:
-        return {
+        props = {
             "format": FORMAT,
             "specs": json.dumps({k: v.to_dict() for k, v in self.specs.items()}, sort_keys=True),
             "lowering": self.lowering,
@@ -70,6 +75,9 @@ class ModelMetadata:
             "dims": json.dumps(self.dims, sort_keys=True),
             "versions": json.dumps(self.versions, sort_keys=True),
         }
+        if self.kv_cache:
+            props["kv_cache"] = json.dumps(self.kv_cache, sort_keys=True)
+        return props
 
     def write(self, model: onnx.ModelProto) -> None:
         """Replace the model's ``rmsnorm_deploy.*`` entries with these."""
@@ -98,6 +106,7 @@ class ModelMetadata:
             inputs=parsed.get("inputs", {}),
             dims=parsed.get("dims", {}),
             versions=parsed.get("versions", {}),
+            kv_cache=parsed.get("kv_cache", {}),
         )
 
 

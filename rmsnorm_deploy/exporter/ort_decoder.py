@@ -1,0 +1,417 @@
+"""The ONNX Runtime decoder graph with a KV cache, written node by node from a model's modules.
+
+``export --kv-cache --target onnxruntime`` writes this graph. It is not traced: like
+onnxruntime-genai's model builder, it walks the module tree of a Llama-family causal LM
+(``model.embed_tokens``, ``model.layers[i]``, ``model.norm`` and the module the model's
+forward uses as its LM head, ``get_output_embeddings()``) and emits, per layer:
+
+- the input norm as our exact ``rmsnorm_deploy::RMSNorm`` node (any lowering, see
+  ``graph/lowerings.py``; ONNX Runtime fuses the ``function`` body into
+  ``SimplifiedLayerNormalization``), its spec confirmed bit for bit by ``detect.py``;
+- one fused Q/K/V ``MatMul`` (plus its bias where the model has one);
+- Qwen3-style per-head q/k norms as our norm nodes (``Reshape`` to heads, norm, back);
+- ``com.microsoft.RotaryEmbedding`` on q and k (cos/sin caches
+  computed from the model's own ``rotary_emb.inv_freq`` and ``attention_scaling``), then
+  ``com.microsoft.GroupQueryAttention`` with the
+  K/V heads unrepeated;
+- the output projection and residual ``Add``, the post-attention norm, one fused gate/up
+  ``MatMul``, the activation, the down projection and residual ``Add``.
+
+The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``input_ids``,
+``attention_mask`` [batch, past + sequence], ``position_ids`` [batch, sequence] and
+``past_key_values.{i}.key/value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` and
+``present.{i}.key/value`` [batch, kv_heads, past + sequence, head_dim].
+
+Padding. GroupQueryAttention takes per-row lengths (``seqlens_k``) and assumes a row's valid
+keys are its first ``seqlens_k + 1`` positions (right padding). The convention pads on the
+left (position_ids = cumsum(mask) - 1), so the graph gives every row the full length and
+turns ``attention_mask`` into an additive ``attention_bias`` (the dtype's lowest value on
+masked keys, as transformers does); the rotary embedding reads ``position_ids`` (GQA's own
+rotary would take decode positions from ``seqlens_k``). This is transformers' masking, at any
+padding.
+
+``share_buffer=True`` writes onnxruntime-genai's other mode: past and present are one
+preallocated [batch, kv_heads, max_length, head_dim] buffer (bound to both with IOBinding),
+``attention_mask`` still [batch, past + sequence]. The metadata's ``kv_cache`` entry says
+which mode a graph uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from rmsnorm_deploy.contract.dtypes import dtype_name, numpy_dtype, onnx_type
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.detect import Detection, detect_norms
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.graph.function import rmsnorm_node
+from rmsnorm_deploy.graph.lowerings import lower_model, refusal
+from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
+from rmsnorm_deploy.graph.standalone import ir_version_for
+
+#: The graph's opset: 21 has every op used here (GroupQueryAttention is com.microsoft 1).
+OPSET = 21
+MS_DOMAIN = "com.microsoft"
+TARGET = "onnxruntime"
+#: model_type -> what the builder knows of it. Only these are written; others are refused.
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: Activation names (config.hidden_act) the MLP is written for.
+_ACTIVATIONS = ("silu",)
+#: The dtypes GroupQueryAttention runs in on ONNX Runtime CPU.
+DTYPES = ("float32", "float16")
+KV_CONVENTION = "past_key_values.{i}.key/value -> present.{i}.key/value, [batch, kv_heads, past, head_dim]"
+
+
+class OrtDecoderError(UserError):
+    """A model this builder cannot write exactly, with the reason in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderDims:
+    """What the graph needs from the config, each read from the model, never guessed."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    scale: float  # the attention's score scale (module.scaling)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class OrtDecoder:
+    """The written graph and what was found on the way."""
+
+    model: onnx.ModelProto
+    dims: DecoderDims
+    detection: Detection
+    norm_nodes: int
+    lm_head: str  # the module path of the LM head (or "tied: <embedding path>")
+
+
+# -- the module tree ----------------------------------------------------------------------
+def _causal_lm(loaded: LoadedModel) -> torch.nn.Module:
+    model = getattr(loaded.module, "model", None)
+    config = getattr(model, "config", None)
+    if model is None or config is None or not hasattr(model, "get_output_embeddings"):
+        raise OrtDecoderError(f"{loaded.name}: --target onnxruntime writes Hugging Face causal LMs "
+                              f"({', '.join(SUPPORTED_TYPES)}); this model is not one")
+    return model
+
+
+def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
+    """The dimensions of ``lm`` (a transformers ``*ForCausalLM``), or a one-line refusal."""
+    config = lm.config
+    model_type = getattr(config, "model_type", "")
+    if model_type not in SUPPORTED_TYPES:
+        raise OrtDecoderError(f"--target onnxruntime does not write {model_type!r} models yet; it writes "
+                              f"{', '.join(SUPPORTED_TYPES)} (use --target portable)")
+    act = getattr(config, "hidden_act", None)
+    if act not in _ACTIVATIONS:
+        raise OrtDecoderError(f"{model_type}: activation {act!r} is not written by --target onnxruntime "
+                              f"(it writes {', '.join(_ACTIVATIONS)})")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise OrtDecoderError(f"{model_type}: sliding-window attention ({window}) is not written by "
+                              "--target onnxruntime yet; use --target portable")
+    layers = lm.model.layers
+    attn = layers[0].self_attn
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return DecoderDims(
+        model_type=model_type, layers=len(layers), hidden=int(config.hidden_size), heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, vocab=int(config.vocab_size), max_positions=int(config.max_position_embeddings),
+        scale=float(attn.scaling),
+    )
+
+
+def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
+    """The LM head the model's forward uses (``get_output_embeddings()``): its [vocab, hidden]
+    weight and its path. Never chosen by matching a Linear's output size to the vocabulary."""
+    head = lm.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise OrtDecoderError(f"the model's output embedding is a {type(head).__name__}, not a Linear")
+    if head.bias is not None:
+        raise OrtDecoderError("an LM head with a bias is not written by --target onnxruntime yet")
+    path = next((p for p, m in lm.named_modules() if m is head), "lm_head")
+    embed = lm.get_input_embeddings()
+    if embed is not None and head.weight is embed.weight:
+        path = f"{path} (tied to {next(p for p, m in lm.named_modules() if m is embed)})"
+    return head.weight, path
+
+
+def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim / 2] exactly as the model's ``rotary_emb`` computes them
+    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype."""
+    rotary = getattr(lm.model, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise OrtDecoderError("the model has no rotary_emb.inv_freq; --target onnxruntime writes rotary models")
+    if getattr(rotary, "rope_type", "default") == "dynamic":
+        raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
+    if inv_freq.numel() * 2 != dims.head_dim:
+        raise OrtDecoderError(f"partial rotary embeddings ({inv_freq.numel() * 2} of {dims.head_dim} dims) are not "
+                              "written by --target onnxruntime yet")
+    positions = torch.arange(dims.max_positions, dtype=torch.float32)
+    # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
+    freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
+    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
+
+
+# -- the graph ----------------------------------------------------------------------------
+class _Writer:
+    """Nodes and initializers, with unique names."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.np_dtype = numpy_dtype(dtype)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._names: set[str] = set()
+
+    def name(self, base: str) -> str:
+        name, i = base, 1
+        while name in self._names:
+            i += 1
+            name = f"{base}_{i}"
+        self._names.add(name)
+        return name
+
+    def node(self, op: str, inputs: list[str], base: str, *, outputs: int = 1, domain: str = "", **attrs: Any) -> list[str]:
+        outs = [self.name(f"{base}/out{i}" if outputs > 1 else base) for i in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=self.name(f"{base}/{op}"), domain=domain or None,
+                                           **attrs))
+        return outs
+
+    def one(self, op: str, inputs: list[str], base: str, **attrs: Any) -> str:
+        return self.node(op, inputs, base, **attrs)[0]
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        name = self.name(name)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def weight(self, name: str, tensor: torch.Tensor) -> str:
+        return self.init(name, tensor.detach().to(torch.float32 if self.dtype == "float32" else torch.float16)
+                         .cpu().numpy().astype(self.np_dtype))
+
+    def linear_t(self, name: str, *weights: torch.Tensor) -> str:
+        """[in, out] of one or more nn.Linear weights ([out, in]) side by side: a fused MatMul."""
+        w = torch.cat([t.detach() for t in weights], dim=0).T
+        return self.weight(name, w)
+
+
+def _bias(writer: _Writer, name: str, x: str, *linears: torch.nn.Linear) -> str:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return x
+    if any(b is None for b in biases):
+        raise OrtDecoderError(f"{name}: some fused projections have a bias and some do not")
+    return writer.one("Add", [x, writer.weight(f"{name}.bias", torch.cat([b.detach() for b in biases]))], name)
+
+
+def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buffer: bool = False,
+                  max_length: int | None = None) -> OrtDecoder:
+    """The ONNX Runtime decoder graph of ``loaded`` (a transformers Llama-family causal LM).
+
+    Raises :class:`OrtDecoderError` for a model or option it cannot write exactly.
+    """
+    dtype = dtype_name(loaded.dtype)
+    if dtype not in DTYPES:
+        raise OrtDecoderError(f"--target onnxruntime writes {', '.join(DTYPES)} graphs (GroupQueryAttention has no "
+                              f"{dtype} CPU kernel); export {dtype} with --target portable")
+    lm = _causal_lm(loaded)
+    dims = decoder_dims(lm)
+    detection = detect_norms(loaded.module, dtype=dtype)
+    by_path = {n.path: n for n in detection.norms}
+    for norm in detection.norms:
+        reason = refusal(lowering, norm.spec, norm.spec.upcasts(dtype), OPSET)
+        if reason:
+            raise OrtDecoderError(f"cannot lower norm {norm.path!r} to {lowering!r}: {reason}")
+    prefix = next(p for p, m in loaded.module.named_modules() if m is lm)
+    prefix = f"{prefix}." if prefix else ""
+
+    w = _Writer(dtype)
+    elem = onnx_type(dtype)
+    used_norms: list[str] = []
+
+    def norm(module: torch.nn.Module, x: str, out: str | None = None) -> str:
+        path = next(p for p, m in loaded.module.named_modules() if m is module)
+        found = by_path.get(path)
+        if found is None:
+            raise OrtDecoderError(f"{path}: not a detected RMSNorm; the graph writes every norm as its exact spec")
+        inputs = [x] + ([w.weight(f"{path}.weight", found.weight)] if found.spec.has_gain else [])
+        y = out or w.name(f"{path}/output")
+        w.nodes.append(rmsnorm_node(found.spec, dtype, inputs, [y], name=path))
+        used_norms.append(path)
+        return y
+
+    # Prelude: lengths for GroupQueryAttention and the additive mask of the padding.
+    ints = {1: w.init("const/int64_1", np.array([1], dtype=np.int64))}
+    scalar1 = w.init("const/int64_scalar_1", np.array(1, dtype=np.int64))
+    mask_shape = w.one("Shape", ["attention_mask"], "mask/shape")
+    total = w.one("Gather", [mask_shape, scalar1], "mask/total", axis=0)  # scalar int64
+    total_i32 = w.one("Cast", [total], "mask/total_sequence_length", to=TensorProto.INT32)
+    batch = w.one("Shape", ["input_ids"], "mask/batch", start=0, end=1)
+    seq = w.one("Shape", ["input_ids"], "mask/seq", start=1, end=2)
+    total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
+    last = w.one("Sub", [total_1d, ints[1]], "mask/last")
+    seqlens = w.one("Cast", [w.one("Expand", [last, batch], "mask/seqlens64")], "mask/seqlens_k", to=TensorProto.INT32)
+    mask_f = w.one("Cast", ["attention_mask"], "mask/float", to=elem)
+    one_f = w.init("const/one", np.array(1, dtype=w.np_dtype))
+    low = w.init("const/lowest", np.array(np.finfo(w.np_dtype).min, dtype=w.np_dtype))
+    bias2d = w.one("Mul", [w.one("Sub", [one_f, mask_f], "mask/inverted"), low], "mask/bias2d")
+    bias4d = w.one("Unsqueeze", [bias2d, w.init("const/axes_1_2", np.array([1, 2], dtype=np.int64))], "mask/bias4d")
+    bias_shape = w.one("Concat", [batch, ints[1], seq, total_1d], "mask/bias_shape", axis=0)
+    attn_bias = w.one("Expand", [bias4d, bias_shape], "mask/attention_bias")
+
+    cos, sin = rotary_caches(lm, dims, w.np_dtype)
+    cos_name, sin_name = w.init("cos_cache", cos), w.init("sin_cache", sin)
+
+    embed = lm.get_input_embeddings()
+    hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), "input_ids"], "embed")
+    q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    for i, layer in enumerate(lm.model.layers):
+        base = f"{prefix}model.layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        x = norm(layer.input_layernorm, hidden)
+        qkv = w.one("MatMul", [x, w.linear_t(f"{base}.self_attn.qkv_proj.weight", attn.q_proj.weight, attn.k_proj.weight,
+                                               attn.v_proj.weight)], f"{base}/attn/qkv")
+        qkv = _bias(w, f"{base}/attn/qkv", qkv, attn.q_proj, attn.k_proj, attn.v_proj)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        split = w.init(f"{base}/attn/split", np.array([q_size, kv_size, kv_size], dtype=np.int64))
+        q, k, v = w.node("Split", [qkv, split], f"{base}/attn/split", outputs=3, axis=-1)
+        q = _head_norm(w, norm, q_norm, q, dims.heads, dims.head_dim, f"{base}/attn/q")
+        k = _head_norm(w, norm, k_norm, k, dims.kv_heads, dims.head_dim, f"{base}/attn/k")
+        # Rotary outside the attention: GroupQueryAttention's own rotary (do_rotary) reads
+        # position_ids in the prompt but derives decode positions from seqlens_k, which is wrong
+        # for left-padded rows; RotaryEmbedding takes position_ids at every step.
+        q = w.one("RotaryEmbedding", [q, "position_ids", cos_name, sin_name], f"{base}/attn/q_rotary",
+                  domain=MS_DOMAIN, num_heads=dims.heads, interleaved=0)
+        k = w.one("RotaryEmbedding", [k, "position_ids", cos_name, sin_name], f"{base}/attn/k_rotary",
+                  domain=MS_DOMAIN, num_heads=dims.kv_heads, interleaved=0)
+        gqa_out = w.node(
+            "GroupQueryAttention",
+            [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32, "", "", "",
+             attn_bias],
+            f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=0, local_window_size=-1,
+        )
+        # The present outputs carry the convention's names.
+        gqa_node = w.nodes[-1]
+        gqa_node.output[1], gqa_node.output[2] = f"present.{i}.key", f"present.{i}.value"
+        o = w.one("MatMul", [gqa_out[0], w.linear_t(f"{base}.self_attn.o_proj.weight", attn.o_proj.weight)],
+                  f"{base}/attn/o_proj")
+        o = _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
+        hidden = w.one("Add", [hidden, o], f"{base}/attn/residual")
+        x = norm(layer.post_attention_layernorm, hidden)
+        inter = mlp.gate_proj.weight.shape[0]
+        gate_up = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.gate_up_proj.weight", mlp.gate_proj.weight,
+                                                   mlp.up_proj.weight)], f"{base}/mlp/gate_up")
+        gate_up = _bias(w, f"{base}/mlp/gate_up", gate_up, mlp.gate_proj, mlp.up_proj)
+        gate, up = w.node("Split", [gate_up, w.init(f"{base}/mlp/split", np.array([inter, inter], dtype=np.int64))],
+                          f"{base}/mlp/split", outputs=2, axis=-1)
+        act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
+        down = w.one("MatMul", [w.one("Mul", [act, up], f"{base}/mlp/gated"),
+                                w.linear_t(f"{base}.mlp.down_proj.weight", mlp.down_proj.weight)], f"{base}/mlp/down")
+        down = _bias(w, f"{base}/mlp/down", down, mlp.down_proj)
+        hidden = w.one("Add", [hidden, down], f"{base}/mlp/residual")
+    x = norm(lm.model.norm, hidden)
+    head_weight, head_path = lm_head_of(lm)
+    w.nodes.append(helper.make_node("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], ["logits"],
+                                    name="lm_head/MatMul"))
+
+    missing = [p for p in by_path if p not in used_norms]
+    if missing:
+        raise OrtDecoderError(f"{len(missing)} detected norm(s) are not on the graph's path ({', '.join(missing[:3])}); "
+                              "this model's structure is not the Llama family's")
+    cache_len = "max_length" if share_buffer else "past_sequence_length"
+    present_len = "max_length" if share_buffer else "total_sequence_length"
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", elem, ["batch_size", "sequence_length", dims.vocab])]
+    for i in range(dims.layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", elem,
+                                                        ["batch_size", dims.kv_heads, cache_len, dims.head_dim]))
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", elem,
+                                                         ["batch_size", dims.kv_heads, present_len, dims.head_dim]))
+    graph = helper.make_graph(w.nodes, f"{loaded.name}-kv-{TARGET}", inputs, outputs, w.inits)
+    model = helper.make_model(graph, producer_name="rmsnorm-deploy",
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+    model.ir_version = ir_version_for(model.opset_import)
+    model = lower_model(model, lowering)
+    max_len = int(max_length or dims.max_positions)
+    if not 1 <= max_len <= dims.max_positions:
+        raise OrtDecoderError(f"max_length {max_len} is outside the model's 1..{dims.max_positions} positions")
+    ModelMetadata(
+        specs=detection.specs, lowering=lowering, dtype=dtype, source=loaded.source,
+        inputs=_inputs_meta(dims, dtype, share_buffer, loaded.vocab_size),
+        dims={"batch": [1, 1, 8], "sequence_length": [1, 1, max_len], "past_sequence_length": [0, 0, max_len - 1],
+              "total_sequence_length": [1, 1, max_len]},
+        versions=tool_versions(),
+        kv_cache=kv_cache_metadata(dims, share_buffer=share_buffer, max_length=max_len, head=head_path),
+    ).write(model)
+    return OrtDecoder(model, dims, detection, len(used_norms), head_path)
+
+
+def _head_norm(w: _Writer, norm: Any, module: torch.nn.Module | None, x: str, heads: int, head_dim: int,
+               base: str) -> str:
+    """A per-head norm (Qwen3's q_norm/k_norm over head_dim): [B, S, H*D] -> [B, S, H, D] -> norm -> back."""
+    if module is None:
+        return x
+    to_heads = w.init(f"{base}/heads_shape", np.array([0, 0, heads, head_dim], dtype=np.int64))
+    flat = w.init(f"{base}/flat_shape", np.array([0, 0, heads * head_dim], dtype=np.int64))
+    y = norm(module, w.one("Reshape", [x, to_heads], f"{base}/to_heads"))
+    return w.one("Reshape", [y, flat], f"{base}/flat")
+
+
+def kv_cache_metadata(dims: DecoderDims, *, share_buffer: bool, max_length: int, head: str) -> dict[str, Any]:
+    """The ``kv_cache`` entry of the metadata: the convention, the target and its buffer mode."""
+    return {
+        "convention": KV_CONVENTION,
+        "target": TARGET,
+        "past_present_share_buffer": bool(share_buffer),
+        "max_length": int(max_length),
+        "layers": dims.layers,
+        "kv_heads": dims.kv_heads,
+        "heads": dims.heads,
+        "head_dim": dims.head_dim,
+        "hidden": dims.hidden,
+        "vocab": dims.vocab,
+        "model_type": dims.model_type,
+        "lm_head": head,
+        "padding": "left (position_ids = cumsum(attention_mask) - 1)",
+    }
+
+
+def _inputs_meta(dims: DecoderDims, dtype: str, share_buffer: bool, vocab: int) -> dict[str, dict[str, Any]]:
+    cache = "max_length" if share_buffer else "past_sequence_length"
+    meta: dict[str, dict[str, Any]] = {
+        "input_ids": {"dtype": "int64", "shape": ["batch", "sequence_length"], "kind": "token_ids", "high": int(vocab)},
+        "attention_mask": {"dtype": "int64", "shape": ["batch", "total_sequence_length"], "kind": "attention_mask"},
+        "position_ids": {"dtype": "int64", "shape": ["batch", "sequence_length"], "kind": "position_ids"},
+    }
+    for i in range(dims.layers):
+        for kind in ("key", "value"):
+            meta[f"past_key_values.{i}.{kind}"] = {"dtype": dtype, "shape": ["batch", dims.kv_heads, cache, dims.head_dim],
+                                                   "kind": "past"}
+    return meta
