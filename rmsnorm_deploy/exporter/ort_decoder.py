@@ -65,7 +65,8 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _ACTIVATIONS = ("silu",)
 #: The dtypes GroupQueryAttention runs in on ONNX Runtime CPU.
 DTYPES = ("float32", "float16")
-KV_CONVENTION = "past_key_values.{i}.key/value -> present.{i}.key/value, [batch, kv_heads, past, head_dim]"
+#: The convention's version (``exporter.kv_cache.CONVENTION``).
+CONVENTION = "past_key_values/1"
 
 
 class OrtDecoderError(UserError):
@@ -340,20 +341,20 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     if missing:
         raise OrtDecoderError(f"{len(missing)} detected norm(s) are not on the graph's path ({', '.join(missing[:3])}); "
                               "this model's structure is not the Llama family's")
-    cache_len = "max_length" if share_buffer else "past_sequence_length"
-    present_len = "max_length" if share_buffer else "total_sequence_length"
+    cache_len = "max_length" if share_buffer else "past"
+    present_len = "max_length" if share_buffer else "total"
     inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "sequence"]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", elem, ["batch_size", "sequence_length", dims.vocab])]
+    outputs = [helper.make_tensor_value_info("logits", elem, ["batch", "sequence", dims.vocab])]
     for i in range(dims.layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", elem,
-                                                        ["batch_size", dims.kv_heads, cache_len, dims.head_dim]))
+                                                        ["batch", dims.kv_heads, cache_len, dims.head_dim]))
             outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", elem,
-                                                         ["batch_size", dims.kv_heads, present_len, dims.head_dim]))
+                                                         ["batch", dims.kv_heads, present_len, dims.head_dim]))
     graph = helper.make_graph(w.nodes, f"{loaded.name}-kv-{TARGET}", inputs, outputs, w.inits)
     model = helper.make_model(graph, producer_name="rmsnorm-deploy",
                               opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
@@ -365,10 +366,9 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     ModelMetadata(
         specs=detection.specs, lowering=lowering, dtype=dtype, source=loaded.source,
         inputs=_inputs_meta(dims, dtype, share_buffer, loaded.vocab_size),
-        dims={"batch": [1, 1, 8], "sequence_length": [1, 1, max_len], "past_sequence_length": [0, 0, max_len - 1],
-              "total_sequence_length": [1, 1, max_len]},
+        dims={"batch": [1, 1, 8], "sequence": [1, 1, max_len], "past": [0, 0, max_len - 1], "total": [1, 1, max_len]},
         versions=tool_versions(),
-        kv_cache=kv_cache_metadata(dims, share_buffer=share_buffer, max_length=max_len, head=head_path),
+        kv_cache=kv_cache_metadata(dims, dtype, share_buffer=share_buffer, max_length=max_len, head=head_path),
     ).write(model)
     return OrtDecoder(model, dims, detection, len(used_norms), head_path)
 
@@ -384,34 +384,182 @@ def _head_norm(w: _Writer, norm: Any, module: torch.nn.Module | None, x: str, he
     return w.one("Reshape", [y, flat], f"{base}/flat")
 
 
-def kv_cache_metadata(dims: DecoderDims, *, share_buffer: bool, max_length: int, head: str) -> dict[str, Any]:
-    """The ``kv_cache`` entry of the metadata: the convention, the target and its buffer mode."""
+def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_length: int,
+                      head: str) -> dict[str, Any]:
+    """The ``kv_cache`` entry of the metadata: the convention's fields (the keys of
+    ``exporter.kv_cache.KVCacheLayout``), the target, its buffer mode and the LM head used."""
     return {
-        "convention": KV_CONVENTION,
+        "convention": CONVENTION,
         "target": TARGET,
         "past_present_share_buffer": bool(share_buffer),
-        "max_length": int(max_length),
-        "layers": dims.layers,
+        "num_layers": dims.layers,
+        "num_heads": dims.heads,
         "kv_heads": dims.kv_heads,
-        "heads": dims.heads,
         "head_dim": dims.head_dim,
-        "hidden": dims.hidden,
-        "vocab": dims.vocab,
-        "model_type": dims.model_type,
+        "hidden_size": dims.hidden,
+        "vocab_size": dims.vocab,
+        "max_length": int(max_length),
+        "dtype": dtype,
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
         "lm_head": head,
-        "padding": "left (position_ids = cumsum(attention_mask) - 1)",
     }
 
 
 def _inputs_meta(dims: DecoderDims, dtype: str, share_buffer: bool, vocab: int) -> dict[str, dict[str, Any]]:
-    cache = "max_length" if share_buffer else "past_sequence_length"
+    cache = "max_length" if share_buffer else "past"
     meta: dict[str, dict[str, Any]] = {
-        "input_ids": {"dtype": "int64", "shape": ["batch", "sequence_length"], "kind": "token_ids", "high": int(vocab)},
-        "attention_mask": {"dtype": "int64", "shape": ["batch", "total_sequence_length"], "kind": "attention_mask"},
-        "position_ids": {"dtype": "int64", "shape": ["batch", "sequence_length"], "kind": "position_ids"},
+        "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"], "kind": "token_ids", "high": int(vocab)},
+        "attention_mask": {"dtype": "int64", "shape": ["batch", "total"], "kind": "attention_mask"},
+        "position_ids": {"dtype": "int64", "shape": ["batch", "sequence"], "kind": "position_ids"},
     }
     for i in range(dims.layers):
         for kind in ("key", "value"):
             meta[f"past_key_values.{i}.{kind}"] = {"dtype": dtype, "shape": ["batch", dims.kv_heads, cache, dims.head_dim],
-                                                   "kind": "past"}
+                                                   "kind": "kv_cache"}
     return meta
+
+
+# -- audit, parity and the export ---------------------------------------------------------
+def audit_norms(model: onnx.ModelProto, norm_nodes: int) -> int:
+    """As many RMSNorm reductions as norm nodes, every one accumulating in float32 or wider."""
+    from rmsnorm_deploy.graph.audit import audit_model
+
+    reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
+    if len(reductions) != norm_nodes:
+        raise OrtDecoderError(f"the graph holds {len(reductions)} RMSNorm reductions for {norm_nodes} norm nodes")
+    low = [r for r in reductions if r.low_precision]
+    if low:
+        raise OrtDecoderError(f"{len(low)} RMSNorm reduction(s) accumulate in {low[0].accumulation} "
+                              f"(first: {low[0].node}); they must stay in float32")
+    return len(reductions)
+
+
+@dataclasses.dataclass
+class DecodeParity:
+    """Per-step logits of the graph against transformers running with its own cache."""
+
+    results: list[Any]  # contract.compare.CompareResult, one per step (prefill first)
+    tokens_equal: bool
+
+    @property
+    def failed(self) -> bool:
+        return not self.results or not self.tokens_equal or not all(self.results)
+
+    @property
+    def status(self) -> str:
+        return "fail" if self.failed else "pass"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "tokens_equal": self.tokens_equal, "steps": [r.to_dict() for r in self.results]}
+
+    def table(self) -> str:
+        return "\n".join(r.summary() for r in self.results) + f"\ngreedy tokens equal to transformers: {self.tokens_equal}"
+
+
+def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: int = 16, steps: int = 4,
+                  seed: int = 0) -> DecodeParity:
+    """Prefill and ``steps`` greedy decode steps of ``model`` (a ModelProto or path) in ONNX Runtime
+    CPU against transformers eager with its cache, rows left-padded by different amounts; per
+    step, the last position's logits are compared (tolerance ``("model", "onnxruntime", dtype)``)."""
+    from rmsnorm_deploy.contract.compare import compare
+    from rmsnorm_deploy.contract.inputs import token_ids
+    from rmsnorm_deploy.contract.tolerances import tolerance_for
+    from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner
+
+    dtype = dtype_name(loaded.dtype)
+    lm = _causal_lm(loaded)
+    ids = token_ids((batch, prompt), loaded.vocab_size, seed=seed).astype(np.int64)
+    mask = np.ones_like(ids)
+    for row in range(1, batch):
+        mask[row, : min(prompt - 1, 2 * row)] = 0  # left padding, different per row
+    runner = KVDecoderRunner(model, dtype=numpy_dtype(dtype))
+    got = runner.greedy(ids, mask, new_tokens=steps + 1, keep_logits=True)
+    expected, tokens = _transformers_steps(lm, ids, mask, steps + 1)
+    tolerance = tolerance_for("model", "onnxruntime", dtype)
+    results = [compare(g, e, tolerance, name=f"logits step {i}" if i else "logits prefill", dtype=dtype)
+               for i, (g, e) in enumerate(zip(got.step_logits, expected))]
+    return DecodeParity(results, bool(np.array_equal(tokens, got.tokens)))
+
+
+@torch.no_grad()
+def _transformers_steps(lm: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Last-position logits of each greedy step and the tokens, transformers eager with its cache."""
+    import warnings
+
+    from rmsnorm_deploy.exporter.surgery import quiet_logger
+
+    input_ids, attention = torch.from_numpy(ids), torch.from_numpy(mask)
+    with warnings.catch_warnings(), quiet_logger("transformers"):
+        warnings.simplefilter("ignore", FutureWarning)  # transformers renames past_key_values
+        return _steps(lm, input_ids, attention, new_tokens)
+
+
+def _steps(lm: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, new_tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
+    cache, logits_per_step, tokens = None, [], []
+    for _ in range(new_tokens):
+        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)[:, -input_ids.shape[1]:]
+        out = lm(input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                 use_cache=True)
+        cache = out.past_key_values
+        last = out.logits[:, -1, :]
+        logits_per_step.append(last.float().numpy() if last.dtype == torch.bfloat16 else last.numpy())
+        token = last.argmax(-1)
+        tokens.append(token.numpy())
+        input_ids = token[:, None]
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+    return logits_per_step, np.stack(tokens, axis=1)
+
+
+@dataclasses.dataclass
+class OrtDecoderExport:
+    path: Any
+    decoder: OrtDecoder
+    parity: DecodeParity | None
+    report_path: Any = None
+
+    @property
+    def parity_failed(self) -> bool:
+        return self.parity is not None and self.parity.failed
+
+
+def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, share_buffer: bool = False,
+                       max_length: int | None = None) -> OrtDecoderExport:
+    """``export --kv-cache --target onnxruntime``: write, audit, save atomically, check parity.
+
+    ``plan``: an ``exporter.plan.ExportPlan`` (options and paths checked once). The parity
+    failure is not an exception: see ``OrtDecoderExport.parity_failed``.
+    """
+    import json
+
+    from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
+    from rmsnorm_deploy.progress import Progress
+
+    options = plan.options
+    progress = progress or Progress(enabled=False)
+    if dtype_name(loaded.dtype) != options.dtype:
+        raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {options.dtype}")
+    with progress.stage("writing the ONNX Runtime decoder graph (GroupQueryAttention, fused projections)") as st:
+        decoder = build_decoder(loaded, lowering=options.lowering, share_buffer=share_buffer, max_length=max_length)
+        audited = audit_norms(decoder.model, decoder.norm_nodes)
+        st.note(f"{len(decoder.model.graph.node)} nodes, {audited} norm nodes audited in float32")
+    with progress.stage(f"saving {plan.target}") as st:
+        save_onnx(decoder.model, plan.target, force=options.force)
+    result = OrtDecoderExport(plan.target, decoder, None)
+    if options.parity:
+        with progress.stage("parity: ONNX Runtime CPU vs transformers with its cache (prefill + 4 steps)") as st:
+            result.parity = decode_parity(loaded, str(plan.target), batch=options.batch, prompt=options.seq,
+                                          seed=options.seed)
+            st.note(result.parity.status)
+        report = {
+            "model": str(plan.target), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
+            "kv_cache": kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
+                                          max_length=int(max_length or decoder.dims.max_positions), head=decoder.lm_head),
+            "nodes": len(decoder.model.graph.node), "norms": [n.to_dict() for n in decoder.detection.norms],
+            "parity": result.parity.to_dict(), "versions": tool_versions(),
+        }
+        with atomic_path(plan.report_path, force=options.force) as tmp:
+            tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+        result.report_path = plan.report_path
+    return result

@@ -28,9 +28,9 @@ dims               ``{dynamic dim name: [min, opt, max]}``: the range the model 
                    ``max(8, batch)`` for ``batch`` and the model's positions (at most 4096) for
                    ``seq``
 versions           ``{package: version}`` of the tools that wrote the file
-kv_cache           only in graphs with a KV cache: ``{"convention": str, "target": "onnxruntime" |
-                   "portable", "past_present_share_buffer": bool, "max_length": int, "layers",
-                   "heads", "kv_heads", "head_dim", ...}`` (see ``exporter/ort_decoder.py``)
+kv_cache           only in KV-cache graphs (``export --kv-cache``): the I/O convention (layers,
+                   heads, kv_heads, head_dim, vocabulary, maximum length, dtype, graph
+                   ``target``: portable or onnxruntime, ``past_present_share_buffer``)
 =================  ==========================================================================
 """
 
@@ -61,8 +61,8 @@ class ModelMetadata:
     inputs: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: Empty for graphs without a KV cache (then not written).
-    kv_cache: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: KV-cache graphs only: the I/O convention; ``None`` otherwise.
+    kv_cache: dict[str, Any] | None = None
 
     def to_props(self) -> dict[str, str]:
         props = {
@@ -75,7 +75,7 @@ class ModelMetadata:
             "dims": json.dumps(self.dims, sort_keys=True),
             "versions": json.dumps(self.versions, sort_keys=True),
         }
-        if self.kv_cache:
+        if self.kv_cache is not None:
             props["kv_cache"] = json.dumps(self.kv_cache, sort_keys=True)
         return props
 
@@ -106,7 +106,7 @@ class ModelMetadata:
             inputs=parsed.get("inputs", {}),
             dims=parsed.get("dims", {}),
             versions=parsed.get("versions", {}),
-            kv_cache=parsed.get("kv_cache", {}),
+            kv_cache=parsed.get("kv_cache"),
         )
 
 
