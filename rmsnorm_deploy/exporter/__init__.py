@@ -14,5 +14,7 @@ blocks         the pre-norm LLaMA-style block and stack
 presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)
 hf             Hugging Face folders (config.json + safetensors), no Hub access
 rebuild        the PyTorch source of an exported model, rebuilt from its metadata
+ort_decoder    ``--kv-cache --target onnxruntime``: the decoder graph written from the module
+               tree (fused QKV, GroupQueryAttention, exact norm nodes), its per-step parity
 =============  ==============================================================================
 """
