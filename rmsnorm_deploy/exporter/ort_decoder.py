@@ -10,10 +10,9 @@ forward uses as its LM head, ``get_output_embeddings()``) and emits, per layer:
   ``SimplifiedLayerNormalization``), its spec confirmed bit for bit by ``detect.py``;
 - one fused Q/K/V ``MatMul`` (plus its bias where the model has one);
 - Qwen3-style per-head q/k norms as our norm nodes (``Reshape`` to heads, norm, back);
-- ``com.microsoft.RotaryEmbedding`` on q and k (cos/sin caches
-  computed from the model's own ``rotary_emb.inv_freq`` and ``attention_scaling``), then
-  ``com.microsoft.GroupQueryAttention`` with the
-  K/V heads unrepeated;
+- ``com.microsoft.GroupQueryAttention`` on the packed Q/K/V (separate q, k, v after Qwen3's
+  norms) with rotary inside (``do_rotary=1``; cos/sin caches computed from the model's own
+  ``rotary_emb.inv_freq`` and ``attention_scaling``) and the K/V heads unrepeated;
 - the output projection and residual ``Add``, the post-attention norm, one fused gate/up
   ``MatMul``, the activation, the down projection and residual ``Add``.
 
@@ -22,13 +21,16 @@ The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``
 ``past_key_values.{i}.key/value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` and
 ``present.{i}.key/value`` [batch, kv_heads, past + sequence, head_dim].
 
-Padding. GroupQueryAttention takes per-row lengths (``seqlens_k``) and assumes a row's valid
-keys are its first ``seqlens_k + 1`` positions (right padding). The convention pads on the
-left (position_ids = cumsum(mask) - 1), so the graph gives every row the full length and
-turns ``attention_mask`` into an additive ``attention_bias`` (the dtype's lowest value on
-masked keys, as transformers does); the rotary embedding reads ``position_ids`` (GQA's own
-rotary would take decode positions from ``seqlens_k``). This is transformers' masking, at any
-padding.
+Padding. GroupQueryAttention keeps each row's cache compact: a row's valid keys are its first
+``seqlens_k + 1`` slots and its positions their indices (right padding). The convention pads on
+the left, so the graph rotates each row's chunk of ``input_ids`` left by the row's padding
+before the embedding (valid tokens first) and rotates the logits back after the LM head; with
+``seqlens_k = sum(attention_mask) - 1`` every valid token then sits at its position
+``cumsum(attention_mask) - 1``, which is what the convention's ``position_ids`` hold (the input
+is accepted and the same positions are derived). The present tensors hold each row's valid
+keys first: they are this graph's own state, fed back unchanged, as every client does. The
+result is transformers' masking and positions at any left padding, with a decode step as lean as
+onnxruntime-genai's (a few index ops on [batch, sequence] per step).
 
 ``share_buffer=True`` writes onnxruntime-genai's other mode: past and present are one
 preallocated [batch, kv_heads, max_length, head_dim] buffer (bound to both with IOBinding),
@@ -262,30 +264,38 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         used_norms.append(path)
         return y
 
-    # Prelude: lengths for GroupQueryAttention and the additive mask of the padding.
-    ints = {1: w.init("const/int64_1", np.array([1], dtype=np.int64))}
-    scalar1 = w.init("const/int64_scalar_1", np.array(1, dtype=np.int64))
-    mask_shape = w.one("Shape", ["attention_mask"], "mask/shape")
-    total = w.one("Gather", [mask_shape, scalar1], "mask/total", axis=0)  # scalar int64
-    total_i32 = w.one("Cast", [total], "mask/total_sequence_length", to=TensorProto.INT32)
-    batch = w.one("Shape", ["input_ids"], "mask/batch", start=0, end=1)
-    seq = w.one("Shape", ["input_ids"], "mask/seq", start=1, end=2)
+    # Prelude. GroupQueryAttention keeps each row's cache compact: its valid tokens first, its
+    # length seqlens_k + 1 = sum(attention_mask), positions = index in the row. The convention pads
+    # on the left, so the chunk's tokens are rotated left by the row's padding before the
+    # embedding (valid tokens first, as GQA reads them) and the logits rotated back after the
+    # LM head. Positions then equal cumsum(attention_mask) - 1, which is what the convention's
+    # position_ids hold (the input is accepted; GQA's rotary derives the same positions).
+    i64 = lambda name, value: w.init(f"const/{name}", np.array(value, dtype=np.int64))  # noqa: E731
+    one_1d, zero, one, axes1 = i64("one_1d", [1]), i64("zero", 0), i64("one", 1), i64("axes_1", [1])
+    seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
+    seq = w.one("Squeeze", [seq_1d], "mask/seq")
     total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
-    last = w.one("Sub", [total_1d, ints[1]], "mask/last")
-    seqlens = w.one("Cast", [w.one("Expand", [last, batch], "mask/seqlens64")], "mask/seqlens_k", to=TensorProto.INT32)
-    mask_f = w.one("Cast", ["attention_mask"], "mask/float", to=elem)
-    one_f = w.init("const/one", np.array(1, dtype=w.np_dtype))
-    low = w.init("const/lowest", np.array(np.finfo(w.np_dtype).min, dtype=w.np_dtype))
-    bias2d = w.one("Mul", [w.one("Sub", [one_f, mask_f], "mask/inverted"), low], "mask/bias2d")
-    bias4d = w.one("Unsqueeze", [bias2d, w.init("const/axes_1_2", np.array([1, 2], dtype=np.int64))], "mask/bias4d")
-    bias_shape = w.one("Concat", [batch, ints[1], seq, total_1d], "mask/bias_shape", axis=0)
-    attn_bias = w.one("Expand", [bias4d, bias_shape], "mask/attention_bias")
+    chunk = w.one("Slice", ["attention_mask", w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d, axes1],
+                  "mask/chunk")
+    valid = w.one("ReduceSum", [chunk, axes1], "mask/chunk_valid", keepdims=1)  # [batch, 1]
+    pad = w.one("Sub", [seq_1d, valid], "mask/chunk_pad")  # [batch, 1]
+    steps = w.one("Range", [zero, seq, one], "mask/range")  # [seq]
+    # compact[i] = chunk[(i + pad) % seq]; back: original[j] = compact[(j - pad + seq) % seq]
+    to_compact = w.one("Mod", [w.one("Add", [steps, pad], "mask/shifted"), seq_1d], "mask/to_compact")
+    back = w.one("Mod", [w.one("Add", [w.one("Sub", [steps, pad], "mask/unshifted"), seq_1d], "mask/unshifted_pos"),
+                         seq_1d], "mask/to_original")
+    ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
+    lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
+    seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
+                    to=TensorProto.INT32)
+    total_i32 = w.one("Cast", [w.one("Squeeze", [total_1d], "mask/total")], "mask/total_sequence_length",
+                      to=TensorProto.INT32)
 
     cos, sin = rotary_caches(lm, dims, w.np_dtype)
     cos_name, sin_name = w.init("cos_cache", cos), w.init("sin_cache", sin)
 
     embed = lm.get_input_embeddings()
-    hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), "input_ids"], "embed")
+    hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), ids], "embed")
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     for i, layer in enumerate(lm.model.layers):
         base = f"{prefix}model.layers.{i}"
@@ -295,23 +305,21 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
                                                attn.v_proj.weight)], f"{base}/attn/qkv")
         qkv = _bias(w, f"{base}/attn/qkv", qkv, attn.q_proj, attn.k_proj, attn.v_proj)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        split = w.init(f"{base}/attn/split", np.array([q_size, kv_size, kv_size], dtype=np.int64))
-        q, k, v = w.node("Split", [qkv, split], f"{base}/attn/split", outputs=3, axis=-1)
-        q = _head_norm(w, norm, q_norm, q, dims.heads, dims.head_dim, f"{base}/attn/q")
-        k = _head_norm(w, norm, k_norm, k, dims.kv_heads, dims.head_dim, f"{base}/attn/k")
-        # Rotary outside the attention: GroupQueryAttention's own rotary (do_rotary) reads
-        # position_ids in the prompt but derives decode positions from seqlens_k, which is wrong
-        # for left-padded rows; RotaryEmbedding takes position_ids at every step.
-        q = w.one("RotaryEmbedding", [q, "position_ids", cos_name, sin_name], f"{base}/attn/q_rotary",
-                  domain=MS_DOMAIN, num_heads=dims.heads, interleaved=0)
-        k = w.one("RotaryEmbedding", [k, "position_ids", cos_name, sin_name], f"{base}/attn/k_rotary",
-                  domain=MS_DOMAIN, num_heads=dims.kv_heads, interleaved=0)
+        if q_norm is not None or k_norm is not None:
+            split = w.init(f"{base}/attn/split", np.array([q_size, kv_size, kv_size], dtype=np.int64))
+            q, k, v = w.node("Split", [qkv, split], f"{base}/attn/split", outputs=3, axis=-1)
+            q = _head_norm(w, norm, q_norm, q, dims.heads, dims.head_dim, f"{base}/attn/q")
+            k = _head_norm(w, norm, k_norm, k, dims.kv_heads, dims.head_dim, f"{base}/attn/k")
+            qkv_inputs = [q, k, v]
+        else:
+            qkv_inputs = [qkv, "", ""]  # packed
         gqa_out = w.node(
             "GroupQueryAttention",
-            [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32, "", "", "",
-             attn_bias],
+            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32, cos_name,
+                          sin_name],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
-            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=0, local_window_size=-1,
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=1, rotary_interleaved=0,
+            local_window_size=-1,
         )
         # The present outputs carry the convention's names.
         gqa_node = w.nodes[-1]
@@ -334,8 +342,9 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         hidden = w.one("Add", [hidden, down], f"{base}/mlp/residual")
     x = norm(lm.model.norm, hidden)
     head_weight, head_path = lm_head_of(lm)
-    w.nodes.append(helper.make_node("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], ["logits"],
-                                    name="lm_head/MatMul"))
+    logits = w.one("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], "lm_head")
+    back_3d = w.one("Unsqueeze", [back, i64("axes_last", [-1])], "mask/to_original_3d")
+    w.nodes.append(helper.make_node("GatherND", [logits, back_3d], ["logits"], name="logits/GatherND", batch_dims=1))
 
     missing = [p for p in by_path if p not in used_norms]
     if missing:
