@@ -14,7 +14,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench-export-scale bench-peers lint-docker clean
+.PHONY: run test parity bench-export-scale bench-peers bench-kv lint-docker clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ bench-export-scale: $(STAMP)
 # Runtime CPU. optimum-onnx needs transformers < 4.58: give its Python with OPTIMUM_PYTHON=...
 bench-peers: $(STAMP)
 	$(PY) benchmarks/bench_peers_ort.py $(if $(OPTIMUM_PYTHON),--optimum-python $(OPTIMUM_PYTHON))
+
+# KV-cache decoding in ONNX Runtime CPU: our --target onnxruntime graph against onnxruntime-genai's builder
+# output (its runtime and our loop) and torch eager; prefill and decode ms/token, batch 1 and 4.
+bench-kv: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[genai]'
+	$(PY) benchmarks/bench_kv_decode.py
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -105,44 +105,55 @@ class KVDecoderRunner:
             raise InputError(f"prompt {prompt} + {new_tokens} new tokens exceed the shared buffer's {lay.max_length}")
         ort = self.ort
         binding = self.session.io_binding()
+        binding.bind_output("logits", "cpu")  # first: outputs come back in binding order
         caches: dict[str, Any] = {}
-        for past, _ in lay.pairs():
+        for past, present in lay.pairs():
             length = lay.max_length if lay.share_buffer else 0
             caches[past] = ort.OrtValue.ortvalue_from_numpy(
                 np.zeros((batch, lay.kv_heads, length, lay.head_dim), self.dtype))
+            if lay.share_buffer:  # bound once: GroupQueryAttention writes each step in place
+                binding.bind_ortvalue_input(past, caches[past])
+                binding.bind_ortvalue_output(present, caches[past])
+        # The decode steps' logits [batch, 1, vocab] land in one preallocated buffer.
+        step_logits = None
         out_tokens = np.zeros((batch, new_tokens), np.int64)
         logits_kept: list[np.ndarray] = []
         step_ids = ids
+        total = np.zeros((batch, prompt + new_tokens), np.int64)
+        total[:, :prompt] = mask
+        total[:, prompt:] = 1
+        positions_all = np.cumsum(total, axis=1) - 1
+        positions_all[total == 0] = 1  # padded slots, as transformers writes them
         prefill_s = decode_s = 0.0
         for step in range(new_tokens):
             clock = time.perf_counter()
-            positions = (np.cumsum(mask, axis=1) - 1)[:, -step_ids.shape[1]:]
-            positions = np.where(positions < 0, 1, positions) if step == 0 else positions
+            length = prompt + step
             binding.bind_cpu_input("input_ids", step_ids)
-            binding.bind_cpu_input("attention_mask", mask)
+            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(total[:, :length]))
             if self.takes_positions:
-                binding.bind_cpu_input("position_ids", np.ascontiguousarray(positions, dtype=np.int64))
-            binding.bind_output("logits", "cpu")
-            for past, present in lay.pairs():
-                binding.bind_ortvalue_input(past, caches[past])
-                if lay.share_buffer:
-                    binding.bind_ortvalue_output(present, caches[past])
-                else:
+                binding.bind_cpu_input("position_ids",
+                                       np.ascontiguousarray(positions_all[:, length - step_ids.shape[1]:length]))
+            if step == 1:
+                vocab = logits_value.shape()[-1]
+                step_logits = ort.OrtValue.ortvalue_from_numpy(np.empty((batch, 1, vocab), self.dtype))
+                binding.bind_ortvalue_output("logits", step_logits)
+            if not lay.share_buffer:
+                for past, present in lay.pairs():
+                    binding.bind_ortvalue_input(past, caches[past])
                     binding.bind_output(present, "cpu")
             self.session.run_with_iobinding(binding)
-            outputs = dict(zip(self._output_names(), binding.get_outputs()))
-            logits = outputs["logits"].numpy()[:, -1, :]
+            values = binding.get_outputs()
+            logits_value = values[0] if step == 0 else step_logits
+            logits = logits_value.numpy()[:, -1, :]
             if keep_logits:
                 logits_kept.append(logits.copy())
             token = logits.argmax(-1).astype(np.int64)
             out_tokens[:, step] = token
             if not lay.share_buffer:
+                by_name = dict(zip(self._output_names(), values))
                 for past, present in lay.pairs():
-                    caches[past] = outputs[present]
-            step_ids = token[:, None]
-            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-            binding.clear_binding_inputs()
-            binding.clear_binding_outputs()
+                    caches[past] = by_name[present]
+            step_ids = np.ascontiguousarray(token[:, None])
             elapsed = time.perf_counter() - clock
             if step == 0:
                 prefill_s = elapsed
