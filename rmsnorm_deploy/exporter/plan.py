@@ -107,6 +107,8 @@ def check_options(options: ExportOptions) -> None:
         if options.fuse_attention:
             raise UserError("--fuse-attention is for the portable graph; --target onnxruntime already uses ONNX "
                             "Runtime's fused attention (GroupQueryAttention)")
+        if options.opset is not None:
+            raise UserError("--opset is for the portable graph; the --target onnxruntime graph is written at one opset")
         if options.dtype not in DTYPES:
             raise UserError(f"--target onnxruntime writes {', '.join(DTYPES)} graphs (GroupQueryAttention has no "
                             f"{options.dtype} CPU kernel); use --target portable for {options.dtype}")

@@ -182,6 +182,7 @@ def test_refusals(models):
     (dict(target="onnxruntime", kv_cache=True, fuse_attention=True), "already uses ONNX Runtime's fused attention"),
     (dict(target="onnxruntime", kv_cache=True, dtype="bfloat16"), "use --target portable for bfloat16"),
     (dict(target="tensorrt", kv_cache=True), "unknown --target 'tensorrt'"),
+    (dict(target="onnxruntime", kv_cache=True, opset=23), "--opset is for the portable graph"),
     (dict(kv_cache=True, share_buffer=True), "--share-buffer is a mode of the --target onnxruntime graph"),
 ])
 def test_plan_checks_target_options(options, message):
