@@ -368,16 +368,19 @@ def main(argv: list[str] | None = None) -> int:
         "threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": args.rounds,
         "rounds_125m": args.rounds_125m, "torch_rounds": args.torch_rounds, "batches": args.batches},
         "contenders": [OURS, OURS_SHARED, GENAI, GENAI_OURLOOP, TORCH], "models": {}}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
         for key in args.models.split(","):
             results["models"][key] = bench_model(key, args, Path(tmp))
-    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "kv_decode_cpu.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = markdown(results)
-    (args.out_dir / "kv_decode_cpu.md").write_text(text)
-    print(text)
+            env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+            write(results, args.out_dir)  # after each model: a long run keeps what it measured
+    print(markdown(results))
     return 0
+
+
+def write(results: dict[str, Any], out_dir: Path) -> None:
+    (out_dir / "kv_decode_cpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "kv_decode_cpu.md").write_text(markdown(results))
 
 
 if __name__ == "__main__":
