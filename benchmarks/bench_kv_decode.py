@@ -314,6 +314,10 @@ def markdown(results: dict[str, Any]) -> str:
         "Every contender gave torch eager's tokens. Ratio: ours (best of the two buffer modes) / the fastest "
         "other contender.",
         "",
+        f"Machine load (1-minute load average on {env['cpu']}) before / after the run: {env['load_before'][0]} / "
+        f"{env.get('load_after', ['?'])[0]}: with other jobs sharing the cores, absolute times are inflated "
+        "and noisy; the interleaved rounds keep the contenders' comparison fair, not the absolute values.",
+        "",
         "| model | batch | " + " | ".join(results["contenders"]) + " | ours / fastest other |",
         "|---|---|" + "---|" * (len(results["contenders"]) + 1),
     ]
