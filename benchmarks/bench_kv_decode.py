@@ -221,7 +221,7 @@ def graph_ops(path: Path) -> dict[str, Any]:
 
 
 # -- one model ----------------------------------------------------------------------------
-def bench_model(key: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     from rmsnorm_deploy.exporter import hf
     from rmsnorm_deploy.exporter.ort_decoder import audit_norms, build_decoder
     from rmsnorm_deploy.graph.onnx_file import save_onnx
@@ -260,17 +260,12 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     for batch in args.batches:
         ids = np.random.default_rng(batch).integers(3, loaded.vocab_size, size=(batch, PROMPT), dtype=np.int64)
         names = list(contenders)
-        reference = None
         times: dict[str, dict[str, list[float]]] = {n: {"prefill_ms": [], "decode_ms_per_token": []} for n in names}
-        for n in names:  # warm-up, and the tokens every contender must give
-            tokens, _, _ = contenders[n](ids)
-            if n == TORCH:
-                reference = tokens
-        assert reference is not None
+        warm = {n: contenders[n](ids)[0] for n in names}  # warm-up, and the tokens every contender must give
+        reference = warm[TORCH]
         same = {}
         for n in names:
-            tokens, _, _ = contenders[n](ids) if n != TORCH else (reference, 0, 0)
-            same[n] = bool(np.array_equal(tokens, reference))
+            same[n] = bool(np.array_equal(warm[n], reference))
             assert same[n], f"{key} batch {batch}: {n} gave other tokens than torch eager"
         for r in range(rounds):
             order = names[r % len(names):] + names[: r % len(names)]
@@ -278,6 +273,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
                 if n == TORCH and r >= args.torch_rounds:
                     continue
                 tokens, prefill, decode = contenders[n](ids)
+                assert np.array_equal(tokens, reference), f"{key} batch {batch}: {n} changed its tokens"
                 times[n]["prefill_ms"].append(1e3 * prefill)
                 times[n]["decode_ms_per_token"].append(1e3 * decode / (NEW_TOKENS - 1))
             log(f"  batch {batch} round {r + 1}/{rounds}: " + ", ".join(
@@ -298,6 +294,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
                 OURS_SHARED: decode_profile(paths[OURS_SHARED], ours_shared_layout, ids, tmp),
                 GENAI: decode_profile(genai_dir / "model.onnx", shared_layout, ids, tmp),
             }
+        checkpoint(result)
     return result
 
 
@@ -375,9 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
         for key in args.models.split(","):
-            results["models"][key] = bench_model(key, args, Path(tmp))
-            env["load_after"] = [round(x, 2) for x in os.getloadavg()]
-            write(results, args.out_dir)  # after each model: a long run keeps what it measured
+            def checkpoint(result: dict[str, Any], key: str = key) -> None:
+                results["models"][key] = result  # after each batch: a long run keeps what it measured
+                env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+                write(results, args.out_dir)
+
+            results["models"][key] = bench_model(key, args, Path(tmp), checkpoint)
     print(markdown(results))
     return 0
 
