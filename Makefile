@@ -17,7 +17,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench-export-scale bench-peers bench-serving lint-docker gpu-check clean
+.PHONY: run test parity bench-export-scale bench-peers bench-serving bench-kv lint-docker gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,12 @@ gpu-check:
 bench-serving: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt matplotlib
 	$(PY) benchmarks/bench_serving.py
+
+# KV-cache decoding in ONNX Runtime CPU: our --target onnxruntime graph against onnxruntime-genai's builder
+# output (its runtime and our loop) and torch eager; prefill and decode ms/token, batch 1 and 4.
+bench-kv: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[genai]'
+	$(PY) benchmarks/bench_kv_decode.py
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
-from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ
+from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ, TARGETS
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one graph for prefill and decode with past/present key-value tensors (the convention "
                              "optimum and onnxruntime-genai read), genai_config.json and the Hugging Face config and "
                              "tokenizer files beside it; run it with `rmsnorm-deploy generate`")
+    parser.add_argument("--target", default="portable", choices=TARGETS,
+                        help="the --kv-cache graph: portable (plain ops; TensorRT and every runtime) or onnxruntime "
+                             "(GroupQueryAttention and fused projections, written from the module tree; fastest in "
+                             "ONNX Runtime). Default portable")
+    parser.add_argument("--share-buffer", action="store_true",
+                        help="--target onnxruntime: past and present share one max-length buffer "
+                             "(onnxruntime-genai's past_present_share_buffer)")
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
                             seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention,
-                            norm_specs=tuple(args.norm_spec), kv_cache=args.kv_cache)
+                            norm_specs=tuple(args.norm_spec), kv_cache=args.kv_cache, target=args.target,
+                            share_buffer=args.share_buffer)
     plan = plan_export(options, model_ref=args.model, output=args.output)
     target = plan.target
 
@@ -64,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     with progress.stage(f"loading {args.model} in {options.dtype}") as st:
         loaded = load_torch_model(args.model, options.dtype)
         st.note(f"{loaded.parameter_count() / 1e6:.1f}M parameters")
+    if options.kv_cache and options.target == "onnxruntime":
+        return _run_ort_decoder(loaded, plan, progress)
     result = run_export(loaded, plan, progress=progress)
 
     size = target.stat().st_size + _size(target.parent / (target.name + ".data"))
@@ -91,6 +101,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"report: {result.report_path}")
     if result.parity is not None and result.parity.status == "not run":
         print(f"warning: parity not checked: {result.parity.reason}", file=sys.stderr)
+    return 1 if result.parity_failed else 0
+
+
+def _run_ort_decoder(loaded, plan, progress) -> int:
+    from rmsnorm_deploy.exporter.ort_decoder import export_ort_decoder
+
+    options = plan.options
+    result = export_ort_decoder(loaded, plan, progress=progress, share_buffer=options.share_buffer)
+    dec = result.decoder
+    size = plan.target.stat().st_size + _size(plan.target.parent / (plan.target.name + ".data"))
+    print(f"exported {plan.target} ({size / 2**20:.1f} MiB, {options.dtype}, target onnxruntime, "
+          f"{len(dec.model.graph.node)} nodes, {dec.norm_nodes} norm nodes ({options.lowering}), "
+          f"LM head {dec.lm_head}, {'shared' if options.share_buffer else 'separate'} past/present)")
+    if result.parity is not None:
+        print()
+        print(result.parity.table())
+        print(f"report: {result.report_path}")
     return 1 if result.parity_failed else 0
 
 

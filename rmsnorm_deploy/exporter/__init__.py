@@ -22,5 +22,7 @@ kv_cache       the KV-cache I/O convention (names, shapes, dtypes), its metadata
 kv_model       ``KVCacheLM``: a causal LM over the flat past/present tensors of the convention
 kv_export      the ``--kv-cache`` steps of the pipeline: feeds, export call, metadata
 genai_config   ``genai_config.json`` and the Hugging Face config/tokenizer files beside a model
+ort_decoder    ``--kv-cache --target onnxruntime``: the decoder graph written from the module
+               tree (fused QKV, GroupQueryAttention, exact norm nodes), its per-step parity
 =============  ==============================================================================
 """

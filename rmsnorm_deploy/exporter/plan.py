@@ -27,6 +27,8 @@ MAX_BATCH = 8
 MAX_SEQ = 4096
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
 REPORT_NAME = "report.json"
+#: KV-cache graph targets (``--target``).
+TARGETS = ("portable", "onnxruntime")
 
 
 class ExportError(UserError):
@@ -49,6 +51,12 @@ class ExportOptions:
     #: One graph for prefill and decode in the KV-cache convention (``kv_cache.py``), with
     #: ``genai_config.json`` and the Hugging Face config and tokenizer files beside it.
     kv_cache: bool = False
+    #: Which KV-cache graph: ``portable`` (plain ops, for TensorRT and every runtime) or
+    #: ``onnxruntime`` (``ort_decoder.py``: GroupQueryAttention, fused projections; ONNX Runtime only).
+    target: str = "portable"
+    #: ``onnxruntime`` target: past and present as one [batch, kv_heads, max_length, head_dim]
+    #: buffer (onnxruntime-genai's ``past_present_share_buffer: true``).
+    share_buffer: bool = False
     #: Free the PyTorch module (``loaded.module`` and the detected norms' references) once its
     #: outputs are computed, so ONNX Runtime's copy of the weights does not sit beside it.
     release_model: bool = False
@@ -112,6 +120,23 @@ def check_options(options: ExportOptions) -> None:
     if options.lowering not in LOWERINGS:
         raise UserError(f"unknown lowering {options.lowering!r}; choose one of {', '.join(LOWERINGS)}")
     check_opset(options.resolved_opset())
+    if options.target not in TARGETS:
+        raise UserError(f"unknown --target {options.target!r}; choose one of {', '.join(TARGETS)}")
+    if options.target == "onnxruntime":
+        from rmsnorm_deploy.exporter.ort_decoder import DTYPES
+
+        if not options.kv_cache:
+            raise UserError("--target onnxruntime writes a KV-cache decoder graph; add --kv-cache")
+        if options.fuse_attention:
+            raise UserError("--fuse-attention is for the portable graph; --target onnxruntime already uses ONNX "
+                            "Runtime's fused attention (GroupQueryAttention)")
+        if options.opset is not None:
+            raise UserError("--opset is for the portable graph; the --target onnxruntime graph is written at one opset")
+        if options.dtype not in DTYPES:
+            raise UserError(f"--target onnxruntime writes {', '.join(DTYPES)} graphs (GroupQueryAttention has no "
+                            f"{options.dtype} CPU kernel); use --target portable for {options.dtype}")
+    if options.share_buffer and options.target != "onnxruntime":
+        raise UserError("--share-buffer is a mode of the --target onnxruntime graph")
     if options.fuse_attention:
         check_fusion_opset(options.resolved_opset())
     for name in ("batch", "seq"):

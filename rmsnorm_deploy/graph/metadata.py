@@ -35,7 +35,8 @@ placements         ``{norm call name: {"placement": str, "output": str}}``: wher
                    ``path#2``. Exported models only; the audit checks the graph against it
 kv_cache           only in KV-cache graphs (``export --kv-cache``): the I/O convention,
                    ``exporter.kv_cache.KVCacheLayout.to_dict()`` (layers, heads, head_dim,
-                   vocabulary, maximum length, dtype, graph target); read back through
+                   vocabulary, maximum length, dtype, graph ``target``: portable or onnxruntime,
+                   ``past_present_share_buffer``); read back through
                    ``KVCacheLayout.from_dict``, which checks every field
 =================  ==========================================================================
 """

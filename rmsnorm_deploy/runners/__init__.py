@@ -11,6 +11,8 @@ onnxruntime  ``OnnxRuntimeRunner``: CPU, CUDA and TensorRT providers, bf16 throu
 tensorrt     ``TensorRTRunner``: a built engine, its sidecar checked before deserializing;
              ``generate``: the decode loop of a KV-cache engine (prefill and decode profiles)
 torch        ``TorchRunner``: a PyTorch module (a rebuilt source) in its dtype or float64
+kv_decoder   ``KVDecoderRunner``: greedy decoding of a KV-cache graph with IOBinding, separate
+             or shared past/present buffers
 ===========  ================================================================================
 """
 

@@ -1,0 +1,391 @@
+"""KV-cache decoding in ONNX Runtime CPU: prefill ms and decode ms per token, contenders side by side.
+
+Not a test: it measures, in one run, for a tiny Hugging Face Llama (hidden 256, 4 layers) and a
+Llama-shaped ~125M model (hidden 768, 12 layers, vocabulary 32000), float32, prompt 128, 64 new
+greedy tokens, batch 1 and 4:
+
+* ``ours onnxruntime``: ``export --kv-cache --target onnxruntime`` (``exporter/ort_decoder.py``),
+  separate past/present, decoded by ``runners/kv_decoder.py`` (IOBinding, caches stay OrtValues);
+* ``ours onnxruntime shared``: the same graph with ``--share-buffer`` (one max-length buffer);
+* ``genai builder, genai runtime``: onnxruntime-genai's model builder output (``python -m
+  onnxruntime_genai.models.builder -p fp32 -e cpu``, run here into a temporary folder from the saved
+  Hugging Face folder), decoded by onnxruntime-genai's own ``Generator``;
+* ``genai builder, our loop``: the same graph decoded by our loop (the graph alone compared);
+* ``torch eager``: transformers with its ``DynamicCache``, 2 threads;
+* ``ours portable`` (the plain-ops ``--kv-cache`` graph) and ``optimum-onnx``: recorded as not run,
+  with the reason (the first is not in this build; optimum-onnx needs transformers < 4.58: give
+  ``--optimum-python`` for a Python that has it).
+
+Every ONNX Runtime session: 2 intra-op threads, ORT_ENABLE_ALL (genai's are set through its
+``genai_config.json``). Rounds interleave the contenders (the order rotates each round); a
+contender's prefill is its first step and its decode ms/token the mean of the 63 later steps;
+the reported value is the median over rounds. Every contender must give torch's tokens (asserted;
+end-of-sequence ignored). ONNX Runtime's profiler then gives the op-type share of decode time.
+
+    python benchmarks/bench_kv_decode.py [--rounds 5] [--models tiny,125m] [--batches 1,4]
+
+Writes ``benchmarks/results/kv_decode_cpu.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from rmsnorm_deploy.environment import package_version  # noqa: E402
+
+THREADS = 2
+PROMPT, NEW_TOKENS = 128, 64
+MODELS = {
+    "tiny": dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, vocab_size=2048, max_position_embeddings=512,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "125m": dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=12, vocab_size=32000, max_position_embeddings=512,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0),
+}
+LABELS = {"tiny": "HF Llama hidden 256, 4 layers, vocab 2048", "125m": "Llama hidden 768, 12 layers, vocab 32000 (~134M)"}
+OURS, OURS_SHARED = "ours onnxruntime", "ours onnxruntime shared"
+GENAI, GENAI_OURLOOP, TORCH = "genai builder, genai runtime", "genai builder, our loop", "torch eager"
+NOT_RUN = {
+    "ours portable": "the portable --kv-cache graph is not part of this build",
+    "optimum-onnx": "optimum-onnx 0.1 needs transformers < 4.58, not installable beside this package's transformers; "
+                    "give --optimum-python",
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def ort_options(profile_prefix: str | None = None) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = THREADS
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    return so
+
+
+# -- the contenders -----------------------------------------------------------------------
+def save_hf(loaded: Any, folder: Path) -> None:
+    """The model and a word-level tokenizer (genai's builder needs one) as a Hugging Face folder."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    loaded.module.model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(loaded.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2",
+                                         pad_token="t0").save_pretrained(folder)
+
+
+def build_genai(hf_dir: Path, out: Path, cache: Path) -> Path:
+    clock = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+                           "-p", "fp32", "-e", "cpu", "-c", str(cache)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"onnxruntime-genai's builder failed: {proc.stderr.strip().splitlines()[-1:]}")
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["session_options"].update(intra_op_num_threads=THREADS, graph_optimization_level="ORT_ENABLE_ALL")
+    config_path.write_text(json.dumps(config, indent=1))
+    log(f"  genai builder: {time.perf_counter() - clock:.1f}s")
+    return out
+
+
+class GenaiRuntime:
+    """onnxruntime-genai's own Generator: prefill = append_tokens + the first token."""
+
+    def __init__(self, folder: Path):
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(str(folder))
+
+    def greedy(self, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+        og = self.og
+        batch, prompt = ids.shape
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=prompt + NEW_TOKENS, min_length=prompt + NEW_TOKENS,
+                                  batch_size=batch)
+        gen = og.Generator(self.model, params)
+        tokens = np.zeros((batch, NEW_TOKENS), np.int64)
+        clock = time.perf_counter()
+        gen.append_tokens(ids.astype(np.int32))
+        gen.generate_next_token()
+        prefill = time.perf_counter() - clock
+        tokens[:, 0] = gen.get_next_tokens()
+        clock = time.perf_counter()
+        for step in range(1, NEW_TOKENS):
+            gen.generate_next_token()
+            tokens[:, step] = gen.get_next_tokens()
+        decode = time.perf_counter() - clock
+        del gen
+        return tokens, prefill, decode
+
+
+@torch.no_grad()
+def torch_greedy(lm: torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+    from transformers import DynamicCache
+
+    input_ids = torch.from_numpy(ids)
+    attention = torch.ones_like(input_ids)
+    cache = DynamicCache()
+    tokens = []
+    prefill = decode = 0.0
+    for step in range(NEW_TOKENS):
+        clock = time.perf_counter()
+        out = lm(input_ids=input_ids, attention_mask=attention, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1, :].argmax(-1)
+        elapsed = time.perf_counter() - clock
+        if step == 0:
+            prefill = elapsed
+        else:
+            decode += elapsed
+        tokens.append(token.numpy())
+        input_ids = token[:, None]
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+    return np.stack(tokens, axis=1), prefill, decode
+
+
+def ours_runner(path: Path, layout: Any = None, profile_prefix: str | None = None) -> Any:
+    from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner
+
+    return KVDecoderRunner(str(path), layout, threads=THREADS, session_options=ort_options(profile_prefix))
+
+
+def runner_call(runner: Any) -> Callable[[np.ndarray], tuple[np.ndarray, float, float]]:
+    def call(ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+        gen = runner.greedy(ids, new_tokens=NEW_TOKENS)
+        return gen.tokens, gen.prefill_s, gen.decode_s
+    return call
+
+
+def genai_layout(dims: Any, max_length: int) -> Any:
+    from rmsnorm_deploy.runners.kv_decoder import CacheLayout
+
+    return CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim, share_buffer=True,
+                       max_length=max_length)
+
+
+# -- profile ------------------------------------------------------------------------------
+def decode_profile(path: Path, layout: Any, ids: np.ndarray, tmp: Path) -> dict[str, Any]:
+    """Kernel time of the decode steps (every run after the prefill) by op type, from ORT's profiler."""
+    runner = ours_runner(path, layout, profile_prefix=str(tmp / "profile"))
+    runner.greedy(ids, new_tokens=NEW_TOKENS)
+    profile_file = runner.session.end_profiling()
+    events = json.load(open(profile_file))
+    os.remove(profile_file)
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"])
+    after_prefill = runs[0]["ts"] + runs[0]["dur"] if runs else 0
+    by_op: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= after_prefill:
+            by_op[e["args"]["op_name"]] += e["dur"]
+    total = sum(by_op.values()) or 1
+    steps = max(1, len(runs) - 1)
+    return {"kernel_ms_per_step": round(total / steps / 1e3, 4),
+            "share": {op: round(us / total, 4) for op, us in by_op.most_common()}}
+
+
+def graph_ops(path: Path) -> dict[str, Any]:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return {"nodes": len(model.graph.node),
+            "op_types": dict(collections.Counter(n.op_type for n in model.graph.node).most_common())}
+
+
+# -- one model ----------------------------------------------------------------------------
+def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    from rmsnorm_deploy.exporter import hf
+    from rmsnorm_deploy.exporter.ort_decoder import audit_norms, build_decoder
+    from rmsnorm_deploy.graph.onnx_file import save_onnx
+
+    log(f"{key}: {LABELS[key]}")
+    loaded = hf.from_config(MODELS[key], "float32", seed=0)
+    lm = loaded.module.model
+    hf_dir, folder = tmp / f"{key}-hf", tmp / key
+    folder.mkdir()
+    save_hf(loaded, hf_dir)
+    max_length = PROMPT + NEW_TOKENS
+    paths, decoders = {}, {}
+    for name, share in ((OURS, False), (OURS_SHARED, True)):
+        dec = build_decoder(loaded, share_buffer=share, max_length=MODELS[key]["max_position_embeddings"])
+        audit_norms(dec.model, dec.norm_nodes)
+        paths[name] = save_onnx(dec.model, folder / f"{'shared' if share else 'separate'}.onnx")
+        decoders[name] = dec
+    dims = decoders[OURS].dims
+    genai_dir = build_genai(hf_dir, tmp / f"{key}-genai", tmp / "genai-cache")
+    shared_layout = genai_layout(dims, max_length)
+    from rmsnorm_deploy.runners.kv_decoder import CacheLayout
+
+    ours_shared_layout = CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
+                                     share_buffer=True, max_length=max_length)
+    contenders: dict[str, Callable[[np.ndarray], tuple[np.ndarray, float, float]]] = {
+        OURS: runner_call(ours_runner(paths[OURS])),
+        OURS_SHARED: runner_call(ours_runner(paths[OURS_SHARED], ours_shared_layout)),
+        GENAI: GenaiRuntime(genai_dir).greedy,
+        GENAI_OURLOOP: runner_call(ours_runner(genai_dir / "model.onnx", shared_layout)),
+        TORCH: lambda ids: torch_greedy(lm, ids),
+    }
+    result: dict[str, Any] = {"label": LABELS[key], "config": MODELS[key], "graphs": {
+        OURS: graph_ops(paths[OURS]), GENAI: graph_ops(genai_dir / "model.onnx")},
+        "lm_head": decoders[OURS].lm_head, "batches": {}, "not_run": NOT_RUN}
+    rounds = args.rounds if key == "tiny" else args.rounds_125m
+    for batch in args.batches:
+        ids = np.random.default_rng(batch).integers(3, loaded.vocab_size, size=(batch, PROMPT), dtype=np.int64)
+        names = list(contenders)
+        times: dict[str, dict[str, list[float]]] = {n: {"prefill_ms": [], "decode_ms_per_token": []} for n in names}
+        warm = {n: contenders[n](ids)[0] for n in names}  # warm-up, and the tokens every contender must give
+        reference = warm[TORCH]
+        same = {}
+        for n in names:
+            same[n] = bool(np.array_equal(warm[n], reference))
+            assert same[n], f"{key} batch {batch}: {n} gave other tokens than torch eager"
+        for r in range(rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for n in order:
+                if n == TORCH and r >= args.torch_rounds:
+                    continue
+                tokens, prefill, decode = contenders[n](ids)
+                assert np.array_equal(tokens, reference), f"{key} batch {batch}: {n} changed its tokens"
+                times[n]["prefill_ms"].append(1e3 * prefill)
+                times[n]["decode_ms_per_token"].append(1e3 * decode / (NEW_TOKENS - 1))
+            log(f"  batch {batch} round {r + 1}/{rounds}: " + ", ".join(
+                f"{n} {times[n]['decode_ms_per_token'][-1]:.3f}" for n in names if times[n]["decode_ms_per_token"]))
+        med = {n: {k: round(statistics.median(v), 4) for k, v in t.items()} for n, t in times.items()}
+        fastest_other_decode = min(med[n]["decode_ms_per_token"] for n in names if not n.startswith("ours"))
+        fastest_other_prefill = min(med[n]["prefill_ms"] for n in names if not n.startswith("ours"))
+        result["batches"][str(batch)] = {
+            "median": med, "samples": {n: len(t["prefill_ms"]) for n, t in times.items()}, "same_tokens": same,
+            "ours_best_decode_vs_fastest_other": round(min(med[OURS]["decode_ms_per_token"],
+                                                           med[OURS_SHARED]["decode_ms_per_token"]) / fastest_other_decode, 3),
+            "ours_best_prefill_vs_fastest_other": round(min(med[OURS]["prefill_ms"], med[OURS_SHARED]["prefill_ms"])
+                                                        / fastest_other_prefill, 3),
+        }
+        if args.profile:
+            result["batches"][str(batch)]["decode_profile"] = {
+                OURS: decode_profile(paths[OURS], None, ids, tmp),
+                OURS_SHARED: decode_profile(paths[OURS_SHARED], ours_shared_layout, ids, tmp),
+                GENAI: decode_profile(genai_dir / "model.onnx", shared_layout, ids, tmp),
+            }
+        checkpoint(result)
+    return result
+
+
+# -- report -------------------------------------------------------------------------------
+def markdown(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [
+        "# KV-cache decoding, ONNX Runtime CPU",
+        "",
+        f"{env['cpu']}, {THREADS} threads, float32, prompt {PROMPT}, {NEW_TOKENS} greedy tokens; median of "
+        f"interleaved rounds ({results['settings']['rounds']} for the tiny model, {results['settings']['rounds_125m']} "
+        f"for 125M; torch eager {results['settings']['torch_rounds']}). onnxruntime {env['onnxruntime']}, "
+        f"onnxruntime-genai {env['onnxruntime_genai']}, torch {env['torch']}, transformers {env['transformers']}. "
+        "Every contender gave torch eager's tokens. Ratio: ours (best of the two buffer modes) / the fastest "
+        "other contender.",
+        "",
+        f"Machine load (1-minute load average on {env['cpu']}) before / after the run: {env['load_before'][0]} / "
+        f"{env.get('load_after', ['?'])[0]}: with other jobs sharing the cores, absolute times are inflated "
+        "and noisy; the interleaved rounds keep the contenders' comparison fair, not the absolute values.",
+        "",
+        "| model | batch | " + " | ".join(results["contenders"]) + " | ours / fastest other |",
+        "|---|---|" + "---|" * (len(results["contenders"]) + 1),
+    ]
+    for key, data in results["models"].items():
+        for batch, b in data["batches"].items():
+            for metric, label in (("decode_ms_per_token", "decode ms/token"), ("prefill_ms", "prefill ms")):
+                cells = [f"{b['median'][n][metric]:.3f}" if n in b["median"] else "—" for n in results["contenders"]]
+                ratio = b["ours_best_decode_vs_fastest_other" if metric.startswith("decode") else
+                          "ours_best_prefill_vs_fastest_other"]
+                lines.append(f"| {data['label']}: {label} | {batch} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+    lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in NOT_RUN.items()) + ".", "",
+              "## Where decode time goes (ONNX Runtime profiler, share of kernel time in decode steps)", ""]
+    for key, data in results["models"].items():
+        for batch, b in data["batches"].items():
+            for name, prof in b.get("decode_profile", {}).items():
+                top = ", ".join(f"{op} {share:.0%}" for op, share in list(prof["share"].items())[:6])
+                lines.append(f"- {data['label']}, batch {batch}, {name}: {prof['kernel_ms_per_step']:.3f} ms kernel "
+                             f"time per step; {top}")
+    lines += ["", "## Graphs", ""]
+    for key, data in results["models"].items():
+        for name, g in data["graphs"].items():
+            ops = ", ".join(f"{op} {n}" for op, n in g["op_types"].items())
+            lines.append(f"- {data['label']}, {name}: {g['nodes']} nodes ({ops})")
+        lines.append(f"- LM head taken from the model structure: `{data['lm_head']}`")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds, tiny model (default 7)")
+    parser.add_argument("--rounds-125m", type=int, default=3, help="interleaved rounds, 125M model (default 3)")
+    parser.add_argument("--torch-rounds", type=int, default=2, help="rounds that also time torch eager (default 2)")
+    parser.add_argument("--models", default="tiny,125m")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--optimum-python", help="a Python with optimum-onnx (not wired in this build: recorded)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    import onnxruntime
+
+    torch.set_num_threads(THREADS)
+    env = {"onnxruntime": onnxruntime.__version__, "onnxruntime_genai": package_version("onnxruntime-genai"),
+           "torch": torch.__version__, "transformers": package_version("transformers"),
+           "python": platform.python_version(), "cpu": f"{os.cpu_count()} CPUs ({platform.machine()})",
+           "load_before": [round(x, 2) for x in os.getloadavg()]}
+    results: dict[str, Any] = {"environment": env, "settings": {
+        "threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": args.rounds,
+        "rounds_125m": args.rounds_125m, "torch_rounds": args.torch_rounds, "batches": args.batches},
+        "contenders": [OURS, OURS_SHARED, GENAI, GENAI_OURLOOP, TORCH], "models": {}}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
+        for key in args.models.split(","):
+            def checkpoint(result: dict[str, Any], key: str = key) -> None:
+                results["models"][key] = result  # after each batch: a long run keeps what it measured
+                env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+                write(results, args.out_dir)
+
+            results["models"][key] = bench_model(key, args, Path(tmp), checkpoint)
+    print(markdown(results))
+    return 0
+
+
+def write(results: dict[str, Any], out_dir: Path) -> None:
+    (out_dir / "kv_decode_cpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "kv_decode_cpu.md").write_text(markdown(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
