@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: this machine's pip takes the CPU wheel from local disk.
 	$(PY) -m pip install -q -c constraints.txt torch
-	$(PY) -m pip install -q -c constraints.txt -e '.[onnxruntime,triton,test,serve]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[onnxruntime,triton,test,serve,genai]'
 	# nvidia-pytriton pins numpy<2 yet serves correctly with numpy 2 (rmsnorm_deploy/serving/pytriton_env.py):
 	# its other requirements come through the `serve` extra, so it goes in without resolving them again.
 	$(PY) -m pip install -q -c constraints.txt --no-deps nvidia-pytriton
@@ -72,7 +72,6 @@ bench-serving: $(STAMP)
 # KV-cache decoding in ONNX Runtime CPU: our --target onnxruntime graph against onnxruntime-genai's builder
 # output (its runtime and our loop) and torch eager; prefill and decode ms/token, batch 1 and 4.
 bench-kv: $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt -e '.[genai]'
 	$(PY) benchmarks/bench_kv_decode.py
 
 clean:
