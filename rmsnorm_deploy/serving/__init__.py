@@ -6,7 +6,8 @@ signature       ``Signature``: a graph's inputs, outputs, batch dim and KV-cache
                 the ONNX file, with their Triton datatypes
 server          ``serve``: Triton embedded through PyTriton, inference through the ONNX Runtime
                 runner; ports checked, 127.0.0.1 by default, clean stop on SIGINT/SIGTERM;
-                ``generation_endpoint``, the place a KV-cache model's generation model goes
+                a KV-cache export served as a generation model (``GenerationInference``:
+                ``input_ids`` in, ``output_ids`` out, through ``generate``)
 pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpython on
                 ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or

@@ -141,20 +141,60 @@ class BatchedInference:
             return self.runner.infer(feed)
 
 
-def generation_endpoint(signature: Signature, model_name: str) -> None:
-    """Extension point: the token-in/token-out generation model that a KV-cache graph gets.
+#: The generation model's interface (a KV-cache graph is served as this, under ``--model-name``).
+GENERATION_INPUTS = (("input_ids", [-1], False), ("max_new_tokens", [1], True))  # (name, dims, optional)
+GENERATION_OUTPUT = "output_ids"
 
-    A KV-cache graph's ``present`` outputs are the next step's ``past`` inputs, so serving it as
-    a plain stateless model would make every client run its own cache round trip. It should get
-    a second model, ``<name>_generate`` (``input_ids`` in, generated ids out, decoupled for
-    streaming), driven by the generation loop of the KV-cache export. That loop is not in this
-    package yet: until it is, a KV-cache graph is refused here rather than served half-way.
+
+class GenerationInference:
+    """PyTriton's infer function for a KV-cache graph: one prompt per request, through ``generate``.
+
+    ``input_ids`` INT64 [n] is one prompt; ``max_new_tokens`` INT64 [1] is optional (default
+    :data:`~rmsnorm_deploy.serving.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
+    the new tokens, greedy, ending at the folder's end-of-sequence token if one comes. Requests run
+    one after the other (the session and its cache are not shared between them), so an answer is
+    the same as ``generate(model, [prompt])`` called directly. A bad request (ids outside the
+    vocabulary, too long, ``max_new_tokens`` < 1) is answered with the one-line error.
     """
-    if signature.is_kv_cache:
-        raise UserError(f"the model has a KV cache ({len(signature.cache)} past/present pairs): serving it needs the "
-                        "generation loop (`rmsnorm-deploy generate`), which this version does not have; for the "
-                        f"standalone Triton server write a repository with sequence batching: rmsnorm-deploy "
-                        f"triton-repo MODEL -o REPO --model-name {model_name}")
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.lock = threading.Lock()
+
+    def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        return [self._one(request) for request in requests]
+
+    def _one(self, request: Any) -> dict[str, np.ndarray]:
+        from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS, generate
+
+        if "input_ids" not in request.keys():
+            raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
+        prompt = np.asarray(request["input_ids"]).reshape(-1).tolist()
+        max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        if "max_new_tokens" in request.keys():
+            given = np.asarray(request["max_new_tokens"]).reshape(-1)
+            if given.size != 1:
+                raise InputError(f"max_new_tokens must hold one number, got {given.size}")
+            max_new_tokens = int(given[0])
+        with self.lock:
+            result = generate(self.model, [prompt], max_new_tokens=max_new_tokens)
+        return {GENERATION_OUTPUT: np.asarray(result.tokens[0], dtype=np.int64)}
+
+
+def generation_endpoint(path: Path, signature: Signature, providers: Sequence[str]) -> Any:
+    """The ``KVCacheModel`` a KV-cache graph is served through, or ``None`` for a stateless graph.
+
+    A KV-cache graph's ``present`` outputs are the next step's ``past`` inputs, so it is not served
+    as a stateless model (every client would run its own cache round trip): it becomes a
+    generation model (:class:`GenerationInference`) with the same name. Its metadata and inputs
+    are checked here, before any port is opened: a graph with past/present pairs but no
+    ``kv_cache`` metadata is refused in one line.
+    """
+    if not signature.is_kv_cache:
+        return None
+    from rmsnorm_deploy.serving.generate import KVCacheModel
+
+    return KVCacheModel(path, providers)
 
 
 def _pytriton_tensor(spec: TensorSpec, batched: bool):
@@ -183,7 +223,7 @@ class Server:
             raise UserError(f"{', '.join(bf16)} are bfloat16, which PyTriton cannot carry (numpy has no bfloat16); "
                             "serve a float16/float32 export, or write a repository for the standalone server's "
                             "onnxruntime backend with `rmsnorm-deploy triton-repo`")
-        generation_endpoint(self.signature, options.model_name)
+        self.generator = generation_endpoint(self.path, self.signature, options.providers)
         check_options(options)
         self.triton: Any = None
         self.runner: Any = None
@@ -197,7 +237,10 @@ class Server:
 
         set_onnxruntime_log_level()
         # The runner first: a provider that cannot run is refused before any server starts.
-        self.runner = OnnxRuntimeRunner(self.path, self.options.providers)
+        if self.generator is not None:
+            self.runner = self.generator.runner
+        else:
+            self.runner = OnnxRuntimeRunner(self.path, self.options.providers)
         self.runner.activate()
         prepare_process()
         logging.getLogger("pytriton").setLevel(logging.ERROR)
@@ -214,22 +257,27 @@ class Server:
             metrics_address=o.host, metrics_port=o.metrics_port, allow_gpu_metrics=False,
             exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
         )
+        from pytriton.model_config import Tensor
+
         sig = self.signature
-        model_config = ModelConfig(
-            batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
-            batcher=DynamicBatcher(max_queue_delay_microseconds=o.queue_delay_us),
-        )
+        if self.generator is not None:
+            model_config = ModelConfig(batching=False)
+            infer_func: Any = GenerationInference(self.generator)
+            inputs = [Tensor(name=n, dtype=np.int64, shape=tuple(d), optional=opt) for n, d, opt in GENERATION_INPUTS]
+            outputs = [Tensor(name=GENERATION_OUTPUT, dtype=np.int64, shape=(-1,))]
+        else:
+            model_config = ModelConfig(
+                batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
+                batcher=DynamicBatcher(max_queue_delay_microseconds=o.queue_delay_us),
+            )
+            infer_func = BatchedInference(self.runner, sig)
+            inputs = [_pytriton_tensor(t, sig.batched) for t in sig.inputs]
+            outputs = [_pytriton_tensor(t, sig.batched) for t in sig.outputs]
         try:
             self.triton = Triton(config=config,
                                  security_config=TritonSecurityConfig(restricted_endpoints=list(PROTECTED_ENDPOINTS)))
-            self.triton.bind(
-                model_name=o.model_name,
-                infer_func=BatchedInference(self.runner, sig),
-                inputs=[_pytriton_tensor(t, sig.batched) for t in sig.inputs],
-                outputs=[_pytriton_tensor(t, sig.batched) for t in sig.outputs],
-                config=model_config,
-                strict=False,
-            )
+            self.triton.bind(model_name=o.model_name, infer_func=infer_func, inputs=inputs, outputs=outputs,
+                             config=model_config, strict=False)
             self.triton.run()
         except Exception as exc:
             self.stop()
@@ -245,15 +293,23 @@ class Server:
     def announce(self) -> None:
         sig, o = self.signature, self.options
         ends = o.endpoints()
-        batching = (f"dynamic batching up to {sig.max_batch} rows along {sig.batch_dim!r}" if sig.batched
-                    else "no batching (the graph has no shared leading batch dim)")
-        self.say(f"serving {self.path} as model {o.model_name!r} on ONNX Runtime "
+        if self.generator is not None:
+            what = "generation model"
+            ins = "input_ids int64[n] (one prompt), max_new_tokens int64[1] (optional)"
+            outs = f"{GENERATION_OUTPUT} int64[m] (the new tokens, greedy)"
+            batching = f"one request at a time; the KV cache ({len(sig.cache)} past/present pairs) stays in the server"
+        else:
+            what = "model"
+            ins, outs = _describe(sig.inputs), _describe(sig.outputs)
+            batching = (f"dynamic batching up to {sig.max_batch} rows along {sig.batch_dim!r}" if sig.batched
+                        else "no batching (the graph has no shared leading batch dim)")
+        self.say(f"serving {self.path} as {what} {o.model_name!r} on ONNX Runtime "
                  f"[{', '.join(self.runner.actual_providers)}]\n"
                  f"  HTTP     {ends['http']}/v2/models/{o.model_name}\n"
                  f"  gRPC     {ends['grpc']}\n"
                  f"  metrics  {ends['metrics']}\n"
-                 f"  inputs   {_describe(sig.inputs)}\n"
-                 f"  outputs  {_describe(sig.outputs)}\n"
+                 f"  inputs   {ins}\n"
+                 f"  outputs  {outs}\n"
                  f"  {batching}\n"
                  f"  server log {self.log_path}\n"
                  "ready; Ctrl-C or SIGTERM stops it")
@@ -303,4 +359,5 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
             signal.signal(sig, handler)
 
 
-__all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "check_options", "generation_endpoint", "InputError"]
+__all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference", "check_options",
+           "generation_endpoint", "InputError"]
