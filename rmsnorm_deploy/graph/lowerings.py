@@ -65,20 +65,16 @@ def refusal(lowering: str, spec: RMSNormSpec, upcast: bool, opset: int) -> str |
         return f"unknown lowering {lowering!r}; choose one of {', '.join(LOWERINGS)}"
     if lowering in ("function", "inline"):
         return None
-    if lowering == "plugin":
-        if spec.has_gate:
-            return (f"the TensorRT plugin's kernel has no gate; this spec is gated by {spec.gate}(z) "
-                    f"({spec.gate_placement.replace('_', ' ')}): use the function or inline lowering")
-        if spec.group_size is not None:
-            return (f"the TensorRT plugin's kernel normalizes whole rows; this spec normalizes groups of "
-                    f"{spec.group_size}: use the function or inline lowering")
-        return None
+    # the plugin's kernel, like the fused ops, has no gate input and normalizes whole trailing dims
+    what = "the TensorRT plugin's kernel" if lowering == "plugin" else _OP_NAME[lowering]
     if spec.has_gate:
-        return (f"{_OP_NAME[lowering]} has no gate input; this spec is gated by {spec.gate}(z) "
+        return (f"{what} has no gate input; this spec is gated by {spec.gate}(z) "
                 f"({spec.gate_placement.replace('_', ' ')}): use the function or inline lowering")
     if spec.group_size is not None:
-        return (f"{_OP_NAME[lowering]} normalizes whole trailing dims; this spec normalizes the last dim in groups "
+        return (f"{what} normalizes whole trailing dims; this spec normalizes the last dim in groups "
                 f"of {spec.group_size}: use the function or inline lowering")
+    if lowering == "plugin":
+        return None
     if spec.epsilon_placement != "inside_sqrt":
         return f"{_OP_NAME[lowering]} adds epsilon inside the square root; this spec adds it outside"
     if spec.accumulation != "float32":

@@ -90,7 +90,7 @@ def test_float16_overflow_where_the_exact_value_is_out_of_range():
 @pytest.mark.parametrize("lowering, start", [
     ("native", "RMSNormalization has no gate input"),
     ("ort", "SimplifiedLayerNormalization has no gate input"),
-    ("plugin", "the TensorRT plugin's kernel has no gate"),
+    ("plugin", "the TensorRT plugin's kernel has no gate input"),
 ])
 def test_other_lowerings_refuse_a_gate_with_the_reason(lowering, start):
     reason = refusal(lowering, SPECS["mamba2"], True, 23)
@@ -104,7 +104,7 @@ def test_other_lowerings_refuse_a_gate_with_the_reason(lowering, start):
 @pytest.mark.parametrize("lowering, message", [
     ("native", "RMSNormalization normalizes whole trailing dims; this spec normalizes the last dim in groups of 19"),
     ("ort", "SimplifiedLayerNormalization normalizes whole trailing dims; this spec normalizes the last dim in groups"),
-    ("plugin", "the TensorRT plugin's kernel normalizes whole rows; this spec normalizes groups of 19"),
+    ("plugin", "the TensorRT plugin's kernel normalizes whole trailing dims; this spec normalizes the last dim in groups of 19"),
 ])
 def test_other_lowerings_refuse_groups_with_the_reason(lowering, message):
     assert refusal(lowering, GROUPED["llama_groups"], False, 23).startswith(message)

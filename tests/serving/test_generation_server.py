@@ -7,13 +7,6 @@ called directly on the same folder in this process.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,9 +20,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from rmsnorm_deploy.cli import main  # noqa: E402
 from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
+from tests.serving._serve import running_server  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-STARTUP_S = 90
 VOCAB = 512  # the tiny preset's
 
 
@@ -41,48 +33,10 @@ def tiny_kv_export(tmp_path_factory):
     return folder
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def served(tiny_kv_export):
-    http, grpc, metrics = _free_ports(3)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rmsnorm_deploy", "serve", str(tiny_kv_export), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited with {process.returncode} before it was ready:\n{''.join(log)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as response:
-                if response.status == 200 and any(line.startswith("ready") for line in log):
-                    break
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"serve was not ready within {STARTUP_S} s:\n{''.join(log)}")
-        time.sleep(0.2)
-    yield http, log
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=40)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout=30)
+    with running_server(tiny_kv_export) as server:
+        yield server.http, server.log
 
 
 def _generate_http(http: int, prompt: np.ndarray, max_new_tokens: int | None) -> np.ndarray:

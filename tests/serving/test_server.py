@@ -9,12 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,23 +24,10 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tes
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
+from tests.serving._serve import running_server  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512  # the tiny preset's
-STARTUP_S = 90
 CLIENTS, REQUESTS_PER_CLIENT = 32, 20
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _descendants(pid: int) -> set[int]:
@@ -74,58 +56,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-class Served:
-    def __init__(self, process: subprocess.Popen, http: int, grpc: int, metrics: int, log: list[str]):
-        self.process, self.http, self.grpc, self.metrics, self.log = process, http, grpc, metrics, log
-        self.children: set[int] = set()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http}{path}"
-
-    def get_json(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url(path), timeout=10) as response:
-            return json.loads(response.read())
-
-    def stats(self) -> dict:
-        return self.get_json("/v2/models/model/stats")["model_stats"][0]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_export):
-    http, grpc, metrics = _free_ports(3)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rmsnorm_deploy", "serve", str(tiny_export), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
-    server = Served(process, http, grpc, metrics, log)
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited with {process.returncode} before it was ready:\n{''.join(log)}")
-        try:
-            with urllib.request.urlopen(server.url("/v2/health/ready"), timeout=2) as response:
-                # ready on the wire, and serve has said so (it prints after the server is up)
-                if response.status == 200 and any(line.startswith("ready") for line in log):
-                    break
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"serve was not ready within {STARTUP_S} s:\n{''.join(log)}")
-        time.sleep(0.2)
-    server.children = _descendants(process.pid)
-    yield server
-    if process.poll() is None:  # the SIGTERM test did not run or failed: stop it cleanly, then by force
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
+    with running_server(tiny_export) as server:
+        server.children = _descendants(server.process.pid)
+        yield server
 
 
 def _ids(rows: int, seq: int, seed: int) -> np.ndarray:
