@@ -48,7 +48,7 @@ EXTRA: dict[str, dict] = {
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
     "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                        n_group=1, topk_group=1),
+                        n_group=1, topk_group=1, head_dim=8),
 }
 GATED_HINT = "gated norm"
 
@@ -214,6 +214,7 @@ def main() -> int:
 
     data = json.loads(JSON.read_text()) if JSON.is_file() else {"benchmark": "hf_families", "rows": {}}
     data["versions"] = tool_versions()
+    mine: dict[str, dict] = {}
     data["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
     for name in names:
         start = time.perf_counter()
@@ -226,12 +227,15 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             row = {"family": name, "status": f"timeout after {args.timeout:g}s"}
         row["wall_s"] = round(time.perf_counter() - start, 1)
-        if JSON.is_file():  # another chunk may have written rows meanwhile
-            data["rows"] = {**json.loads(JSON.read_text())["rows"], **data["rows"]}
-        data["rows"][name] = row
+        mine[name] = row
+        if JSON.is_file():  # another chunk may have written rows meanwhile: its new rows count, ours win
+            data["rows"] = json.loads(JSON.read_text())["rows"]
+        data["rows"].update(mine)
         print(json.dumps(row), flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
-        JSON.write_text(json.dumps(data, indent=1) + "\n")
+        staged = JSON.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(json.dumps(data, indent=1) + "\n")
+        staged.replace(JSON)
         write_markdown(data)
     return 0
 
