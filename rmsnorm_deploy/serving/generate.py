@@ -9,7 +9,9 @@ one-line error, never a silent fallback). Special tokens come from the folder's
 ``tokenizers`` when the folder has one.
 
 :func:`generate` runs the loop every serving stack runs: one prefill over the (left-padded)
-prompts with an empty past, then one step per new token with ``sequence = 1``. Each step's
+prompts with an empty past, then one step per new token with ``sequence = 1``. That loop is
+written once (:func:`decode_steps`); :func:`stream` hands out one prompt's new tokens as the
+loop makes them (the streaming endpoint), :func:`generate` collects them. Each step's
 ``present`` tensors stay ``OrtValue``\\ s on the provider's device and are bound as the next
 step's ``past`` through IOBinding; only the last position's logits come back to numpy.
 Greedy by default (``argmax``, the first index on ties, as torch); sampling with a seeded
@@ -25,7 +27,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -155,7 +157,10 @@ class KVCacheModel:
             return None
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def check_prompts(self, rows: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def check_prompts(self, rows: Sequence[Sequence[int]], max_new_tokens: int, *,
+                      name: str = "--max-new-tokens") -> None:
+        """Refuse (``InputError``) empty prompts, ids outside the vocabulary, and prompts that with
+        ``max_new_tokens`` new tokens do not fit the model; ``name`` is what the user calls that number."""
         lay = self.layout
         if not rows:
             raise InputError("no prompt given")
@@ -170,7 +175,7 @@ class KVCacheModel:
             raise InputError(f"the prompt has {longest} tokens, longer than the model's maximum of {lay.max_length}")
         if longest + max_new_tokens > lay.max_length:
             raise InputError(f"{longest} prompt tokens + {max_new_tokens} new tokens exceed the model's maximum of "
-                             f"{lay.max_length}; lower --max-new-tokens to at most {lay.max_length - longest}")
+                             f"{lay.max_length}; lower {name} to at most {lay.max_length - longest}")
 
     # -- one step -------------------------------------------------------------------------------
     def _ortvalue(self, array: np.ndarray) -> Any:
@@ -225,6 +230,65 @@ def _pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> n
     return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
 
 
+def check_max_new_tokens(max_new_tokens: Any, *, name: str = "--max-new-tokens") -> None:
+    """Refuse (``InputError``) anything but an integer >= 1; ``name`` is what the user calls it."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"{name} must be an integer >= 1, got {max_new_tokens!r}")
+
+
+@dataclasses.dataclass
+class DecodeClock:
+    """Where :func:`decode_steps` spent its time."""
+
+    prefill_ms: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0  # decode steps run after the prefill
+
+
+def _prepare(model: KVCacheModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             eos_token_id: int | Sequence[int] | str | None,
+             pad_token_id: int | None) -> tuple[list[list[int]], set[int], int]:
+    """The checked prompts, the end-of-sequence ids and the pad id (see :func:`generate`)."""
+    check_max_new_tokens(max_new_tokens)
+    rows = [[int(t) for t in r] for r in prompts]
+    model.check_prompts(rows, max_new_tokens)
+    if eos_token_id == FROM_FOLDER:
+        eos_token_id = model.special.get("eos_token_id")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    pad = pad_token_id if pad_token_id is not None else model.special.get("pad_token_id")
+    if pad is None:
+        pad = min(eos) if eos else 0
+    return rows, eos, pad
+
+
+def decode_steps(model: KVCacheModel, rows: list[list[int]], *, max_new_tokens: int, sampling: Sampling,
+                 eos: set[int], pad: int, clock: DecodeClock) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The decode loop (prompts already checked): each step's new token of every row, int64 [batch],
+    with the last-position logits it was picked from; the model runs the next step only when asked
+    for the next token. Times go to ``clock``."""
+    ids, mask = left_padded(rows, pad)
+    rng = np.random.default_rng(sampling.seed)
+    batch = ids.shape[0]
+    finished = np.zeros(batch, dtype=bool)
+    start = time.perf_counter()
+    logits, past = model.step(ids, mask, model.empty_past(batch))
+    clock.prefill_ms = (time.perf_counter() - start) * 1000
+    made = 0
+    while True:
+        token = _pick(logits, sampling, rng)
+        token = np.where(finished, pad, token)
+        finished |= np.isin(token, list(eos))
+        made += 1
+        yield token, logits
+        if made == max_new_tokens or finished.all():
+            return
+        mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+        started = time.perf_counter()
+        logits, past = model.step(token[:, None], mask, past)
+        clock.decode_s += time.perf_counter() - started
+        clock.steps += 1
+
+
 def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              sampling: Sampling | None = None, return_logits: bool = False,
              eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
@@ -236,50 +300,35 @@ def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_t
     end-of-sequence id, else 0.
     """
     sampling = sampling or Sampling()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
-    rows = [[int(t) for t in r] for r in prompts]
-    model.check_prompts(rows, max_new_tokens)
-    if eos_token_id == FROM_FOLDER:
-        eos_token_id = model.special.get("eos_token_id")
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    pad = pad_token_id if pad_token_id is not None else model.special.get("pad_token_id")
-    if pad is None:
-        pad = min(eos) if eos else 0
-    ids, mask = left_padded(rows, pad)
-    rng = np.random.default_rng(sampling.seed)
-    batch = ids.shape[0]
-    finished = np.zeros(batch, dtype=bool)
+    rows, eos, pad = _prepare(model, prompts, max_new_tokens, eos_token_id, pad_token_id)
+    clock = DecodeClock()
     new_tokens: list[np.ndarray] = []
     step_logits: list[np.ndarray] = []
-
-    start = time.perf_counter()
-    logits, past = model.step(ids, mask, model.empty_past(batch))
-    prefill_ms = (time.perf_counter() - start) * 1000
-    decode_s = 0.0
-    steps = 0
-    while True:
+    for token, logits in decode_steps(model, rows, max_new_tokens=max_new_tokens, sampling=sampling, eos=eos,
+                                      pad=pad, clock=clock):
+        new_tokens.append(token)
         if return_logits:
             step_logits.append(logits)
-        token = _pick(logits, sampling, rng)
-        token = np.where(finished, pad, token)
-        new_tokens.append(token)
-        finished |= np.isin(token, list(eos))
-        if len(new_tokens) == max_new_tokens or finished.all():
-            break
-        mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-        clock = time.perf_counter()
-        logits, past = model.step(token[:, None], mask, past)
-        decode_s += time.perf_counter() - clock
-        steps += 1
     tokens = np.stack(new_tokens, axis=1).tolist()
     text = [model.decode(t) for t in tokens] if model.tokenizer is not None else None
     return GenerationResult(
-        prompts=rows, tokens=tokens, prefill_ms=prefill_ms,
-        decode_ms_per_token=decode_s * 1000 / steps if steps else 0.0, steps=steps,
+        prompts=rows, tokens=tokens, prefill_ms=clock.prefill_ms,
+        decode_ms_per_token=clock.decode_s * 1000 / clock.steps if clock.steps else 0.0, steps=clock.steps,
         providers=list(model.runner.actual_providers), text=text,
         step_logits=step_logits if return_logits else None,
     )
+
+
+def stream(model: KVCacheModel, prompt: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+           sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
+           pad_token_id: int | None = None) -> Iterator[int]:
+    """One prompt's new tokens, one at a time, as :func:`generate` makes them (the same loop, so the
+    same tokens). The request is checked here, before the first token is asked for."""
+    sampling = sampling or Sampling()
+    rows, eos, pad = _prepare(model, [prompt], max_new_tokens, eos_token_id, pad_token_id)
+    steps = decode_steps(model, rows, max_new_tokens=max_new_tokens, sampling=sampling, eos=eos, pad=pad,
+                         clock=DecodeClock())
+    return (int(token[0]) for token, _ in steps)
 
 
 def _special_tokens(folder: Path) -> dict[str, Any]:

@@ -99,8 +99,8 @@ def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(
     pytest.importorskip("pytriton", reason="the patch applies to nvidia-pytriton's proxy model")
     from pytriton.models.model import Model
 
-    pytriton_env.patch_proxy_for_numpy2()
-    pytriton_env.patch_proxy_for_numpy2()
+    pytriton_env.patch_proxy()
+    pytriton_env.patch_proxy()
 
     class Fake:
         model_version = 1
