@@ -21,19 +21,10 @@ tritonclient_http = pytest.importorskip("tritonclient.http", reason="serving tes
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[http,grpc]")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from rmsnorm_deploy.cli import main  # noqa: E402
 from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
 from tests.serving._serve import running_server  # noqa: E402
 
 VOCAB = 512  # the tiny preset's
-
-
-@pytest.fixture(scope="session")
-def tiny_kv_export(tmp_path_factory):
-    """``rmsnorm-deploy export tiny --kv-cache -o DIR``: the folder."""
-    folder = tmp_path_factory.mktemp("tiny-kv-export")
-    assert main(["export", "tiny", "--kv-cache", "-o", str(folder), "--force"]) == 0
-    return folder
 
 
 @pytest.fixture(scope="module")
