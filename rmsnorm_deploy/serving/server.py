@@ -100,6 +100,22 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the system reports free on ``host`` now (for ``--http-port`` and the
+    others when any port will do: tests, benchmarks). Another process may still take one before it
+    is bound; :func:`check_options` then refuses it in one line."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 class BatchedInference:
     """PyTriton's infer function: the requests of one batch, run through the runner, split back.
 
@@ -319,10 +335,10 @@ class Server:
             inputs = [Tensor(name=n, dtype=np.int64, shape=tuple(d), optional=opt) for n, d, opt in GENERATION_INPUTS]
             outputs = [Tensor(name=GENERATION_OUTPUT, dtype=np.int64, shape=(-1,))]
             # the streaming twin shares the session and the lock (see StreamingGenerationInference)
-            streaming = dict(
-                model_name=o.model_name + STREAM_SUFFIX, config=ModelConfig(batching=False, decoupled=True),
-                infer_func=StreamingGenerationInference(self.generator, infer_func.lock), inputs=inputs,
-                outputs=[Tensor(name=n, dtype=np.int64, shape=(1,)) for n in (GENERATION_OUTPUT, STREAM_INDEX)])
+            streaming = {
+                "model_name": o.model_name + STREAM_SUFFIX, "config": ModelConfig(batching=False, decoupled=True),
+                "infer_func": StreamingGenerationInference(self.generator, infer_func.lock), "inputs": inputs,
+                "outputs": [Tensor(name=n, dtype=np.int64, shape=(1,)) for n in (GENERATION_OUTPUT, STREAM_INDEX)]}
         else:
             model_config = ModelConfig(
                 batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
@@ -422,5 +438,5 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
 
 
 __all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference",
-           "StreamingGenerationInference", "check_options",
+           "StreamingGenerationInference", "check_options", "free_ports",
            "generation_endpoint", "InputError"]

@@ -138,8 +138,8 @@ BAD_VALUES = [
     ([VOCAB], 2, "token id 512 is outside the model's vocabulary [0, 512)"),
     ([1, 2], 0, "max_new_tokens must be an integer >= 1, got 0"),
     ([1, 2], -3, "max_new_tokens must be an integer >= 1, got -3"),
-    ([1, 2], "limit", "2 prompt tokens + {limit} new tokens exceed the model's maximum of {max_length}; "
-                      "lower max_new_tokens to at most {room}"),
+    ([1, 2], "limit", ("2 prompt tokens + {limit} new tokens exceed the model's maximum of {max_length}; "
+                       "lower max_new_tokens to at most {room}")),
 ]
 BAD_IDS = ["no-prompt", "negative-token", "token-at-vocab-size", "zero-new-tokens", "negative-new-tokens",
            "over-the-limit"]
