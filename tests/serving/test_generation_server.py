@@ -7,6 +7,7 @@ called directly on the same folder in this process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import queue
 import urllib.error
@@ -206,3 +207,16 @@ def test_a_bad_streaming_request_gets_the_error_on_the_stream(served, tiny_kv_ex
     good = np.array([9, 8], np.int64)
     assert _stream(served[2], good, 3)[0] == _direct(tiny_kv_export, good, 3)
     _still_generating(served, tiny_kv_export)
+
+
+def test_streams_and_whole_answers_at_the_same_time_are_each_exact(served, tiny_kv_export):
+    """Two streams and a plain request in flight together: the streams' steps interleave and the plain
+    request waits for the session between them; nobody waits forever, every answer is its own."""
+    prompts = {"a": np.array([3, 1, 4, 1, 5], np.int64), "b": np.array([9], np.int64), "c": np.array([2, 7], np.int64)}
+    want = {k: _direct(tiny_kv_export, p, 24) for k, p in prompts.items()}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        streams = {k: pool.submit(_stream, served[2], prompts[k], 24) for k in ("a", "b")}
+        whole = pool.submit(_generate_http, served[0], prompts["c"], 24)
+        got = {k: f.result(timeout=120)[0] for k, f in streams.items()}
+        got["c"] = whole.result(timeout=120).tolist()
+    assert got == want
