@@ -49,6 +49,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from rmsnorm_deploy.contract.dtypes import dtype_name, numpy_dtype, onnx_type
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -228,6 +229,41 @@ def _bias(writer: _Writer, name: str, x: str, *linears: torch.nn.Linear) -> str:
     return writer.one("Add", [x, writer.weight(f"{name}.bias", torch.cat([b.detach() for b in biases]))], name)
 
 
+#: The op that adds the residual and normalizes in one kernel (ONNX Runtime's CPU and CUDA).
+SKIP_NORM_OP = "SkipSimplifiedLayerNormalization"
+
+
+def skip_refusal(spec: RMSNormSpec, dtype: str) -> str | None:
+    """Why ``s = x + skip; norm(s)`` cannot be one ``SkipSimplifiedLayerNormalization`` exactly, or ``None``.
+
+    ONNX Runtime 1.32 never fuses ``Add`` into ``SimplifiedLayerNormalization`` itself (its
+    ``SkipLayerNormFusion`` matches ``LayerNormalization`` only), so the graph writes the op; it
+    is written where it computes what the ``ort`` lowering of the spec computes after an exact
+    ``Add``: float32 activations (the kernel normalizes the float32 sum; in float16 the model
+    normalizes the sum rounded to float16 and the kernel does not), the gain a plain weight over
+    the last dim, epsilon inside the square root, float32 accumulation.
+    """
+    reason = refusal("ort", spec, spec.upcasts(dtype), OPSET)
+    if reason:
+        return reason
+    if dtype != "float32":
+        return (f"{SKIP_NORM_OP} normalizes the float32 sum of its inputs; a {dtype} model normalizes the sum "
+                f"rounded to {dtype}")
+    if spec.gain != "weight":
+        return f"{SKIP_NORM_OP} multiplies by a weight; this spec's gain is {spec.gain!r}"
+    if spec.normalized_dims != 1:
+        return f"{SKIP_NORM_OP} normalizes the last dim; this spec normalizes the last {spec.normalized_dims}"
+    return None
+
+
+def skip_norm_node(spec: RMSNormSpec, inputs: list[str], outputs: list[str], *, name: str) -> onnx.NodeProto:
+    """``SkipSimplifiedLayerNormalization(input, skip, weight) -> (y, [sum])`` for ``spec``
+    (check :func:`skip_refusal` first). ``outputs``: ``[y]`` or ``[y, sum]`` (``sum`` may be "")."""
+    y, *rest = outputs
+    outs = [y, "", "", rest[0]] if rest and rest[0] else [y]
+    return helper.make_node(SKIP_NORM_OP, inputs, outs, name=name, domain=MS_DOMAIN, epsilon=float(spec.epsilon))
+
+
 def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buffer: bool = False,
                   max_length: int | None = None) -> OrtDecoder:
     """The ONNX Runtime decoder graph of ``loaded`` (a transformers Llama-family causal LM).
@@ -251,6 +287,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
 
     w = _Writer(dtype)
     elem = onnx_type(dtype)
+    # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
+    skip_fusion = lowering == "ort"
     used_norms: list[str] = []
 
     def norm(module: torch.nn.Module, x: str, out: str | None = None) -> str:
@@ -264,6 +302,21 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         used_norms.append(path)
         return y
 
+    def residual_norm(module: torch.nn.Module, hidden: str, branch: str, base: str, *,
+                      keep_sum: bool = True) -> tuple[str, str]:
+        """``s = hidden + branch`` and ``norm(s)``: (normalized, s). With ``skip_fusion`` one
+        ``SkipSimplifiedLayerNormalization`` (its fourth output is ``s``), else ``Add`` and our node."""
+        path = next(p for p, m in loaded.module.named_modules() if m is module)
+        found = by_path.get(path)
+        if not skip_fusion or found is None or skip_refusal(found.spec, dtype) is not None:
+            total = w.one("Add", [hidden, branch], base)
+            return norm(module, total), total
+        y, total = w.name(f"{path}/output"), w.name(base) if keep_sum else ""
+        w.nodes.append(skip_norm_node(found.spec, [hidden, branch, w.weight(f"{path}.weight", found.weight)],
+                                      [y, total], name=path))
+        used_norms.append(path)
+        return y, total
+
     # Prelude. GroupQueryAttention keeps each row's cache compact: its valid tokens first, its
     # length seqlens_k + 1 = sum(attention_mask), positions = index in the row. The convention pads
     # on the left, so the chunk's tokens are rotated left by the row's padding before the
@@ -271,25 +324,25 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     # LM head. Positions then equal cumsum(attention_mask) - 1, which is what the convention's
     # position_ids hold (the input is accepted; GQA's rotary derives the same positions).
     i64 = lambda name, value: w.init(f"const/{name}", np.array(value, dtype=np.int64))  # noqa: E731
-    one_1d, zero, one, axes1 = i64("one_1d", [1]), i64("zero", 0), i64("one", 1), i64("axes_1", [1])
+    zero_1d, one_1d, axes1 = i64("zero_1d", [0]), i64("one_1d", [1]), i64("axes_1", [1])
     seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
-    seq = w.one("Squeeze", [seq_1d], "mask/seq")
     total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
     chunk = w.one("Slice", ["attention_mask", w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d, axes1],
                   "mask/chunk")
     valid = w.one("ReduceSum", [chunk, axes1], "mask/chunk_valid", keepdims=1)  # [batch, 1]
-    pad = w.one("Sub", [seq_1d, valid], "mask/chunk_pad")  # [batch, 1]
-    steps = w.one("Range", [zero, seq, one], "mask/range")  # [seq]
-    # compact[i] = chunk[(i + pad) % seq]; back: original[j] = compact[(j - pad + seq) % seq]
-    to_compact = w.one("Mod", [w.one("Add", [steps, pad], "mask/shifted"), seq_1d], "mask/to_compact")
-    back = w.one("Mod", [w.one("Add", [w.one("Sub", [steps, pad], "mask/unshifted"), seq_1d], "mask/unshifted_pos"),
-                         seq_1d], "mask/to_original")
+    # 0 .. sequence - 1, sliced from a constant (no scalar to squeeze for a Range).
+    steps = w.one("Slice", [i64("positions", np.arange(dims.max_positions)), zero_1d, seq_1d], "mask/steps")
+    # pad = sequence - valid; compact[i] = chunk[(i + pad) % seq] and original[j] = compact[(j - pad) % seq],
+    # i.e. (i - valid) % seq and (j + valid) % seq: Mod takes the divisor's sign (fmod=0), never negative.
+    to_compact = w.one("Mod", [w.one("Sub", [steps, valid], "mask/shifted"), seq_1d], "mask/to_compact")
+    back = w.one("Mod", [w.one("Add", [steps, valid], "mask/unshifted"), seq_1d], "mask/to_original")
     ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
     lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
     seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                     to=TensorProto.INT32)
-    total_i32 = w.one("Cast", [w.one("Squeeze", [total_1d], "mask/total")], "mask/total_sequence_length",
-                      to=TensorProto.INT32)
+    # GroupQueryAttention's total_sequence_length is a scalar: Gather with a scalar index gives one.
+    total_i32 = w.one("Cast", [w.one("Gather", [total_1d, i64("zero", 0)], "mask/total")],
+                      "mask/total_sequence_length", to=TensorProto.INT32)
 
     cos, sin = rotary_caches(lm, dims, w.np_dtype)
     cos_name, sin_name = w.init("cos_cache", cos), w.init("sin_cache", sin)
@@ -297,10 +350,14 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     embed = lm.get_input_embeddings()
     hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), ids], "embed")
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+    pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
     for i, layer in enumerate(lm.model.layers):
         base = f"{prefix}model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
-        x = norm(layer.input_layernorm, hidden)
+        if pending is None:
+            x = norm(layer.input_layernorm, hidden)
+        else:
+            x, hidden = residual_norm(layer.input_layernorm, hidden, pending, f"{prefix}model.layers.{i - 1}/mlp/residual")
         qkv = w.one("MatMul", [x, w.linear_t(f"{base}.self_attn.qkv_proj.weight", attn.q_proj.weight, attn.k_proj.weight,
                                                attn.v_proj.weight)], f"{base}/attn/qkv")
         qkv = _bias(w, f"{base}/attn/qkv", qkv, attn.q_proj, attn.k_proj, attn.v_proj)
@@ -327,8 +384,7 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         o = w.one("MatMul", [gqa_out[0], w.linear_t(f"{base}.self_attn.o_proj.weight", attn.o_proj.weight)],
                   f"{base}/attn/o_proj")
         o = _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
-        hidden = w.one("Add", [hidden, o], f"{base}/attn/residual")
-        x = norm(layer.post_attention_layernorm, hidden)
+        x, hidden = residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
         inter = mlp.gate_proj.weight.shape[0]
         gate_up = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.gate_up_proj.weight", mlp.gate_proj.weight,
                                                    mlp.up_proj.weight)], f"{base}/mlp/gate_up")
@@ -338,13 +394,17 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
         down = w.one("MatMul", [w.one("Mul", [act, up], f"{base}/mlp/gated"),
                                 w.linear_t(f"{base}.mlp.down_proj.weight", mlp.down_proj.weight)], f"{base}/mlp/down")
-        down = _bias(w, f"{base}/mlp/down", down, mlp.down_proj)
-        hidden = w.one("Add", [hidden, down], f"{base}/mlp/residual")
-    x = norm(lm.model.norm, hidden)
+        pending = _bias(w, f"{base}/mlp/down", down, mlp.down_proj)  # added with the next norm
+    assert pending is not None
+    x, _ = residual_norm(lm.model.norm, hidden, pending, f"{prefix}model.layers.{dims.layers - 1}/mlp/residual",
+                         keep_sum=False)
     head_weight, head_path = lm_head_of(lm)
-    logits = w.one("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], "lm_head")
+    # Back to the input's order before the LM head (each row of the head is computed alone): the
+    # hidden size is moved, not the vocabulary.
     back_3d = w.one("Unsqueeze", [back, i64("axes_last", [-1])], "mask/to_original_3d")
-    w.nodes.append(helper.make_node("GatherND", [logits, back_3d], ["logits"], name="logits/GatherND", batch_dims=1))
+    x = w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
+    w.nodes.append(helper.make_node("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], ["logits"],
+                                    name="lm_head/MatMul"))
 
     missing = [p for p in by_path if p not in used_norms]
     if missing:
@@ -435,7 +495,7 @@ def audit_norms(model: onnx.ModelProto, norm_nodes: int) -> int:
     """As many RMSNorm reductions as norm nodes, every one accumulating in float32 or wider."""
     from rmsnorm_deploy.graph.audit import audit_model
 
-    reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
+    reductions = [r for r in audit_model(model) if r.kind in ("RMSNorm", "RMSNorm (skip)")]
     if len(reductions) != norm_nodes:
         raise OrtDecoderError(f"the graph holds {len(reductions)} RMSNorm reductions for {norm_nodes} norm nodes")
     low = [r for r in reductions if r.low_precision]
