@@ -16,6 +16,14 @@ forward uses as its LM head, ``get_output_embeddings()``) and emits, per layer:
 - the output projection and residual ``Add``, the post-attention norm, one fused gate/up
   ``MatMul``, the activation, the down projection and residual ``Add``.
 
+Residual and norm. With the ``ort`` lowering (the norms are ONNX Runtime's ops) each residual
+``Add`` and the norm after it are one ``com.microsoft.SkipSimplifiedLayerNormalization`` whose
+fourth output is the residual sum, as onnxruntime-genai writes them: ONNX Runtime 1.32 does not
+make that fusion itself (its ``SkipLayerNormFusion`` matches ``LayerNormalization`` only), so
+with the ``function`` lowering our exact nodes stay and ONNX Runtime runs ``Add`` then its fused
+``SimplifiedLayerNormalization``. :func:`skip_refusal` says where the fused op is not exact
+(float16: it normalizes the unrounded sum); there the ``Add`` stays.
+
 The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``input_ids``,
 ``attention_mask`` [batch, past + sequence], ``position_ids`` [batch, sequence] and
 ``past_key_values.{i}.key/value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` and
@@ -24,13 +32,14 @@ The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``
 Padding. GroupQueryAttention keeps each row's cache compact: a row's valid keys are its first
 ``seqlens_k + 1`` slots and its positions their indices (right padding). The convention pads on
 the left, so the graph rotates each row's chunk of ``input_ids`` left by the row's padding
-before the embedding (valid tokens first) and rotates the logits back after the LM head; with
+before the embedding (valid tokens first) and rotates the final hidden state back before the
+LM head (each row of the head is computed alone); with
 ``seqlens_k = sum(attention_mask) - 1`` every valid token then sits at its position
 ``cumsum(attention_mask) - 1``, which is what the convention's ``position_ids`` hold (the input
 is accepted and the same positions are derived). The present tensors hold each row's valid
 keys first: they are this graph's own state, fed back unchanged, as every client does. The
-result is transformers' masking and positions at any left padding, with a decode step as lean as
-onnxruntime-genai's (a few index ops on [batch, sequence] per step).
+result is transformers' masking and positions at any left padding, for 18 small index ops on
+[batch, sequence] per step (onnxruntime-genai's graph has 6 and is right only for unpadded rows).
 
 ``share_buffer=True`` writes onnxruntime-genai's other mode: past and present are one
 preallocated [batch, kv_heads, max_length, head_dim] buffer (bound to both with IOBinding),
@@ -63,7 +72,9 @@ OPSET = 21
 MS_DOMAIN = "com.microsoft"
 TARGET = "onnxruntime"
 #: model_type -> what the builder knows of it. Only these are written; others are refused.
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+#: Families whose norms follow each sublayer (``h + norm(f(h))``) instead of preceding it.
+POST_SUBLAYER_TYPES = ("olmo2",)
 #: Activation names (config.hidden_act) the MLP is written for.
 _ACTIVATIONS = ("silu",)
 #: The dtypes GroupQueryAttention runs in on ONNX Runtime CPU.
@@ -350,14 +361,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     embed = lm.get_input_embeddings()
     hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), ids], "embed")
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
-    for i, layer in enumerate(lm.model.layers):
-        base = f"{prefix}model.layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        if pending is None:
-            x = norm(layer.input_layernorm, hidden)
-        else:
-            x, hidden = residual_norm(layer.input_layernorm, hidden, pending, f"{prefix}model.layers.{i - 1}/mlp/residual")
+    def attention(i: int, layer: torch.nn.Module, x: str, base: str) -> str:
+        attn = layer.self_attn
         qkv = w.one("MatMul", [x, w.linear_t(f"{base}.self_attn.qkv_proj.weight", attn.q_proj.weight, attn.k_proj.weight,
                                                attn.v_proj.weight)], f"{base}/attn/qkv")
         qkv = _bias(w, f"{base}/attn/qkv", qkv, attn.q_proj, attn.k_proj, attn.v_proj)
@@ -383,8 +388,10 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         gqa_node.output[1], gqa_node.output[2] = f"present.{i}.key", f"present.{i}.value"
         o = w.one("MatMul", [gqa_out[0], w.linear_t(f"{base}.self_attn.o_proj.weight", attn.o_proj.weight)],
                   f"{base}/attn/o_proj")
-        o = _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
-        x, hidden = residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
+        return _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
+
+    def feed_forward(layer: torch.nn.Module, x: str, base: str) -> str:
+        mlp = layer.mlp
         inter = mlp.gate_proj.weight.shape[0]
         gate_up = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.gate_up_proj.weight", mlp.gate_proj.weight,
                                                    mlp.up_proj.weight)], f"{base}/mlp/gate_up")
@@ -394,10 +401,33 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
         down = w.one("MatMul", [w.one("Mul", [act, up], f"{base}/mlp/gated"),
                                 w.linear_t(f"{base}.mlp.down_proj.weight", mlp.down_proj.weight)], f"{base}/mlp/down")
-        pending = _bias(w, f"{base}/mlp/down", down, mlp.down_proj)  # added with the next norm
-    assert pending is not None
-    x, _ = residual_norm(lm.model.norm, hidden, pending, f"{prefix}model.layers.{dims.layers - 1}/mlp/residual",
-                         keep_sum=False)
+        return _bias(w, f"{base}/mlp/down", down, mlp.down_proj)
+
+    if dims.model_type in POST_SUBLAYER_TYPES:
+        # OLMo2: h = h + norm(attn(h)); h = h + norm(mlp(h)); the final norm. Each norm comes before
+        # its Add, so there is no residual to fold into a norm.
+        for i, layer in enumerate(lm.model.layers):
+            base = f"{prefix}model.layers.{i}"
+            hidden = w.one("Add", [hidden, norm(layer.post_attention_layernorm, attention(i, layer, hidden, base))],
+                           f"{base}/attn/residual")
+            hidden = w.one("Add", [hidden, norm(layer.post_feedforward_layernorm, feed_forward(layer, hidden, base))],
+                           f"{base}/mlp/residual")
+        x = norm(lm.model.norm, hidden)
+    else:
+        pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
+        for i, layer in enumerate(lm.model.layers):
+            base = f"{prefix}model.layers.{i}"
+            if pending is None:
+                x = norm(layer.input_layernorm, hidden)
+            else:
+                x, hidden = residual_norm(layer.input_layernorm, hidden, pending,
+                                          f"{prefix}model.layers.{i - 1}/mlp/residual")
+            o = attention(i, layer, x, base)
+            x, hidden = residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
+            pending = feed_forward(layer, x, base)  # added with the next norm
+        assert pending is not None
+        x, _ = residual_norm(lm.model.norm, hidden, pending, f"{prefix}model.layers.{dims.layers - 1}/mlp/residual",
+                             keep_sum=False)
     head_weight, head_path = lm_head_of(lm)
     # Back to the input's order before the LM head (each row of the head is computed alone): the
     # hidden size is moved, not the vocabulary.
@@ -444,9 +474,17 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
 
 def _head_norm(w: _Writer, norm: Any, module: torch.nn.Module | None, x: str, heads: int, head_dim: int,
                base: str) -> str:
-    """A per-head norm (Qwen3's q_norm/k_norm over head_dim): [B, S, H*D] -> [B, S, H, D] -> norm -> back."""
+    """A q/k norm: per head (Qwen3's, a weight of head_dim): [B, S, H*D] -> [B, S, H, D] -> norm ->
+    back; or over all heads (OLMo2's, a weight of H*D): the norm on [B, S, H*D] as it is."""
     if module is None:
         return x
+    weight = getattr(module, "weight", None)
+    width = int(weight.numel()) if isinstance(weight, torch.Tensor) else head_dim
+    if width == heads * head_dim and width != head_dim:
+        return norm(module, x)
+    if width != head_dim:
+        raise OrtDecoderError(f"{base}: a q/k norm over {width} values is neither per head ({head_dim}) nor over "
+                              f"all {heads} heads ({heads * head_dim})")
     to_heads = w.init(f"{base}/heads_shape", np.array([0, 0, heads, head_dim], dtype=np.int64))
     flat = w.init(f"{base}/flat_shape", np.array([0, 0, heads * head_dim], dtype=np.int64))
     y = norm(module, w.one("Reshape", [x, to_heads], f"{base}/to_heads"))

@@ -29,10 +29,11 @@ from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
 from rmsnorm_deploy.runners.kv_decoder import CacheLayout, KVDecoderRunner  # noqa: E402
 
-#: Families written by --target onnxruntime (Qwen3: per-head q/k norms; Qwen2: q/k/v biases).
-FAMILIES = ["llama", "qwen3", "qwen2", "mistral"]
-#: Norm modules per family of the 2-layer tiny configs: 2 per layer + final, Qwen3 2 more per layer.
-NORMS = {"llama": 5, "qwen3": 9, "qwen2": 5, "mistral": 5}
+#: Families written by --target onnxruntime (Qwen3: per-head q/k norms; Qwen2: q/k/v biases; OLMo2:
+#: norms after each sublayer and q/k norms over all heads).
+FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "olmo2"]
+#: Norm modules per family of the 2-layer tiny configs: 2 per layer + final, Qwen3 and OLMo2 2 more per layer.
+NORMS = {"llama": 5, "qwen3": 9, "qwen2": 5, "mistral": 5, "olmo2": 9}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,7 @@ def test_step_logits_match_transformers_cache(models, kind):
 
 @pytest.mark.parametrize("kind, batch, share_buffer", [
     ("llama", 1, False), ("llama", 3, False), ("llama", 3, True), ("qwen3", 1, True), ("qwen3", 3, False),
+    ("olmo2", 1, False), ("olmo2", 3, True),
 ])
 def test_greedy_tokens_equal_generate(models, kind, batch, share_buffer):
     loaded = models(kind)
