@@ -72,11 +72,11 @@ OPSET = 21
 MS_DOMAIN = "com.microsoft"
 TARGET = "onnxruntime"
 #: model_type -> what the builder knows of it. Only these are written; others are refused.
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text")
 #: Families whose norms follow each sublayer (``h + norm(f(h))``) instead of preceding it.
 POST_SUBLAYER_TYPES = ("olmo2",)
 #: Activation names (config.hidden_act) the MLP is written for.
-_ACTIVATIONS = ("silu",)
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: The dtypes GroupQueryAttention runs in on ONNX Runtime CPU.
 DTYPES = ("float32", "float16")
 #: The convention's version (``exporter.kv_cache.CONVENTION``).
@@ -100,6 +100,7 @@ class DecoderDims:
     vocab: int
     max_positions: int
     scale: float  # the attention's score scale (module.scaling)
+    activation: str = "silu"  # config.hidden_act (hidden_activation for Gemma3)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -133,10 +134,16 @@ def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
     if model_type not in SUPPORTED_TYPES:
         raise OrtDecoderError(f"--target onnxruntime does not write {model_type!r} models yet; it writes "
                               f"{', '.join(SUPPORTED_TYPES)} (use --target portable)")
-    act = getattr(config, "hidden_act", None)
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     if act not in _ACTIVATIONS:
         raise OrtDecoderError(f"{model_type}: activation {act!r} is not written by --target onnxruntime "
                               f"(it writes {', '.join(_ACTIVATIONS)})")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, field, None) is not None:
+            raise OrtDecoderError(f"{model_type}: {field} ({getattr(config, field)}) is not written by --target "
+                                  "onnxruntime yet; use --target portable")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise OrtDecoderError(f"{model_type}: bidirectional attention is not a causal decoder; use --target portable")
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
         raise OrtDecoderError(f"{model_type}: sliding-window attention ({window}) is not written by "
@@ -149,7 +156,7 @@ def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
     return DecoderDims(
         model_type=model_type, layers=len(layers), hidden=int(config.hidden_size), heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, vocab=int(config.vocab_size), max_positions=int(config.max_position_embeddings),
-        scale=float(attn.scaling),
+        scale=float(attn.scaling), activation=str(act),
     )
 
 
@@ -168,14 +175,20 @@ def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
     return head.weight, path
 
 
-def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype,
+                  layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [max_positions, head_dim / 2] exactly as the model's ``rotary_emb`` computes them
-    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype."""
+    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
+    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type."""
     rotary = getattr(lm.model, "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
-        raise OrtDecoderError("the model has no rotary_emb.inv_freq; --target onnxruntime writes rotary models")
-    if getattr(rotary, "rope_type", "default") == "dynamic":
+        raise OrtDecoderError(f"the model has no rotary_emb.{prefix}inv_freq; --target onnxruntime writes rotary models")
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type, "default")
+    if rope_type == "dynamic":
         raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
     if inv_freq.numel() * 2 != dims.head_dim:
         raise OrtDecoderError(f"partial rotary embeddings ({inv_freq.numel() * 2} of {dims.head_dim} dims) are not "
@@ -183,7 +196,7 @@ def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype) -> tu
     positions = torch.arange(dims.max_positions, dtype=torch.float32)
     # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
     freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
     cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
     return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
 
@@ -355,11 +368,20 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     total_i32 = w.one("Cast", [w.one("Gather", [total_1d, i64("zero", 0)], "mask/total")],
                       "mask/total_sequence_length", to=TensorProto.INT32)
 
-    cos, sin = rotary_caches(lm, dims, w.np_dtype)
-    cos_name, sin_name = w.init("cos_cache", cos), w.init("sin_cache", sin)
+    layer_types = list(getattr(lm.config, "layer_types", None) or [None] * dims.layers)
+    caches: dict[str | None, tuple[str, str]] = {}
+    for kind in dict.fromkeys(layer_types):  # one cos/sin pair per rotary (Gemma3: local and global)
+        cos, sin = rotary_caches(lm, dims, w.np_dtype, kind if kind in _rotary_types(lm) else None)
+        tag = f"_{kind}" if kind in _rotary_types(lm) else ""
+        caches[kind] = (w.init(f"cos_cache{tag}", cos), w.init(f"sin_cache{tag}", sin))
 
     embed = lm.get_input_embeddings()
     hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), ids], "embed")
+    embed_scale = getattr(embed, "embed_scale", None)
+    if isinstance(embed_scale, torch.Tensor):
+        # Gemma: embedding * embed_scale, the scale rounded to the weight's dtype first (as transformers does).
+        scale = embed_scale.detach().to(embed.weight.dtype).reshape(())
+        hidden = w.one("Mul", [hidden, w.weight(f"{prefix}model.embed_tokens.embed_scale", scale)], "embed/scale")
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
     def attention(i: int, layer: torch.nn.Module, x: str, base: str) -> str:
         attn = layer.self_attn
@@ -377,8 +399,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
             qkv_inputs = [qkv, "", ""]  # packed
         gqa_out = w.node(
             "GroupQueryAttention",
-            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32, cos_name,
-                          sin_name],
+            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32,
+                          *caches[layer_types[i]]],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
             num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=1, rotary_interleaved=0,
             local_window_size=-1,
@@ -398,7 +420,10 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         gate_up = _bias(w, f"{base}/mlp/gate_up", gate_up, mlp.gate_proj, mlp.up_proj)
         gate, up = w.node("Split", [gate_up, w.init(f"{base}/mlp/split", np.array([inter, inter], dtype=np.int64))],
                           f"{base}/mlp/split", outputs=2, axis=-1)
-        act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
+        if dims.activation == "gelu_pytorch_tanh":
+            act = w.one("Gelu", [gate], f"{base}/mlp/gelu", approximate="tanh")
+        else:
+            act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
         down = w.one("MatMul", [w.one("Mul", [act, up], f"{base}/mlp/gated"),
                                 w.linear_t(f"{base}.mlp.down_proj.weight", mlp.down_proj.weight)], f"{base}/mlp/down")
         return _bias(w, f"{base}/mlp/down", down, mlp.down_proj)
@@ -415,6 +440,7 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         x = norm(lm.model.norm, hidden)
     else:
         pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
+        sandwich = hasattr(lm.model.layers[0], "pre_feedforward_layernorm")
         for i, layer in enumerate(lm.model.layers):
             base = f"{prefix}model.layers.{i}"
             if pending is None:
@@ -423,8 +449,13 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
                 x, hidden = residual_norm(layer.input_layernorm, hidden, pending,
                                           f"{prefix}model.layers.{i - 1}/mlp/residual")
             o = attention(i, layer, x, base)
-            x, hidden = residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
-            pending = feed_forward(layer, x, base)  # added with the next norm
+            if sandwich:  # Gemma3: norms before and after each sublayer
+                o = norm(layer.post_attention_layernorm, o)
+                x, hidden = residual_norm(layer.pre_feedforward_layernorm, hidden, o, f"{base}/attn/residual")
+                pending = norm(layer.post_feedforward_layernorm, feed_forward(layer, x, base))
+            else:
+                x, hidden = residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
+                pending = feed_forward(layer, x, base)  # added with the next norm
         assert pending is not None
         x, _ = residual_norm(lm.model.norm, hidden, pending, f"{prefix}model.layers.{dims.layers - 1}/mlp/residual",
                              keep_sum=False)
@@ -470,6 +501,13 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         kv_cache=kv_cache_metadata(dims, dtype, share_buffer=share_buffer, max_length=max_len, head=head_path),
     ).write(model)
     return OrtDecoder(model, dims, detection, len(used_norms), head_path)
+
+
+def _rotary_types(lm: torch.nn.Module) -> tuple[str, ...]:
+    """The layer types with their own rotary tables (Gemma3's ``{type}_inv_freq``); () for one table."""
+    rotary = getattr(lm.model, "rotary_emb", None)
+    kinds = getattr(rotary, "layer_types", None) or ()
+    return tuple(k for k in kinds if isinstance(getattr(rotary, f"{k}_inv_freq", None), torch.Tensor))
 
 
 def _head_norm(w: _Writer, norm: Any, module: torch.nn.Module | None, x: str, heads: int, head_dim: int,
