@@ -173,7 +173,8 @@ def test_metadata_records_convention_target_and_buffer_mode(models):
 def test_gemma3_local_and_global_rotary_tables():
     """Gemma3's sliding and full attention layers rotate with their own tables (theta 1e4 and 1e6):
     each layer's GroupQueryAttention reads its own; tokens equal to transformers' at batch 3
-    (16 tokens: the step logits already tell the tables apart)."""
+    (16 tokens: the step logits already tell the tables apart). Slow under load (about 7 s of it is
+    building a Gemma3 with both attention types, which the module's tiny config does not have)."""
     config = {**hf.TINY_CONFIGS["gemma3"], "layer_types": ["sliding_attention", "full_attention"]}
     loaded = hf.from_config(config, "float32", seed=0)
     dec = build_decoder(loaded, max_length=64)
