@@ -253,3 +253,20 @@ def test_float16_step_logits_within_tolerance_table():
     parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=3)
     assert len(parity.results) == 4 and all(r.dtype == "float16" for r in parity.results)
     assert not parity.failed, parity.table()
+
+
+def test_gemma3_float16_embedding_scale_rounded_as_transformers():
+    """Gemma3 in float16 at hidden 80: the embedding scale is sqrt(80) rounded to float16 (8.945, not
+    8.944), as transformers multiplies; step logits within the float16 model tolerance, tokens equal.
+    About 7 s: a float16 Gemma3 of its own (the module's models are float32 at hidden 64, where the
+    scale 8 is exact)."""
+    loaded = hf.from_config({**hf.TINY_CONFIGS["gemma3"], "hidden_size": 80}, "float16", seed=0)
+    dec = build_decoder(loaded)
+    scale = next(i for i in dec.model.graph.initializer if i.name.endswith("embed_tokens.embed_scale"))
+    got = onnx.numpy_helper.to_array(scale)
+    assert got.dtype == np.float16 and got.size == 1
+    assert got.item() == float(np.float16(np.sqrt(80.0))) != float(np.float32(np.sqrt(80.0)))
+    assert audit_norms(dec.model, dec.norm_nodes) == NORMS["gemma3"]
+    parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=3)
+    assert all(r.dtype == "float16" for r in parity.results)
+    assert not parity.failed, parity.table()
