@@ -277,8 +277,9 @@ class OrtStep:
         if not lay.share_buffer:
             cache.values = list(outputs[1:])
         cache.vocab = int(outputs[0].shape()[-1])
-        last = ortvalue_to_numpy(outputs[0])[:, -1, :]
-        return (last.astype(np.float32) if self._bf16 else last), cache
+        if self._bf16:  # numpy has no bfloat16 of its own: read the memory, compare in float32
+            return ortvalue_to_numpy(outputs[0])[:, -1, :].astype(np.float32), cache
+        return np.array(outputs[0].numpy()[:, -1, :]), cache  # a copy: the buffer is written again next step
 
 
 class KVDecoderRunner:

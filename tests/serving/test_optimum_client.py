@@ -1,4 +1,4 @@
-"""optimum-onnx's ``ORTModelForCausalLM`` loads our ``--kv-cache`` folders (both targets) and generates
+"""optimum-onnx's ``ORTModelForCausalLM`` loads our ``--kv-cache`` folders (both targets, a preset) and generates
 ``generate``'s greedy tokens, rows left-padded (``benchmarks/optimum_client.py check``).
 
 optimum-onnx needs transformers < 4.58, so it lives in its own environment, never beside this
@@ -38,13 +38,24 @@ def _ort_target_folder(tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("target", ["portable", "onnxruntime"])
+def _preset_folder(tmp_path: Path) -> Path:
+    from rmsnorm_deploy.cli import main
+
+    out = tmp_path / "preset"
+    assert main(["export", "tiny", "--kv-cache", "-o", str(out), "--seq", "8"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("target", ["portable", "onnxruntime", "preset"])
 def test_optimum_generates_our_greedy_tokens(tmp_path, target):
     from tests.kv_models import exported_kv
 
     from rmsnorm_deploy.serving.generate import KVCacheModel, generate
 
-    folder = exported_kv("llama")[0] if target == "portable" else _ort_target_folder(tmp_path)
+    if target == "portable":
+        folder = exported_kv("llama")[0]
+    else:
+        folder = _ort_target_folder(tmp_path) if target == "onnxruntime" else _preset_folder(tmp_path)
     with KVCacheModel(folder) as kv:
         ours = generate(kv, PROMPTS, max_new_tokens=16)
     expected = tmp_path / "ours.json"
