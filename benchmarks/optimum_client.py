@@ -13,7 +13,8 @@ from the same prompts with transformers' ``generate`` (rows left-padded, end-of-
 tokens from the folder's generation config, as ``rmsnorm-deploy generate`` takes them from the
 folder) and compares the new tokens with ``tokens`` in the JSON ``rmsnorm-deploy generate --json``
 wrote. It prints one JSON object and exits 0 when every token is equal, 1 when not, 2 on bad
-input (a folder optimum cannot load, a JSON without prompts and tokens).
+input, in one line (a folder without ``model.onnx`` or one optimum cannot load, a JSON without
+prompts and tokens).
 
 ``serve FOLDER [--export]`` is the worker ``benchmarks/bench_kv_decode.py --optimum-python``
 drives: one JSON request per line on stdin (``{"ids": [[...]], "new_tokens": N}``), one JSON
@@ -105,6 +106,8 @@ def check(folder: str, expected_path: str) -> int:
             raise ValueError("prompts and tokens must be lists of the same length, every prompt non-empty")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return fail(f"{expected_path}: not the JSON of `rmsnorm-deploy generate --json` ({exc!r})")
+    if not (Path(folder) / "model.onnx").is_file():  # else optimum would quietly export from a Hub name
+        return fail(f"{folder}: no model.onnx; give the folder `rmsnorm-deploy export --kv-cache` wrote")
     try:
         model = load(folder)
     except Exception as exc:  # noqa: BLE001 - optimum and transformers raise many types
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    for name in ("transformers", "optimum"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     if args.command == "check":
         return check(args.folder, args.expected)
     return serve(args.folder, args.export)

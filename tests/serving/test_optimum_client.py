@@ -68,9 +68,16 @@ def test_optimum_generates_our_greedy_tokens(tmp_path, target):
     assert answer["class"] == "ORTModelForCausalLM" and answer["use_cache"] is True
 
 
-def test_a_folder_optimum_cannot_load_is_a_one_line_error(tmp_path):
+@pytest.mark.parametrize(("model", "message"), [
+    (None, "no model.onnx; give the folder `rmsnorm-deploy export --kv-cache` wrote"),
+    (b"not an onnx file", "ORTModelForCausalLM cannot load"),
+])
+def test_a_folder_optimum_cannot_load_is_a_one_line_error(tmp_path, model, message):
     (tmp_path / "ours.json").write_text(json.dumps({"prompts": [[1, 2]], "tokens": [[3]]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    if model is not None:
+        (tmp_path / "model.onnx").write_bytes(model)
     proc = subprocess.run([PYTHON, str(CLIENT), "check", str(tmp_path), str(tmp_path / "ours.json")],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "ORTModelForCausalLM cannot load" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.returncode == 2 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
