@@ -404,8 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-rounds", type=int, default=2, help="rounds that also time torch eager (default 2)")
     parser.add_argument("--models", default="tiny,125m")
     parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--optimum-python", help="a Python with optimum-onnx (its own environment, transformers < 4.58): "
-                        "adds optimum's generate on our portable folder and on optimum's own graph")
+    parser.add_argument("--optimum-python",
+                        help="a Python with optimum-onnx (its own environment, transformers < 4.58): adds optimum's "
+                             "generate on our portable folder and on optimum's own graph")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)

@@ -263,7 +263,8 @@ class OrtStep:
             if self._bf16:
                 binding.bind_output(LOGITS, "cpu")  # a new output: a bound one keeps its first shape
             elif cache.logits is None:  # every decode step writes its [batch, 1, vocab] logits here
-                cache.logits = self.ort.OrtValue.ortvalue_from_numpy(np.empty((cache.batch, 1, cache.vocab), self.dtype))
+                buffer = np.empty((cache.batch, 1, cache.vocab), self.dtype)
+                cache.logits = self.ort.OrtValue.ortvalue_from_numpy(buffer)
                 binding.bind_ortvalue_output(LOGITS, cache.logits)
         if not lay.share_buffer:
             for (past, present), value in zip(lay.pairs(), cache.values):
