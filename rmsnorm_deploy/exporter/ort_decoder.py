@@ -663,6 +663,8 @@ class OrtDecoderExport:
     decoder: OrtDecoder
     parity: DecodeParity | None
     report_path: Any = None
+    #: written beside the model: genai_config.json and the source's Hugging Face config/tokenizer files
+    serving_files: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def parity_failed(self) -> bool:
@@ -678,6 +680,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
     """
     import json
 
+    from rmsnorm_deploy.exporter.genai_config import write_serving_files
+    from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
     from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
     from rmsnorm_deploy.progress import Progress
 
@@ -691,7 +695,13 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
         st.note(f"{len(decoder.model.graph.node)} nodes, {audited} norm nodes audited in float32")
     with progress.stage(f"saving {plan.target}") as st:
         save_onnx(decoder.model, plan.target, force=options.force)
-    result = OrtDecoderExport(plan.target, decoder, None)
+    max_len = int(max_length or decoder.dims.max_positions)
+    layout = KVCacheLayout.from_dict(kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
+                                                       max_length=max_len, head=decoder.lm_head))
+    with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
+        serving_files = write_serving_files(plan.target, layout, loaded.source, force=options.force)
+        st.note(", ".join(serving_files))
+    result = OrtDecoderExport(plan.target, decoder, None, serving_files=serving_files)
     if options.parity:
         with progress.stage("parity: ONNX Runtime CPU vs transformers with its cache (prefill + 4 steps)") as st:
             result.parity = decode_parity(loaded, str(plan.target), batch=options.batch, prompt=options.seq,
@@ -700,7 +710,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
         report = {
             "model": str(plan.target), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
             "kv_cache": kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
-                                          max_length=int(max_length or decoder.dims.max_positions), head=decoder.lm_head),
+                                          max_length=max_len, head=decoder.lm_head),
+            "serving_files": serving_files,
             "nodes": len(decoder.model.graph.node), "norms": [n.to_dict() for n in decoder.detection.norms],
             "parity": result.parity.to_dict(), "versions": tool_versions(),
         }

@@ -17,8 +17,9 @@ repository      ``triton-repo``: a model repository for the standalone server's 
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
 parity_client   a served model's answers over HTTP and gRPC against the same model run here
 generate        ``KVCacheModel`` and ``generate``: greedy or seeded sampling over a KV-cache graph
-                (``export --kv-cache``) in ONNX Runtime, past/present kept in ONNX Runtime's
-                memory through IOBinding; timings (prefill ms, decode ms per token, tokens/s);
-                ``stream``: one prompt's tokens as they come (the same loop, ``decode_steps``)
+                (``export --kv-cache``) in ONNX Runtime, the prompts checked against the model
+                and the special tokens from its folder, run by ``runners.kv_decoder``'s one
+                loop; timings (prefill ms, decode ms per token, tokens/s)
+                ``stream``: one prompt's tokens as they come (the same loop, token by token)
 ==============  =============================================================================
 """

@@ -241,6 +241,28 @@ def test_export_command(tmp_path, models):
     assert report["kv_cache"]["target"] == "onnxruntime"
     meta = ModelMetadata.read(onnx.load(str(out / "model.onnx")))
     assert meta.kv_cache["past_present_share_buffer"] is False
+    # Beside it, what optimum's ORTModelForCausalLM and onnxruntime-genai read, as for the portable graph.
+    from rmsnorm_deploy.exporter.genai_config import HF_FILES
+
+    copied = {name for name in HF_FILES if (folder / name).is_file()}
+    assert "config.json" in copied and set(report["serving_files"]) == copied | {"genai_config.json"}
+    assert all((out / name).read_bytes() == (folder / name).read_bytes() for name in copied)
+    config = json.loads((out / "config.json").read_text())
+    source = models("llama").module.model.config
+    for field in ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                  "vocab_size", "eos_token_id"):
+        assert config[field] == getattr(source, field), field
+    genai = json.loads((out / "genai_config.json").read_text())
+    assert genai["model"]["decoder"]["num_key_value_heads"] == meta.kv_cache["kv_heads"]
+    assert genai["model"]["decoder"]["head_size"] == meta.kv_cache["head_dim"]
+    assert genai["search"]["past_present_share_buffer"] is False
+    # ... and `rmsnorm-deploy generate` runs the folder as it is: transformers' greedy tokens.
+    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+
+    ids, mask = _left_padded(2, 6, config["vocab_size"])
+    with KVCacheModel(out) as kv:
+        got = generate(kv, [list(ids[0]), list(ids[1, 2:])], max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    assert got.tokens == _generate(models("llama").module.model, ids, mask, 8).tolist()
     # Nothing is replaced without --force.
     assert main(["export", str(folder), "--kv-cache", "--target", "onnxruntime", "-o", str(out)]) == 2
 

@@ -29,7 +29,8 @@ def model(tiny_kv_export):
 
 
 class CountingSteps:
-    """Wraps a ``KVCacheModel``: counts its steps, and can make them fail like a broken session."""
+    """Wraps a ``KVCacheModel``: counts the runs of its decode step, and can make them fail like a
+    broken session."""
 
     def __init__(self, model: KVCacheModel, fail_with: Exception | None = None):
         self.model, self.fail_with, self.steps = model, fail_with, 0
@@ -37,11 +38,21 @@ class CountingSteps:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def step(self, *args):
-        self.steps += 1
-        if self.fail_with is not None:
-            raise self.fail_with
-        return self.model.step(*args)
+    @property
+    def stepper(self):
+        counter, inner = self, self.model.stepper
+
+        class Counted:
+            def empty_cache(self, batch):
+                return inner.empty_cache(batch)
+
+            def run(self, *args):
+                counter.steps += 1
+                if counter.fail_with is not None:
+                    raise counter.fail_with
+                return inner.run(*args)
+
+        return Counted()
 
 
 def _refused_message(answer: dict) -> str:
