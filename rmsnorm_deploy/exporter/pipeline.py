@@ -35,7 +35,8 @@ Steps (each one a line of progress on stderr):
    not know) before it replaces anything.
 6. **Save** into a hidden staging folder beside the target (``onnx_file.staging_folder``).
 7. **Parity** (``parity.py``): ONNX Runtime CPU against the module in its dtype and
-   against a float64 run, on the example shape and a larger one; ``report.json``.
+   against a float64 run, on the example shape and a larger one; a failure in a graph that
+   routes with ``TopK`` is diagnosed (``routing.py``: a routing tie or not); ``report.json``.
 8. **Publish** the model and its report together, the model last (``onnx_file.publish``),
    never over an existing file without ``force``; steps 6-8 hold a lock on the target, and
    the leftovers of a killed export are removed first.
@@ -76,6 +77,7 @@ from rmsnorm_deploy.exporter.plan import (
     norm_overrides,
     plan_export,
 )
+from rmsnorm_deploy.exporter.routing import TopKRecorder
 from rmsnorm_deploy.exporter.surgery import (
     quiet_exporter,
     quiet_logger,
@@ -171,7 +173,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in list(feed.items())[:2])
     with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
         try:
-            with torch.no_grad():
+            # topk/sort calls are recorded for the parity check's routing diagnosis (routing.py)
+            with torch.no_grad(), TopKRecorder() as recorder:
                 torch_out = module(**feed)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
@@ -190,13 +193,15 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         from rmsnorm_deploy.exporter.parity import torch_expectations
 
         if kv is not None:
-            feeds, torch_outputs = kv.parity_feeds(), []
+            feeds, torch_outputs, torch_topk = kv.parity_feeds(), [], []
         else:
             batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
             feeds = [feed, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
             torch_outputs = [torch_out]
+            torch_topk = [recorder.calls if recorder.complete else None]
         with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
-            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs)
+            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs,
+                                          torch_topk=torch_topk)
         timings["parity_torch_s"] = st.seconds
 
     with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
