@@ -65,6 +65,9 @@ EXTRA.update({
     "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    # AFMoE's router gate is zero-initialized (every token an exact tie of all its experts): kept
+    # small so the export is quick; its parity reports the ties (exporter/routing.py)
+    "afmoe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 })
 GATED_HINT = "gated norm"
