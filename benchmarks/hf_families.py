@@ -68,6 +68,9 @@ EXTRA.update({
     # AFMoE's router gate is zero-initialized (every token an exact tie of all its experts): kept
     # small so the export is quick; its parity reports the ties (exporter/routing.py)
     "afmoe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                  first_k_dense_replace=1),
+    "dots3_note_text": _MLA,
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 })
 GATED_HINT = "gated norm"
