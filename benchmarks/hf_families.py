@@ -68,6 +68,18 @@ EXTRA.update({
     # AFMoE's router gate is zero-initialized (every token an exact tie of all its experts): kept
     # small so the export is quick; its parity reports the ties (exporter/routing.py)
     "afmoe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32),
+    # hybrid and MoE families whose default expert counts (256-512) and linear-attention or
+    # Mamba dims made the "tiny" model slow enough to time out (a 2x16 forward of Qwen3-Next's
+    # took 15-40 s, its float64 run 76 s, on 2 busy cores)
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4,
+                       layer_types=["linear_attention", "full_attention"]),
+    "inkling_text": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                         swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
+                         rel_extent=32),
+    "bailing_hybrid": {**_MLA, "num_local_experts": 4, "layer_group_size": 2},
+    "bamba": dict(mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=16),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1),
     "dots3_note_text": _MLA,
