@@ -137,9 +137,9 @@ class Flip:
     runtimes_differ: float
 
     def describe(self) -> str:
-        return (f"{self.node}, token {list(self.row)}: torch chose expert(s) {self.torch_only}, ONNX Runtime "
+        return (f"{self.node}, scores row {list(self.row)}: torch chose expert(s) {self.torch_only}, ONNX Runtime "
                 f"{self.onnx_only}; torch's scores for them differ by {self.margin:.3g} "
-                f"({self.margin_ulp:.3g} ulp of {self.dtype}), the two runtimes' scores of this token by up to "
+                f"({self.margin_ulp:.3g} ulp of {self.dtype}), the two runtimes' scores of that row by up to "
                 f"{self.runtimes_differ:.3g}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,7 +169,7 @@ class RoutingDiagnosis:
             return f"{head}: {self.detail}"
         first = [f for f in self.flips if f.node == self.flips[0].node]
         flips = "; ".join(f.describe() for f in first[:MAX_DESCRIBED])
-        more = f" (and {len(first) - MAX_DESCRIBED} more tokens there)" if len(first) > MAX_DESCRIBED else ""
+        more = f" (and {len(first) - MAX_DESCRIBED} more rows there)" if len(first) > MAX_DESCRIBED else ""
         later = len(self.flips) - len(first)
         after = f"; {later} later choice(s) differ downstream of it" if later else ""
         return (f"{head}: the first of {self.routers} TopK nodes to route differently is {flips}{more}{after}; "

@@ -104,7 +104,7 @@ def test_a_near_tie_broken_the_other_way_is_a_routing_tie(tmp_path):
     assert all(f.margin_ulp <= 4 for f in diagnosis.flips), [f.margin_ulp for f in diagnosis.flips]
     assert all(c.passed for c in diagnosis.imposed) and diagnosis.imposed[0].max_abs < 1e-5
     text = diagnosis.describe()
-    assert text.startswith("routing tie: the first of 1 TopK nodes to route differently is model.moe.router/TopK, token [")
+    assert text.startswith("routing tie: the first of 1 TopK nodes to route differently is model.moe.router/TopK, scores row [")
     assert "torch chose expert(s) [1], ONNX Runtime [0]" in text and "the export is not at fault" in text
 
 
@@ -172,3 +172,17 @@ def test_recorder_records_topk_and_sort(dtype):
     assert (srt.k, srt.axis, srt.largest) == (7, 0, True) and np.array_equal(srt.indices, order.numpy())
     assert (ints.k, ints.largest, ints.dtype) == (3, False, "int64")
     assert recorder.complete
+
+
+def test_parity_uses_the_calls_recorded_with_precomputed_outputs(tmp_path):
+    """The export computes the first feed's outputs once, recording its topk calls there: they
+    must reach the diagnosis; outputs given without their calls leave the routing uncompared."""
+    path, module, feed = _case(tmp_path)
+    with torch.no_grad(), TopKRecorder() as recorder:
+        out = module(**feed)
+    given = torch_expectations(module, [], [feed], dtype="float32", torch_outputs=[out], torch_topk=[recorder.calls])
+    assert given[0].topk is recorder.calls
+    assert compare_with_onnxruntime(path, given, dtype="float32").status == ROUTING_TIE
+    missing = torch_expectations(module, [], [feed], dtype="float32", torch_outputs=[out])
+    parity = compare_with_onnxruntime(path, missing, dtype="float32")
+    assert parity.status == "FAIL" and "routing not compared: PyTorch's topk calls were not recorded" in parity.reason
