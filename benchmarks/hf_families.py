@@ -39,6 +39,8 @@ JSON = RESULTS / "hf_families.json"
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, head_dim=16, pad_token_id=0, bos_token_id=1,
             eos_token_id=1)
+#: A value in EXTRA that leaves a TINY field out of the family's config (a read-only property there).
+DROP = object()
 #: Per-family config fields a tiny model of that family needs besides TINY.
 EXTRA: dict[str, dict] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -80,6 +82,7 @@ EXTRA.update({
                          rel_extent=32),
     "bailing_hybrid": {**_MLA, "num_local_experts": 4, "layer_group_size": 2},
     "bamba": dict(mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=16),
+    "falcon": dict(head_dim=DROP),  # a property of FalconConfig (hidden / heads = 16 here too)
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1),
     "dots3_note_text": _MLA,
@@ -98,7 +101,8 @@ def families() -> list[str]:
 
 
 def _config(model_type: str) -> dict:
-    return {**TINY, **EXTRA.get(model_type, {}), "model_type": model_type}
+    merged = {**TINY, **EXTRA.get(model_type, {}), "model_type": model_type}
+    return {k: v for k, v in merged.items() if v is not DROP}
 
 
 def _max_abs(a, b) -> float:
