@@ -62,7 +62,7 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.errors import LoweringError, UserError, one_line
-from rmsnorm_deploy.exporter.detect import DetectedNorm, Detection, detect_norms
+from rmsnorm_deploy.exporter.detect import DetectedNorm, Detection, detect_norms, root_path
 from rmsnorm_deploy.exporter.fusions import (
     FusionCounts,
     FusionError,
@@ -508,7 +508,9 @@ def _source_placements(module: torch.nn.Module, detection: Detection, input_ids:
 
     ids = input_ids[:1, :_PLACEMENT_TOKENS]
     # LayerNorms stay in the graph as LayerNorms, which the graph side sees as norms too.
-    others = [path for path, _ in detection.other_norms if isinstance(module.get_submodule(path), torch.nn.LayerNorm)]
+    # other_norms are named as the wrapped model says it (a Hugging Face model's own paths)
+    paths = [root_path(module, name) for name, _ in detection.other_norms]
+    others = [path for path in paths if isinstance(module.get_submodule(path), torch.nn.LayerNorm)]
     try:
         return torch_placements(module, detection.norms, {INPUT_NAME: ids}, others)
     except (RuntimeError, NotImplementedError, TypeError) as exc:
