@@ -51,6 +51,8 @@ from rmsnorm_deploy.errors import UserError, one_line
 RECORD_LIMIT_BYTES = 256 << 20
 #: Graph inputs that carry PyTorch's routing into the imposed copy: ``<prefix><i>``.
 IMPOSED_PREFIX = "rmsnorm_deploy.routing."
+#: A model file (its weights inside) larger than this is not copied for the diagnosis.
+COPY_LIMIT_BYTES = 1 << 30
 #: At most this many flips are described in a message.
 MAX_DESCRIBED = 3
 
@@ -337,6 +339,9 @@ def diagnose_routing(
     import onnx
 
     path = Path(model_path)
+    if path.stat().st_size > COPY_LIMIT_BYTES:
+        return RoutingDiagnosis("not compared", f"the model file holds over {COPY_LIMIT_BYTES >> 30} GiB (weights "
+                                "inside): it is not copied for the diagnosis")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - a diagnosis, not a check: say why and stop

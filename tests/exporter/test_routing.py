@@ -186,3 +186,12 @@ def test_parity_uses_the_calls_recorded_with_precomputed_outputs(tmp_path):
     missing = torch_expectations(module, [], [feed], dtype="float32", torch_outputs=[out])
     parity = compare_with_onnxruntime(path, missing, dtype="float32")
     assert parity.status == "FAIL" and "routing not compared: PyTorch's topk calls were not recorded" in parity.reason
+
+
+def test_a_large_model_file_is_not_copied(tmp_path, monkeypatch):
+    from rmsnorm_deploy.exporter import routing
+
+    path, module, feed = _case(tmp_path)
+    monkeypatch.setattr(routing, "COPY_LIMIT_BYTES", 16)
+    diagnosis = _diagnose(path, module, feed)
+    assert diagnosis.verdict == "not compared" and "it is not copied for the diagnosis" in diagnosis.detail
