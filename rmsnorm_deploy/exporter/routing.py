@@ -295,9 +295,11 @@ def _flips(node_name: str, call: TopKCall, onnx_indices: np.ndarray, onnx_scores
         torch_only, onnx_only = sorted(mine - theirs), sorted(theirs - mine)
         s = scores[row]
         sign = 1.0 if call.largest else -1.0
-        margin = max(sign * (s[a] - s[b]) for a in torch_only for b in onnx_only)
+        # equal scores (masked -inf ones included) are an exact tie: margin 0, not inf - inf
+        margin = max(0.0 if s[a] == s[b] else sign * (s[a] - s[b]) for a in torch_only for b in onnx_only)
         ulp = float(ulp_of(np.array([s[torch_only[0]]]), call.dtype)[0]) if _is_float(call.dtype) else 1.0
-        differ = float(np.max(np.abs(theirs_scores[row] - s)))
+        with np.errstate(invalid="ignore"):
+            differ = float(np.max(np.where(theirs_scores[row] == s, 0.0, np.abs(theirs_scores[row] - s))))
         found.append(Flip(node_name, row, torch_only, onnx_only, float(margin), float(margin / ulp), call.dtype, differ))
     return found
 

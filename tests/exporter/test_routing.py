@@ -195,3 +195,13 @@ def test_a_large_model_file_is_not_copied(tmp_path, monkeypatch):
     monkeypatch.setattr(routing, "COPY_LIMIT_BYTES", 16)
     diagnosis = _diagnose(path, module, feed)
     assert diagnosis.verdict == "not compared" and "it is not copied for the diagnosis" in diagnosis.detail
+
+
+def test_a_tie_of_masked_scores_has_margin_zero():
+    """DeepSeek-V3.2's indexer takes top-k over causally masked scores: -inf ties (margin 0, not NaN)."""
+    from rmsnorm_deploy.exporter.routing import TopKCall, _flips
+
+    scores = np.array([[0.5, -np.inf, -np.inf, -np.inf]], np.float32)
+    call = TopKCall(scores, np.array([[0, 3]]), k=2, axis=1, largest=True, dtype="float32")
+    (flip,) = _flips("indexer/TopK", call, np.array([[0, 1]]), scores.copy())
+    assert (flip.torch_only, flip.onnx_only, flip.margin, flip.margin_ulp, flip.runtimes_differ) == ([3], [1], 0, 0, 0)
