@@ -82,6 +82,7 @@ EXTRA.update({
                          rel_extent=32),
     "bailing_hybrid": {**_MLA, "num_local_experts": 4, "layer_group_size": 2},
     "bamba": dict(mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=16),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=16),
     "falcon": dict(head_dim=DROP),  # a property of FalconConfig (hidden / heads = 16 here too)
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1),
