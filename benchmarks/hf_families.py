@@ -81,8 +81,11 @@ EXTRA.update({
                          swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8,
                          rel_extent=32),
     "bailing_hybrid": {**_MLA, "num_local_experts": 4, "layer_group_size": 2},
-    "bamba": dict(mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=16),
-    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16, mamba_chunk_size=16),
+    # Mamba's chunk size stays the default (256): both parity shapes (16 and 21 tokens) in one chunk.
+    # With 16, Falcon-H1's graph traced at 16 tokens (one chunk) fails in ONNX Runtime at 21 (two):
+    # "Shape mismatch attempting to re-use buffer {3,1,4,16,16} != {3,2,4,16,16}" in a Slice.
+    "bamba": dict(mamba_n_heads=4, mamba_d_state=16),
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=16),
     "falcon": dict(head_dim=DROP),  # a property of FalconConfig (hidden / heads = 16 here too)
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1),
