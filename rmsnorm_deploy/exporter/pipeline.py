@@ -453,6 +453,7 @@ def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype
     expected = {n.path: n for n in detection.norms}
     types = {vi.name: vi.type.tensor_type.elem_type for vi in
              list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
     seen: dict[str, int] = {}
     for node in model.graph.node:
         if not is_rmsnorm_node(node):
@@ -466,6 +467,13 @@ def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype
             raise ExportError(f"norm {path!r}: the exported node says {carried}, detection said {spec}")
         elem = types.get(node.input[0])
         input_dtype = dtype_name(elem) if elem else dtype_name(expected[path].dtype)
+        # The variant that casts every input to the accumulation dtype whenever one of them (x,
+        # weight, gate) is narrower: Bamba's gated norm in a float16 model takes a float32 x with
+        # a float16 weight and gate (a float32 variant would mix float16 and float32 in its ops).
+        narrower = [dtype_name(types[i]) for i in node.input[1:] if types.get(i)
+                    and spec.upcasts(dtype_name(types[i]))]
+        if narrower and not spec.upcasts(input_dtype):
+            input_dtype = narrower[0]
         count = seen.get(path, 0)
         seen[path] = count + 1
         name = path if count == 0 else f"{path}#{count + 1}"
