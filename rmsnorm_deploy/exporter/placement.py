@@ -30,6 +30,7 @@ from rmsnorm_deploy.graph.placement import Op, OpGraph, place_norms
 _ADD = {"add", "__add__", "__radd__", "__iadd__", "add_"}
 _MATMUL = {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "einsum", "baddbmm", "addmm"}
 _SOFTMAX = {"softmax", "log_softmax", "_softmax"}
+_SCALE = {"mul", "__mul__", "__rmul__", "mul_", "__imul__", "div", "__truediv__", "div_", "__itruediv__"}
 _CAST = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "clone", "contiguous", "detach"}
 _ATTENTION = {"scaled_dot_product_attention": (0, 1)}
 _IN_PLACE_DUNDER = {"__iadd__", "__imul__", "__isub__", "__itruediv__", "__setitem__"}
@@ -74,7 +75,7 @@ class _Recorder(TorchFunctionMode):
             self.ops.append(Op("attention", inputs, outputs, qk_inputs=_ATTENTION[fname]))
             return
         kind = ("add" if fname in _ADD else "matmul" if fname in _MATMUL else "softmax" if fname in _SOFTMAX
-                else "cast" if fname in _CAST and len(inputs) == 1 else "op")
+                else "cast" if fname in _CAST and len(inputs) == 1 else "scale" if fname in _SCALE else "op")
         if kind == "matmul" and fname in ("baddbmm", "addmm"):
             inputs = inputs[1:3]
         self.ops.append(Op(kind, inputs, outputs, name=fname))

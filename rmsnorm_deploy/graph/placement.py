@@ -13,7 +13,8 @@ The op graph
 Each op has a kind: ``norm`` (a whole normalization, its internal nodes collapsed), ``add``,
 ``matmul`` (``MatMul``/``Gemm``/``Einsum``, ``F.linear``/``torch.matmul``), ``softmax``,
 ``attention`` (a fused attention op; which inputs are its queries and keys), ``cast``
-(``Cast``/``CastLike``/``Identity``, ``Tensor.to``: the same value in another dtype), ``shape``
+(``Cast``/``CastLike``/``Identity``, ``Tensor.to``: the same value in another dtype), ``scale``
+(``Mul``/``Div``, ``*``/``/``: with one activation operand, a constant scaling), ``shape``
 (``Shape``/``Size``: metadata, not data; nothing flows through it) or ``op`` (anything else:
 reshapes, transposes, rotary arithmetic, activations, slices...).
 
@@ -42,7 +43,9 @@ The rules (first match wins), for a norm with input ``x`` and output ``y``
     ``x + f(norm(x))``.
 ``sublayer_output``
     ``y`` is an operand of a residual add whose other operand is upstream of ``x``:
-    ``x + norm(f(x))`` (OLMo2; the post-norms of Gemma2/3).
+    ``x + norm(f(x))`` (OLMo2; the post-norms of Gemma2/3), also through a constant scaling of
+    ``y`` (``x + norm(f(x)) * α``, HyperCLOVA X's residual multiplier, which an optimizer may
+    fold away when ``α`` is 1).
 ``post``
     ``x`` is a residual sum and ``y`` is the new residual stream: ``y`` bypasses into a later
     residual add whose other operand derives from ``y`` (``norm(x + f(x))``). The last
@@ -76,7 +79,7 @@ PLACEMENTS: tuple[str, ...] = ("pre", "post", "sublayer_output", "qk", "final", 
 #: a KV-cache graph's ``present.{i}.key/value`` outputs: a key or value projection of a normalized
 #: value reaches them through one weight matmul, which does not make that norm the final one
 KV_CACHE_OUTPUT_PREFIX = "present"
-KINDS = ("norm", "add", "matmul", "softmax", "attention", "cast", "shape", "op")
+KINDS = ("norm", "add", "matmul", "softmax", "attention", "cast", "scale", "shape", "op")
 
 
 @dataclasses.dataclass
@@ -132,6 +135,17 @@ class Placer:
             v = stack.pop()
             out.append(v)
             stack += [o for op in self.consumers.get(v, []) if op.kind == "cast" for o in op.outputs]
+        return out
+
+    def constant_scalings(self, value: str) -> list[str]:
+        """``value`` and what chains of constant scalings (``scale`` ops with one activation operand)
+        make of it: ``y * α`` stands where ``y`` stands."""
+        out, stack = [], [value]
+        while stack:
+            v = stack.pop()
+            out.append(v)
+            stack += [o for op in self.consumers.get(v, []) if op.kind == "scale"
+                      and sum(i in self.activation for i in op.inputs) == 1 for o in op.outputs]
         return out
 
     def reachable(self, value: str) -> set[str]:
@@ -190,9 +204,10 @@ class Placer:
         for _, _, other in self.residual_adds_of(x):
             if other in self.reachable(y):
                 return "pre"
-        for _, _, other in self.residual_adds_of(y):
-            if self.same(x) in self.reachable(other) or x in self.reachable(other):
-                return "sublayer_output"
+        for scaled in self.constant_scalings(y):
+            for _, _, other in self.residual_adds_of(scaled):
+                if self.same(x) in self.reachable(other) or x in self.reachable(other):
+                    return "sublayer_output"
         if self._is_residual_sum(x):
             for _, mine, other in self.residual_adds_of(y):
                 if other in self.reachable(mine):
@@ -232,7 +247,7 @@ class Placer:
                 for op in self.consumers.get(v, []):
                     if op.kind == "softmax":
                         return True
-                    if op.kind in ("op", "cast", "add"):
+                    if op.kind in ("op", "cast", "scale", "add"):
                         nxt += op.outputs
             frontier = nxt
         return False
@@ -270,7 +285,7 @@ _ONNX_KINDS = {
     "MatMul": "matmul", "Gemm": "matmul", "Einsum": "matmul", "FusedMatMul": "matmul", "MatMulNBits": "matmul",
     "MatMulInteger": "matmul",
     "Softmax": "softmax", "LogSoftmax": "softmax",
-    "Cast": "cast", "CastLike": "cast", "Identity": "cast",
+    "Cast": "cast", "CastLike": "cast", "Identity": "cast", "Mul": "scale", "Div": "scale",
     "Shape": "shape", "Size": "shape",
     # ONNX Runtime's packed Attention projects its input with its own weights first.
     "Attention@com.microsoft": "matmul",

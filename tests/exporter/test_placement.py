@@ -231,3 +231,37 @@ def test_layer_norms_of_a_wrapped_model_are_found_by_their_model_names():
     assert [p for p, _ in detection.other_norms] == ["layers.0"]
     assert root_path(module, "layers.0") == "model.layers.0" and root_path(module, "elsewhere") == "elsewhere"
     assert _source_placements(module, detection, torch.tensor([[1, 2, 3]])) == {"model.rms": "final"}
+
+
+class ScaledSublayerLM(torch.nn.Module):
+    """HyperCLOVA X's block: ``h = h + norm(f(h)) * multiplier`` per layer, then a final norm and the head."""
+
+    def __init__(self, multiplier: float, vocab: int = 32, dim: int = 16, layers: int = 2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.multiplier = multiplier
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.fs = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.post_norms = torch.nn.ModuleList(torch.nn.RMSNorm(dim, eps=1e-6) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(dim, eps=1e-6)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for f, post in zip(self.fs, self.post_norms):
+            h = h + post(torch.relu(f(h))) * self.multiplier
+        return self.head(self.norm(h))
+
+
+SCALED = {"model.post_norms.0": "sublayer_output", "model.post_norms.1": "sublayer_output", "model.norm": "final"}
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 0.5], ids=["folded-by-the-exporter", "kept"])
+def test_a_constant_scaling_keeps_a_sublayer_output_norm(tmp_path, multiplier):
+    """``x + norm(f(x)) * α`` is ``sublayer_output`` on both sides, whether the exporter folds α = 1
+    away (the graph has no Mul) or keeps it (a Mul by a constant in both)."""
+    loaded = LoadedModel("scaled", TokenLogits(ScaledSublayerLM(multiplier)).eval(), "float32", {"kind": "module"}, 32, 64)
+    assert _placements(loaded) == SCALED
+    result = export_model(loaded, tmp_path / "model.onnx", ExportOptions(dtype="float32", batch=1, seq=5))
+    assert result.parity.status == "pass"
+    assert json.loads((tmp_path / "report.json").read_text())["placements"] == SCALED
