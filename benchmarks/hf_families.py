@@ -63,6 +63,39 @@ def _config(model_type: str) -> dict:
     return {**TINY, **EXTRA.get(model_type, {}), "model_type": model_type}
 
 
+def _norm_classes(module) -> list[str]:
+    """The class names of the normalization modules in ``module`` (by name, minus known non-norms)."""
+    import re
+
+    from rmsnorm_deploy.exporter.probing import NOT_NORMS
+
+    return sorted({type(m).__name__ for m in module.modules()
+                   if re.search("norm", type(m).__name__, re.I) and not isinstance(m, NOT_NORMS)})
+
+
+def _has_rms_norm(classes: list[str]) -> bool:
+    import re
+
+    return any(re.search("rms", c, re.I) for c in classes)
+
+
+def _meta_triage(model_type: str) -> dict | None:
+    """The row of a family without an RMS norm, found on the meta device in this process (no weights,
+    no child process); None when the family has one or its tiny model does not build here."""
+    import torch
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.for_model(**_config(model_type))
+        model_cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+        with torch.device("meta"):
+            classes = _norm_classes(model_cls(config))
+    except Exception:  # noqa: BLE001 - the child process reports why it does not build
+        return None
+    return None if _has_rms_norm(classes) else {"family": model_type, "norm_classes": classes,
+                                                "status": "no RMS norm"}
+
+
 def _max_abs(a, b) -> float:
     import numpy as np
 
@@ -72,14 +105,11 @@ def _max_abs(a, b) -> float:
 def run_family(model_type: str) -> dict:
     """One family, in this process."""
     warnings.simplefilter("ignore")
-    import re
-
     import torch
 
     from rmsnorm_deploy.errors import one_line
     from rmsnorm_deploy.exporter import hf
     from rmsnorm_deploy.exporter.pipeline import export_model, norm_node_count
-    from rmsnorm_deploy.exporter.probing import NOT_NORMS
 
     row: dict = {"family": model_type}
     try:
@@ -88,10 +118,8 @@ def run_family(model_type: str) -> dict:
         row["status"] = "config failed"
         row["error"] = f"{type(exc).__name__}: {one_line(exc, limit=200)}"
         return row
-    classes = sorted({type(m).__name__ for m in loaded.module.modules()
-                      if re.search("norm", type(m).__name__, re.I) and not isinstance(m, NOT_NORMS)})
-    row["norm_classes"] = classes
-    if not any(re.search("rms", c, re.I) for c in classes):
+    row["norm_classes"] = _norm_classes(loaded.module)
+    if not _has_rms_norm(row["norm_classes"]):
         row["status"] = "no RMS norm"
         return row
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -190,11 +218,24 @@ def write_markdown(data: dict) -> None:
     (RESULTS / "hf_families.md").write_text("\n".join(lines) + "\n")
 
 
+def _run_child(name: str, timeout: float) -> dict:
+    """One family in its own process, so that a hang or a crash costs only its row."""
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        return {"family": name, "status": f"timeout after {timeout:g}s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+    return json.loads(lines[-1][4:]) if lines else {"family": name, "status": "crashed",
+                                                     "error": (proc.stderr or "")[-300:]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--families", help="comma-separated model types (default: all)")
     parser.add_argument("--chunk", help="I/N: the I-th of N equal parts of the family list")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per family (default 600)")
+    parser.add_argument("--resume", action="store_true", help="skip families already in the JSON")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one family, JSON on stdout
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -216,16 +257,12 @@ def main() -> int:
     data["versions"] = tool_versions()
     mine: dict[str, dict] = {}
     data["machine"] = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    done = set(json.loads(JSON.read_text())["rows"]) if args.resume and JSON.is_file() else set()
     for name in names:
+        if name in done:
+            continue
         start = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True,
-                                  timeout=args.timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
-            row = json.loads(lines[-1][4:]) if lines else {
-                "family": name, "status": "crashed", "error": (proc.stderr or "")[-300:]}
-        except subprocess.TimeoutExpired:
-            row = {"family": name, "status": f"timeout after {args.timeout:g}s"}
+        row = _meta_triage(name) or _run_child(name, args.timeout)
         row["wall_s"] = round(time.perf_counter() - start, 1)
         mine[name] = row
         if JSON.is_file():  # another chunk may have written rows meanwhile: its new rows count, ours win
