@@ -69,10 +69,11 @@ bench-serving: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt matplotlib
 	$(PY) benchmarks/bench_serving.py
 
-# KV-cache decoding in ONNX Runtime CPU: our --target onnxruntime graph against onnxruntime-genai's builder
-# output (its runtime and our loop) and torch eager; prefill and decode ms/token, batch 1 and 4.
+# KV-cache decoding in ONNX Runtime CPU: our --target onnxruntime and portable graphs against onnxruntime-genai's
+# builder output (its runtime and our loop) and torch eager; prefill and decode ms/token, batch 1 and 4.
+# optimum-onnx's generate joins with OPTIMUM_PYTHON=... (its own venv: it needs transformers < 4.58).
 bench-kv: $(STAMP)
-	$(PY) benchmarks/bench_kv_decode.py
+	$(PY) benchmarks/bench_kv_decode.py $(if $(OPTIMUM_PYTHON),--optimum-python $(OPTIMUM_PYTHON))
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -7,14 +7,22 @@ greedy tokens, batch 1 and 4:
 * ``ours onnxruntime``: ``export --kv-cache --target onnxruntime`` (``exporter/ort_decoder.py``),
   separate past/present, decoded by ``runners/kv_decoder.py`` (IOBinding, caches stay OrtValues);
 * ``ours onnxruntime shared``: the same graph with ``--share-buffer`` (one max-length buffer);
+* ``ours onnxruntime shared, ort lowering``: ``--share-buffer --lowering ort``: the norms are ONNX
+  Runtime's ops, the residual ``Add`` folded into ``SkipSimplifiedLayerNormalization``;
 * ``genai builder, genai runtime``: onnxruntime-genai's model builder output (``python -m
   onnxruntime_genai.models.builder -p fp32 -e cpu``, run here into a temporary folder from the saved
   Hugging Face folder), decoded by onnxruntime-genai's own ``Generator``;
 * ``genai builder, our loop``: the same graph decoded by our loop (the graph alone compared);
 * ``torch eager``: transformers with its ``DynamicCache``, 2 threads;
-* ``ours portable`` (the plain-ops ``--kv-cache`` graph) and ``optimum-onnx``: recorded as not run,
-  with the reason (the first is not in this build; optimum-onnx needs transformers < 4.58: give
-  ``--optimum-python`` for a Python that has it).
+* ``ours portable``: ``rmsnorm-deploy export HF_FOLDER --kv-cache`` (the plain-ops graph, with its
+  ``config.json``, tokenizer and ``genai_config.json`` beside it), decoded by our loop;
+* with ``--optimum-python PY`` (a Python with optimum-onnx, which needs transformers < 4.58 and so
+  its own environment; docs/kv-cache.md), through ``benchmarks/optimum_client.py serve`` workers
+  run by PY: ``optimum generate, our portable graph`` (``ORTModelForCausalLM.from_pretrained`` on
+  the folder ``ours portable`` uses, optimum's own ``generate``) and ``optimum generate, optimum
+  graph`` (optimum's exporter on the Hugging Face folder, then the same). Without it they are
+  recorded as not run, with the reason. A worker times its own steps (prefill: to the first
+  token; decode: from there to the last), so the pipe to it is not counted.
 
 Every ONNX Runtime session: 2 intra-op threads, ORT_ENABLE_ALL (genai's are set through its
 ``genai_config.json``). Rounds interleave the contenders (the order rotates each round); a
@@ -63,13 +71,14 @@ MODELS = {
                  bos_token_id=1, eos_token_id=2, pad_token_id=0),
 }
 LABELS = {"tiny": "HF Llama hidden 256, 4 layers, vocab 2048", "125m": "Llama hidden 768, 12 layers, vocab 32000 (~134M)"}
-OURS, OURS_SHARED = "ours onnxruntime", "ours onnxruntime shared"
+OURS, OURS_SHARED, PORTABLE = "ours onnxruntime", "ours onnxruntime shared", "ours portable"
+OURS_SHARED_ORT = "ours onnxruntime shared, ort lowering"
+#: Our onnxruntime-target contenders: name -> (share_buffer, lowering).
+OURS_BUILDS = {OURS: (False, "function"), OURS_SHARED: (True, "function"), OURS_SHARED_ORT: (True, "ort")}
 GENAI, GENAI_OURLOOP, TORCH = "genai builder, genai runtime", "genai builder, our loop", "torch eager"
-NOT_RUN = {
-    "ours portable": "the portable --kv-cache graph is not part of this build",
-    "optimum-onnx": "optimum-onnx 0.1 needs transformers < 4.58, not installable beside this package's transformers; "
-                    "give --optimum-python",
-}
+OPTIMUM_OURS, OPTIMUM_OWN = "optimum generate, our portable graph", "optimum generate, optimum graph"
+OPTIMUM_NOT_RUN = ("optimum-onnx 0.1 needs transformers < 4.58, not installable beside this package's transformers; "
+                   "give --optimum-python")
 
 
 def log(message: str) -> None:
@@ -185,6 +194,44 @@ def runner_call(runner: Any) -> Callable[[np.ndarray], tuple[np.ndarray, float, 
     return call
 
 
+def export_portable(hf_dir: Path, out: Path) -> Path:
+    """``rmsnorm-deploy export HF_DIR --kv-cache`` (the portable graph and the files beside it)."""
+    clock = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "rmsnorm_deploy", "export", str(hf_dir), "--kv-cache", "-o", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"export --kv-cache failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    log(f"  export --kv-cache: {time.perf_counter() - clock:.1f}s")
+    return out
+
+
+class OptimumWorker:
+    """``benchmarks/optimum_client.py serve`` run by another Python: one greedy generation per request."""
+
+    def __init__(self, python: str, folder: Path, *, export: bool = False):
+        command = [python, str(ROOT / "benchmarks" / "optimum_client.py"), "serve", str(folder)]
+        self.proc = subprocess.Popen(command + (["--export"] if export else []), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.model_path = Path(self._answer()["model"])
+
+    def _answer(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the optimum worker ({self.proc.args[0]}) ended (exit {self.proc.wait()}); "
+                               "see its error above")
+        return json.loads(line)
+
+    def greedy(self, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+        self.proc.stdin.write(json.dumps({"ids": ids.tolist(), "new_tokens": NEW_TOKENS}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        return np.asarray(answer["tokens"], dtype=np.int64), answer["prefill_s"], answer["decode_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def genai_layout(dims: Any, max_length: int) -> Any:
     from rmsnorm_deploy.runners.kv_decoder import CacheLayout
 
@@ -221,7 +268,8 @@ def graph_ops(path: Path) -> dict[str, Any]:
 
 
 # -- one model ----------------------------------------------------------------------------
-def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None],
+                workers: list[OptimumWorker]) -> dict[str, Any]:
     from rmsnorm_deploy.exporter import hf
     from rmsnorm_deploy.exporter.ort_decoder import audit_norms, build_decoder
     from rmsnorm_deploy.graph.onnx_file import save_onnx
@@ -234,13 +282,15 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
     save_hf(loaded, hf_dir)
     max_length = PROMPT + NEW_TOKENS
     paths, decoders = {}, {}
-    for name, share in ((OURS, False), (OURS_SHARED, True)):
-        dec = build_decoder(loaded, share_buffer=share, max_length=MODELS[key]["max_position_embeddings"])
+    for name, (share, lowering) in OURS_BUILDS.items():
+        dec = build_decoder(loaded, share_buffer=share, lowering=lowering,
+                            max_length=MODELS[key]["max_position_embeddings"])
         audit_norms(dec.model, dec.norm_nodes)
-        paths[name] = save_onnx(dec.model, folder / f"{'shared' if share else 'separate'}.onnx")
+        paths[name] = save_onnx(dec.model, folder / f"{'shared' if share else 'separate'}-{lowering}.onnx")
         decoders[name] = dec
     dims = decoders[OURS].dims
     genai_dir = build_genai(hf_dir, tmp / f"{key}-genai", tmp / "genai-cache")
+    portable_dir = export_portable(hf_dir, tmp / f"{key}-portable")
     shared_layout = genai_layout(dims, max_length)
     from rmsnorm_deploy.runners.kv_decoder import CacheLayout
 
@@ -249,13 +299,22 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
     contenders: dict[str, Callable[[np.ndarray], tuple[np.ndarray, float, float]]] = {
         OURS: runner_call(ours_runner(paths[OURS])),
         OURS_SHARED: runner_call(ours_runner(paths[OURS_SHARED], ours_shared_layout)),
+        OURS_SHARED_ORT: runner_call(ours_runner(paths[OURS_SHARED_ORT], ours_shared_layout)),
         GENAI: GenaiRuntime(genai_dir).greedy,
         GENAI_OURLOOP: runner_call(ours_runner(genai_dir / "model.onnx", shared_layout)),
+        PORTABLE: runner_call(ours_runner(portable_dir / "model.onnx")),
         TORCH: lambda ids: torch_greedy(lm, ids),
     }
-    result: dict[str, Any] = {"label": LABELS[key], "config": MODELS[key], "graphs": {
-        OURS: graph_ops(paths[OURS]), GENAI: graph_ops(genai_dir / "model.onnx")},
-        "lm_head": decoders[OURS].lm_head, "batches": {}, "not_run": NOT_RUN}
+    graphs = {OURS: graph_ops(paths[OURS]), OURS_SHARED_ORT: graph_ops(paths[OURS_SHARED_ORT]),
+              PORTABLE: graph_ops(portable_dir / "model.onnx"), GENAI: graph_ops(genai_dir / "model.onnx")}
+    if args.optimum_python:
+        for name, folder, export in ((OPTIMUM_OURS, portable_dir, False), (OPTIMUM_OWN, hf_dir, True)):
+            worker = OptimumWorker(args.optimum_python, folder, export=export)
+            workers.append(worker)
+            contenders[name] = worker.greedy
+        graphs[OPTIMUM_OWN] = graph_ops(workers[-1].model_path)
+    result: dict[str, Any] = {"label": LABELS[key], "config": MODELS[key], "graphs": graphs,
+                              "lm_head": decoders[OURS].lm_head, "batches": {}}
     rounds = args.rounds if key == "tiny" else args.rounds_125m
     for batch in args.batches:
         ids = np.random.default_rng(batch).integers(3, loaded.vocab_size, size=(batch, PROMPT), dtype=np.int64)
@@ -283,15 +342,18 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
         fastest_other_prefill = min(med[n]["prefill_ms"] for n in names if not n.startswith("ours"))
         result["batches"][str(batch)] = {
             "median": med, "samples": {n: len(t["prefill_ms"]) for n, t in times.items()}, "same_tokens": same,
-            "ours_best_decode_vs_fastest_other": round(min(med[OURS]["decode_ms_per_token"],
-                                                           med[OURS_SHARED]["decode_ms_per_token"]) / fastest_other_decode, 3),
-            "ours_best_prefill_vs_fastest_other": round(min(med[OURS]["prefill_ms"], med[OURS_SHARED]["prefill_ms"])
+            "ours_best_decode_vs_fastest_other": round(min(med[n]["decode_ms_per_token"] for n in OURS_BUILDS)
+                                                       / fastest_other_decode, 3),
+            "ours_best_prefill_vs_fastest_other": round(min(med[n]["prefill_ms"] for n in OURS_BUILDS)
                                                         / fastest_other_prefill, 3),
+            "ours_default_lowering_decode_vs_fastest_other": round(
+                min(med[OURS]["decode_ms_per_token"], med[OURS_SHARED]["decode_ms_per_token"]) / fastest_other_decode, 3),
         }
         if args.profile:
             result["batches"][str(batch)]["decode_profile"] = {
                 OURS: decode_profile(paths[OURS], None, ids, tmp),
                 OURS_SHARED: decode_profile(paths[OURS_SHARED], ours_shared_layout, ids, tmp),
+                OURS_SHARED_ORT: decode_profile(paths[OURS_SHARED_ORT], ours_shared_layout, ids, tmp),
                 GENAI: decode_profile(genai_dir / "model.onnx", shared_layout, ids, tmp),
             }
         checkpoint(result)
@@ -308,7 +370,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"interleaved rounds ({results['settings']['rounds']} for the tiny model, {results['settings']['rounds_125m']} "
         f"for 125M; torch eager {results['settings']['torch_rounds']}). onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}, torch {env['torch']}, transformers {env['transformers']}. "
-        "Every contender gave torch eager's tokens. Ratio: ours (best of the two buffer modes) / the fastest "
+        "Every contender gave torch eager's tokens. Ratio: ours (best of our three graphs) / the fastest "
         "other contender.",
         "",
         f"Machine load (1-minute load average on {env['cpu']}) before / after the run: {env['load_before'][0]} / "
@@ -325,8 +387,11 @@ def markdown(results: dict[str, Any]) -> str:
                 ratio = b["ours_best_decode_vs_fastest_other" if metric.startswith("decode") else
                           "ours_best_prefill_vs_fastest_other"]
                 lines.append(f"| {data['label']}: {label} | {batch} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
-    lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in NOT_RUN.items()) + ".", "",
-              "## Where decode time goes (ONNX Runtime profiler, share of kernel time in decode steps)", ""]
+    if results.get("not_run"):
+        lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in results["not_run"].items()) + "."]
+    if results.get("optimum"):
+        lines += ["", "optimum contenders: " + ", ".join(f"{k} {v}" for k, v in results["optimum"].items()) + "."]
+    lines += ["", "## Where decode time goes (ONNX Runtime profiler, share of kernel time in decode steps)", ""]
     for key, data in results["models"].items():
         for batch, b in data["batches"].items():
             for name, prof in b.get("decode_profile", {}).items():
@@ -349,11 +414,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-rounds", type=int, default=2, help="rounds that also time torch eager (default 2)")
     parser.add_argument("--models", default="tiny,125m")
     parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--optimum-python", help="a Python with optimum-onnx (not wired in this build: recorded)")
+    parser.add_argument("--optimum-python",
+                        help="a Python with optimum-onnx (its own environment, transformers < 4.58): adds optimum's "
+                             "generate on our portable folder and on optimum's own graph")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    optimum_versions = {}
+    if args.optimum_python:
+        proc = subprocess.run([args.optimum_python, "-c", "import json, optimum.version, transformers, onnxruntime; "
+                               "print(json.dumps({'optimum': optimum.version.__version__, 'transformers': "
+                               "transformers.__version__, 'onnxruntime': onnxruntime.__version__}))"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            parser.error(f"--optimum-python {args.optimum_python}: no optimum-onnx there "
+                         f"({(proc.stderr.strip().splitlines() or ['it does not run'])[-1]})")
+        optimum_versions = json.loads(proc.stdout)
     warnings.filterwarnings("ignore")
     import logging
 
@@ -368,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": env, "settings": {
         "threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": args.rounds,
         "rounds_125m": args.rounds_125m, "torch_rounds": args.torch_rounds, "batches": args.batches},
-        "contenders": [OURS, OURS_SHARED, GENAI, GENAI_OURLOOP, TORCH], "models": {}}
+        "contenders": [*OURS_BUILDS, PORTABLE, GENAI, GENAI_OURLOOP, TORCH]
+        + ([OPTIMUM_OURS, OPTIMUM_OWN] if args.optimum_python else []), "models": {},
+        "not_run": {} if args.optimum_python else {"optimum-onnx": OPTIMUM_NOT_RUN}, "optimum": optimum_versions}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
         for key in args.models.split(","):
@@ -377,7 +456,12 @@ def main(argv: list[str] | None = None) -> int:
                 env["load_after"] = [round(x, 2) for x in os.getloadavg()]
                 write(results, args.out_dir)
 
-            results["models"][key] = bench_model(key, args, Path(tmp), checkpoint)
+            workers: list[OptimumWorker] = []
+            try:
+                results["models"][key] = bench_model(key, args, Path(tmp), checkpoint, workers)
+            finally:
+                for worker in workers:
+                    worker.close()
     print(markdown(results))
     return 0
 

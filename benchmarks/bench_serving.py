@@ -24,7 +24,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from rmsnorm_deploy.environment import package_version  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
+from rmsnorm_deploy.serving.server import free_ports  # noqa: E402
 from rmsnorm_deploy.table import format_table  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 32)
@@ -48,18 +48,8 @@ CONTENDERS = ("onnxruntime (bare session)", "triton http", "triton grpc")
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _start_server(model: Path) -> tuple[subprocess.Popen, int, int, float]:
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "rmsnorm_deploy", "serve", str(model), "--http-port", str(http),

@@ -113,7 +113,8 @@ def _run_ort_decoder(loaded, plan, progress) -> int:
     size = plan.target.stat().st_size + _size(plan.target.parent / (plan.target.name + ".data"))
     print(f"exported {plan.target} ({size / 2**20:.1f} MiB, {options.dtype}, target onnxruntime, "
           f"{len(dec.model.graph.node)} nodes, {dec.norm_nodes} norm nodes ({options.lowering}), "
-          f"LM head {dec.lm_head}, {'shared' if options.share_buffer else 'separate'} past/present)")
+          f"LM head {dec.lm_head}, {'shared' if options.share_buffer else 'separate'} past/present); beside it: "
+          f"{', '.join(result.serving_files)} (run it: rmsnorm-deploy generate {plan.target.parent})")
     if result.parity is not None:
         print()
         print(result.parity.table())

@@ -13,6 +13,8 @@ surgery        swapping submodules, silencing torch.onnx, freeing weights
 fusions        rewrite rules for ``--fuse-attention``: opset-23 Attention and RotaryEmbedding
 upcast         the float64 run of a model (norms swapped for their oracle)
 parity         export-time parity: ONNX Runtime CPU against PyTorch and float64
+routing        routing ties: a failed parity of a graph with TopK nodes (MoE routers) checked
+               for a top-k choice that went the other way, with PyTorch's routing imposed
 loaded_model   ``LoadedModel``: a module with its name, dtype, vocabulary and source
 blocks         the pre-norm LLaMA-style block and stack
 presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)

@@ -97,7 +97,8 @@ class DetectedNorm:
 @dataclasses.dataclass
 class Detection:
     norms: list[DetectedNorm]
-    #: (path, class) of normalizations that are not RMSNorm and are exported as they are.
+    #: (name, class) of normalizations that are not RMSNorm and are exported as they are; the
+    #: name as the wrapped model says it (``model_path``; ``root_path`` gives the path back).
     other_norms: list[tuple[str, str]]
 
     @property
@@ -167,6 +168,18 @@ def model_path(root: torch.nn.Module, path: str) -> str:
     """``path`` (relative to ``root``) as the wrapped model names it."""
     prefix = getattr(root, PATH_PREFIX_ATTRIBUTE, "")
     return path[len(prefix):] if prefix and path.startswith(prefix) else path
+
+
+def root_path(root: torch.nn.Module, name: str) -> str:
+    """``name`` (as the wrapped model names it, :func:`model_path`) as a path relative to ``root``."""
+    prefix = getattr(root, PATH_PREFIX_ATTRIBUTE, "")
+    if prefix:
+        try:
+            root.get_submodule(prefix + name)
+            return prefix + name
+        except AttributeError:
+            pass
+    return name
 
 
 # -- --norm-spec CLASS_OR_PATH=SPEC ---------------------------------------------------------

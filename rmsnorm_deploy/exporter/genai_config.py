@@ -6,6 +6,10 @@ and the tokenizer files. :func:`write_serving_files` writes the first and copies
 from the Hugging Face folder the model came from, so the exported folder runs unmodified in
 both. Everything is written atomically and nothing is replaced without ``force``.
 
+A model with no Hugging Face config of its own (a preset) gets a ``config.json`` written from
+its KV-cache layout (:func:`layout_config`: the dims a client sizes the cache and the feeds with,
+``model_type`` ``llama`` as in the genai config), so optimum's loader finds one too.
+
 The genai config names every input and output of the KV-cache convention
 (``exporter.kv_cache``), and says ``past_present_share_buffer: false``: the portable graph
 returns a new ``present`` one step longer than its ``past`` (no shared buffer). Its
@@ -100,6 +104,24 @@ def genai_config(layout: KVCacheLayout, *, model_file: str = "model.onnx", model
     }
 
 
+def layout_config(layout: KVCacheLayout) -> dict[str, Any]:
+    """A transformers-style ``config.json`` of a model that has none (a preset): its dims and a
+    plain decoder's ``model_type``; the graph itself carries everything family-specific."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": genai_type(None),
+        "hidden_size": layout.hidden_size,
+        "num_hidden_layers": layout.num_layers,
+        "num_attention_heads": layout.num_heads,
+        "num_key_value_heads": layout.kv_heads,
+        "head_dim": layout.head_dim,
+        "vocab_size": layout.vocab_size,
+        "max_position_embeddings": layout.max_length,
+        "torch_dtype": layout.dtype,
+        "use_cache": True,
+    }
+
+
 def write_json(path: Path, data: Any, *, force: bool) -> None:
     with atomic_path(path, force=force) as tmp:
         tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
@@ -125,7 +147,8 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
     """``genai_config.json`` beside ``model_path`` and the HF files of its source; returns the names written.
 
     A Hugging Face folder's own files are copied; a model built from a config gets that
-    config as ``config.json`` (no tokenizer: it has none).
+    config as ``config.json`` (no tokenizer: it has none); any other model (a preset) gets
+    :func:`layout_config`.
     """
     folder = model_path.parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -140,6 +163,9 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
     elif source.get("kind") == "hf" and isinstance(source.get("config"), Mapping):
         hf_config = dict(source["config"])
         write_json(folder / "config.json", hf_config, force=force)
+        written.append("config.json")
+    else:
+        write_json(folder / "config.json", layout_config(layout), force=force)
         written.append("config.json")
     model_type = (hf_config or {}).get("model_type") if isinstance(hf_config, Mapping) else None
     data = genai_config(layout, model_file=model_path.name, model_type=model_type, hf_config=hf_config)

@@ -16,6 +16,14 @@ forward uses as its LM head, ``get_output_embeddings()``) and emits, per layer:
 - the output projection and residual ``Add``, the post-attention norm, one fused gate/up
   ``MatMul``, the activation, the down projection and residual ``Add``.
 
+Residual and norm. With the ``ort`` lowering (the norms are ONNX Runtime's ops) each residual
+``Add`` and the norm after it are one ``com.microsoft.SkipSimplifiedLayerNormalization`` whose
+fourth output is the residual sum, as onnxruntime-genai writes them: ONNX Runtime 1.32 does not
+make that fusion itself (its ``SkipLayerNormFusion`` matches ``LayerNormalization`` only), so
+with the ``function`` lowering our exact nodes stay and ONNX Runtime runs ``Add`` then its fused
+``SimplifiedLayerNormalization``. :func:`skip_refusal` says where the fused op is not exact
+(float16: it normalizes the unrounded sum); there the ``Add`` stays.
+
 The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``input_ids``,
 ``attention_mask`` [batch, past + sequence], ``position_ids`` [batch, sequence] and
 ``past_key_values.{i}.key/value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` and
@@ -24,13 +32,14 @@ The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``
 Padding. GroupQueryAttention keeps each row's cache compact: a row's valid keys are its first
 ``seqlens_k + 1`` slots and its positions their indices (right padding). The convention pads on
 the left, so the graph rotates each row's chunk of ``input_ids`` left by the row's padding
-before the embedding (valid tokens first) and rotates the logits back after the LM head; with
+before the embedding (valid tokens first) and rotates the final hidden state back before the
+LM head (each row of the head is computed alone); with
 ``seqlens_k = sum(attention_mask) - 1`` every valid token then sits at its position
 ``cumsum(attention_mask) - 1``, which is what the convention's ``position_ids`` hold (the input
 is accepted and the same positions are derived). The present tensors hold each row's valid
 keys first: they are this graph's own state, fed back unchanged, as every client does. The
-result is transformers' masking and positions at any left padding, with a decode step as lean as
-onnxruntime-genai's (a few index ops on [batch, sequence] per step).
+result is transformers' masking and positions at any left padding, for 18 small index ops on
+[batch, sequence] per step (onnxruntime-genai's graph has 6 and is right only for unpadded rows).
 
 ``share_buffer=True`` writes onnxruntime-genai's other mode: past and present are one
 preallocated [batch, kv_heads, max_length, head_dim] buffer (bound to both with IOBinding),
@@ -49,6 +58,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from rmsnorm_deploy.contract.dtypes import dtype_name, numpy_dtype, onnx_type
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -62,9 +72,11 @@ OPSET = 21
 MS_DOMAIN = "com.microsoft"
 TARGET = "onnxruntime"
 #: model_type -> what the builder knows of it. Only these are written; others are refused.
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text")
+#: Families whose norms follow each sublayer (``h + norm(f(h))``) instead of preceding it.
+POST_SUBLAYER_TYPES = ("olmo2",)
 #: Activation names (config.hidden_act) the MLP is written for.
-_ACTIVATIONS = ("silu",)
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: The dtypes GroupQueryAttention runs in on ONNX Runtime CPU.
 DTYPES = ("float32", "float16")
 #: The convention's version (``exporter.kv_cache.CONVENTION``).
@@ -88,6 +100,7 @@ class DecoderDims:
     vocab: int
     max_positions: int
     scale: float  # the attention's score scale (module.scaling)
+    activation: str = "silu"  # config.hidden_act (hidden_activation for Gemma3)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,10 +134,16 @@ def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
     if model_type not in SUPPORTED_TYPES:
         raise OrtDecoderError(f"--target onnxruntime does not write {model_type!r} models yet; it writes "
                               f"{', '.join(SUPPORTED_TYPES)} (use --target portable)")
-    act = getattr(config, "hidden_act", None)
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     if act not in _ACTIVATIONS:
         raise OrtDecoderError(f"{model_type}: activation {act!r} is not written by --target onnxruntime "
                               f"(it writes {', '.join(_ACTIVATIONS)})")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, field, None) is not None:
+            raise OrtDecoderError(f"{model_type}: {field} ({getattr(config, field)}) is not written by --target "
+                                  "onnxruntime yet; use --target portable")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise OrtDecoderError(f"{model_type}: bidirectional attention is not a causal decoder; use --target portable")
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
         raise OrtDecoderError(f"{model_type}: sliding-window attention ({window}) is not written by "
@@ -137,7 +156,7 @@ def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
     return DecoderDims(
         model_type=model_type, layers=len(layers), hidden=int(config.hidden_size), heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, vocab=int(config.vocab_size), max_positions=int(config.max_position_embeddings),
-        scale=float(attn.scaling),
+        scale=float(attn.scaling), activation=str(act),
     )
 
 
@@ -156,14 +175,20 @@ def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
     return head.weight, path
 
 
-def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype,
+                  layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [max_positions, head_dim / 2] exactly as the model's ``rotary_emb`` computes them
-    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype."""
+    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
+    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type."""
     rotary = getattr(lm.model, "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
-        raise OrtDecoderError("the model has no rotary_emb.inv_freq; --target onnxruntime writes rotary models")
-    if getattr(rotary, "rope_type", "default") == "dynamic":
+        raise OrtDecoderError(f"the model has no rotary_emb.{prefix}inv_freq; --target onnxruntime writes rotary models")
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type, "default")
+    if rope_type == "dynamic":
         raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
     if inv_freq.numel() * 2 != dims.head_dim:
         raise OrtDecoderError(f"partial rotary embeddings ({inv_freq.numel() * 2} of {dims.head_dim} dims) are not "
@@ -171,7 +196,7 @@ def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype) -> tu
     positions = torch.arange(dims.max_positions, dtype=torch.float32)
     # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
     freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
-    scaling = float(getattr(rotary, "attention_scaling", 1.0))
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
     cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
     return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
 
@@ -228,6 +253,41 @@ def _bias(writer: _Writer, name: str, x: str, *linears: torch.nn.Linear) -> str:
     return writer.one("Add", [x, writer.weight(f"{name}.bias", torch.cat([b.detach() for b in biases]))], name)
 
 
+#: The op that adds the residual and normalizes in one kernel (ONNX Runtime's CPU and CUDA).
+SKIP_NORM_OP = "SkipSimplifiedLayerNormalization"
+
+
+def skip_refusal(spec: RMSNormSpec, dtype: str) -> str | None:
+    """Why ``s = x + skip; norm(s)`` cannot be one ``SkipSimplifiedLayerNormalization`` exactly, or ``None``.
+
+    ONNX Runtime 1.32 never fuses ``Add`` into ``SimplifiedLayerNormalization`` itself (its
+    ``SkipLayerNormFusion`` matches ``LayerNormalization`` only), so the graph writes the op; it
+    is written where it computes what the ``ort`` lowering of the spec computes after an exact
+    ``Add``: float32 activations (the kernel normalizes the float32 sum; in float16 the model
+    normalizes the sum rounded to float16 and the kernel does not), the gain a plain weight over
+    the last dim, epsilon inside the square root, float32 accumulation.
+    """
+    reason = refusal("ort", spec, spec.upcasts(dtype), OPSET)
+    if reason:
+        return reason
+    if dtype != "float32":
+        return (f"{SKIP_NORM_OP} normalizes the float32 sum of its inputs; a {dtype} model normalizes the sum "
+                f"rounded to {dtype}")
+    if spec.gain != "weight":
+        return f"{SKIP_NORM_OP} multiplies by a weight; this spec's gain is {spec.gain!r}"
+    if spec.normalized_dims != 1:
+        return f"{SKIP_NORM_OP} normalizes the last dim; this spec normalizes the last {spec.normalized_dims}"
+    return None
+
+
+def skip_norm_node(spec: RMSNormSpec, inputs: list[str], outputs: list[str], *, name: str) -> onnx.NodeProto:
+    """``SkipSimplifiedLayerNormalization(input, skip, weight) -> (y, [sum])`` for ``spec``
+    (check :func:`skip_refusal` first). ``outputs``: ``[y]`` or ``[y, sum]`` (``sum`` may be "")."""
+    y, *rest = outputs
+    outs = [y, "", "", rest[0]] if rest and rest[0] else [y]
+    return helper.make_node(SKIP_NORM_OP, inputs, outs, name=name, domain=MS_DOMAIN, epsilon=float(spec.epsilon))
+
+
 def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buffer: bool = False,
                   max_length: int | None = None) -> OrtDecoder:
     """The ONNX Runtime decoder graph of ``loaded`` (a transformers Llama-family causal LM).
@@ -251,6 +311,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
 
     w = _Writer(dtype)
     elem = onnx_type(dtype)
+    # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
+    skip_fusion = lowering == "ort"
     used_norms: list[str] = []
 
     def norm(module: torch.nn.Module, x: str, out: str | None = None) -> str:
@@ -264,6 +326,21 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         used_norms.append(path)
         return y
 
+    def residual_norm(module: torch.nn.Module, hidden: str, branch: str, base: str, *,
+                      keep_sum: bool = True) -> tuple[str, str]:
+        """``s = hidden + branch`` and ``norm(s)``: (normalized, s). With ``skip_fusion`` one
+        ``SkipSimplifiedLayerNormalization`` (its fourth output is ``s``), else ``Add`` and our node."""
+        path = next(p for p, m in loaded.module.named_modules() if m is module)
+        found = by_path.get(path)
+        if not skip_fusion or found is None or skip_refusal(found.spec, dtype) is not None:
+            total = w.one("Add", [hidden, branch], base)
+            return norm(module, total), total
+        y, total = w.name(f"{path}/output"), w.name(base) if keep_sum else ""
+        w.nodes.append(skip_norm_node(found.spec, [hidden, branch, w.weight(f"{path}.weight", found.weight)],
+                                      [y, total], name=path))
+        used_norms.append(path)
+        return y, total
+
     # Prelude. GroupQueryAttention keeps each row's cache compact: its valid tokens first, its
     # length seqlens_k + 1 = sum(attention_mask), positions = index in the row. The convention pads
     # on the left, so the chunk's tokens are rotated left by the row's padding before the
@@ -271,36 +348,43 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     # LM head. Positions then equal cumsum(attention_mask) - 1, which is what the convention's
     # position_ids hold (the input is accepted; GQA's rotary derives the same positions).
     i64 = lambda name, value: w.init(f"const/{name}", np.array(value, dtype=np.int64))  # noqa: E731
-    one_1d, zero, one, axes1 = i64("one_1d", [1]), i64("zero", 0), i64("one", 1), i64("axes_1", [1])
+    zero_1d, one_1d, axes1 = i64("zero_1d", [0]), i64("one_1d", [1]), i64("axes_1", [1])
     seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
-    seq = w.one("Squeeze", [seq_1d], "mask/seq")
     total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
     chunk = w.one("Slice", ["attention_mask", w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d, axes1],
                   "mask/chunk")
     valid = w.one("ReduceSum", [chunk, axes1], "mask/chunk_valid", keepdims=1)  # [batch, 1]
-    pad = w.one("Sub", [seq_1d, valid], "mask/chunk_pad")  # [batch, 1]
-    steps = w.one("Range", [zero, seq, one], "mask/range")  # [seq]
-    # compact[i] = chunk[(i + pad) % seq]; back: original[j] = compact[(j - pad + seq) % seq]
-    to_compact = w.one("Mod", [w.one("Add", [steps, pad], "mask/shifted"), seq_1d], "mask/to_compact")
-    back = w.one("Mod", [w.one("Add", [w.one("Sub", [steps, pad], "mask/unshifted"), seq_1d], "mask/unshifted_pos"),
-                         seq_1d], "mask/to_original")
+    # 0 .. sequence - 1, sliced from a constant (no scalar to squeeze for a Range).
+    steps = w.one("Slice", [i64("positions", np.arange(dims.max_positions)), zero_1d, seq_1d], "mask/steps")
+    # pad = sequence - valid; compact[i] = chunk[(i + pad) % seq] and original[j] = compact[(j - pad) % seq],
+    # i.e. (i - valid) % seq and (j + valid) % seq: Mod takes the divisor's sign (fmod=0), never negative.
+    to_compact = w.one("Mod", [w.one("Sub", [steps, valid], "mask/shifted"), seq_1d], "mask/to_compact")
+    back = w.one("Mod", [w.one("Add", [steps, valid], "mask/unshifted"), seq_1d], "mask/to_original")
     ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
     lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
     seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                     to=TensorProto.INT32)
-    total_i32 = w.one("Cast", [w.one("Squeeze", [total_1d], "mask/total")], "mask/total_sequence_length",
-                      to=TensorProto.INT32)
+    # GroupQueryAttention's total_sequence_length is a scalar: Gather with a scalar index gives one.
+    total_i32 = w.one("Cast", [w.one("Gather", [total_1d, i64("zero", 0)], "mask/total")],
+                      "mask/total_sequence_length", to=TensorProto.INT32)
 
-    cos, sin = rotary_caches(lm, dims, w.np_dtype)
-    cos_name, sin_name = w.init("cos_cache", cos), w.init("sin_cache", sin)
+    layer_types = list(getattr(lm.config, "layer_types", None) or [None] * dims.layers)
+    caches: dict[str | None, tuple[str, str]] = {}
+    for kind in dict.fromkeys(layer_types):  # one cos/sin pair per rotary (Gemma3: local and global)
+        cos, sin = rotary_caches(lm, dims, w.np_dtype, kind if kind in _rotary_types(lm) else None)
+        tag = f"_{kind}" if kind in _rotary_types(lm) else ""
+        caches[kind] = (w.init(f"cos_cache{tag}", cos), w.init(f"sin_cache{tag}", sin))
 
     embed = lm.get_input_embeddings()
     hidden = w.one("Gather", [w.weight(f"{prefix}model.embed_tokens.weight", embed.weight), ids], "embed")
+    embed_scale = getattr(embed, "embed_scale", None)
+    if isinstance(embed_scale, torch.Tensor):
+        # Gemma: embedding * embed_scale, the scale rounded to the weight's dtype first (as transformers does).
+        scale = embed_scale.detach().to(embed.weight.dtype).reshape(())
+        hidden = w.one("Mul", [hidden, w.weight(f"{prefix}model.embed_tokens.embed_scale", scale)], "embed/scale")
     q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
-    for i, layer in enumerate(lm.model.layers):
-        base = f"{prefix}model.layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        x = norm(layer.input_layernorm, hidden)
+    def attention(i: int, layer: torch.nn.Module, x: str, base: str) -> str:
+        attn = layer.self_attn
         qkv = w.one("MatMul", [x, w.linear_t(f"{base}.self_attn.qkv_proj.weight", attn.q_proj.weight, attn.k_proj.weight,
                                                attn.v_proj.weight)], f"{base}/attn/qkv")
         qkv = _bias(w, f"{base}/attn/qkv", qkv, attn.q_proj, attn.k_proj, attn.v_proj)
@@ -315,8 +399,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
             qkv_inputs = [qkv, "", ""]  # packed
         gqa_out = w.node(
             "GroupQueryAttention",
-            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32, cos_name,
-                          sin_name],
+            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens, total_i32,
+                          *caches[layer_types[i]]],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
             num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=1, rotary_interleaved=0,
             local_window_size=-1,
@@ -326,25 +410,62 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         gqa_node.output[1], gqa_node.output[2] = f"present.{i}.key", f"present.{i}.value"
         o = w.one("MatMul", [gqa_out[0], w.linear_t(f"{base}.self_attn.o_proj.weight", attn.o_proj.weight)],
                   f"{base}/attn/o_proj")
-        o = _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
-        hidden = w.one("Add", [hidden, o], f"{base}/attn/residual")
-        x = norm(layer.post_attention_layernorm, hidden)
+        return _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
+
+    def feed_forward(layer: torch.nn.Module, x: str, base: str) -> str:
+        mlp = layer.mlp
         inter = mlp.gate_proj.weight.shape[0]
         gate_up = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.gate_up_proj.weight", mlp.gate_proj.weight,
                                                    mlp.up_proj.weight)], f"{base}/mlp/gate_up")
         gate_up = _bias(w, f"{base}/mlp/gate_up", gate_up, mlp.gate_proj, mlp.up_proj)
         gate, up = w.node("Split", [gate_up, w.init(f"{base}/mlp/split", np.array([inter, inter], dtype=np.int64))],
                           f"{base}/mlp/split", outputs=2, axis=-1)
-        act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
+        if dims.activation == "gelu_pytorch_tanh":
+            act = w.one("Gelu", [gate], f"{base}/mlp/gelu", approximate="tanh")
+        else:
+            act = w.one("Mul", [gate, w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
         down = w.one("MatMul", [w.one("Mul", [act, up], f"{base}/mlp/gated"),
                                 w.linear_t(f"{base}.mlp.down_proj.weight", mlp.down_proj.weight)], f"{base}/mlp/down")
-        down = _bias(w, f"{base}/mlp/down", down, mlp.down_proj)
-        hidden = w.one("Add", [hidden, down], f"{base}/mlp/residual")
-    x = norm(lm.model.norm, hidden)
+        return _bias(w, f"{base}/mlp/down", down, mlp.down_proj)
+
+    if dims.model_type in POST_SUBLAYER_TYPES:
+        # OLMo2: h = h + norm(attn(h)); h = h + norm(mlp(h)); the final norm. Each norm comes before
+        # its Add, so there is no residual to fold into a norm.
+        for i, layer in enumerate(lm.model.layers):
+            base = f"{prefix}model.layers.{i}"
+            hidden = w.one("Add", [hidden, norm(layer.post_attention_layernorm, attention(i, layer, hidden, base))],
+                           f"{base}/attn/residual")
+            hidden = w.one("Add", [hidden, norm(layer.post_feedforward_layernorm, feed_forward(layer, hidden, base))],
+                           f"{base}/mlp/residual")
+        x = norm(lm.model.norm, hidden)
+    else:
+        pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
+        sandwich = hasattr(lm.model.layers[0], "pre_feedforward_layernorm")
+        for i, layer in enumerate(lm.model.layers):
+            base = f"{prefix}model.layers.{i}"
+            if pending is None:
+                x = norm(layer.input_layernorm, hidden)
+            else:
+                x, hidden = residual_norm(layer.input_layernorm, hidden, pending,
+                                          f"{prefix}model.layers.{i - 1}/mlp/residual")
+            o = attention(i, layer, x, base)
+            if sandwich:  # Gemma3: norms before and after each sublayer
+                o = norm(layer.post_attention_layernorm, o)
+                x, hidden = residual_norm(layer.pre_feedforward_layernorm, hidden, o, f"{base}/attn/residual")
+                pending = norm(layer.post_feedforward_layernorm, feed_forward(layer, x, base))
+            else:
+                x, hidden = residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
+                pending = feed_forward(layer, x, base)  # added with the next norm
+        assert pending is not None
+        x, _ = residual_norm(lm.model.norm, hidden, pending, f"{prefix}model.layers.{dims.layers - 1}/mlp/residual",
+                             keep_sum=False)
     head_weight, head_path = lm_head_of(lm)
-    logits = w.one("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], "lm_head")
+    # Back to the input's order before the LM head (each row of the head is computed alone): the
+    # hidden size is moved, not the vocabulary.
     back_3d = w.one("Unsqueeze", [back, i64("axes_last", [-1])], "mask/to_original_3d")
-    w.nodes.append(helper.make_node("GatherND", [logits, back_3d], ["logits"], name="logits/GatherND", batch_dims=1))
+    x = w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
+    w.nodes.append(helper.make_node("MatMul", [x, w.linear_t(f"{prefix}lm_head.weight", head_weight)], ["logits"],
+                                    name="lm_head/MatMul"))
 
     missing = [p for p in by_path if p not in used_norms]
     if missing:
@@ -382,11 +503,26 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     return OrtDecoder(model, dims, detection, len(used_norms), head_path)
 
 
+def _rotary_types(lm: torch.nn.Module) -> tuple[str, ...]:
+    """The layer types with their own rotary tables (Gemma3's ``{type}_inv_freq``); () for one table."""
+    rotary = getattr(lm.model, "rotary_emb", None)
+    kinds = getattr(rotary, "layer_types", None) or ()
+    return tuple(k for k in kinds if isinstance(getattr(rotary, f"{k}_inv_freq", None), torch.Tensor))
+
+
 def _head_norm(w: _Writer, norm: Any, module: torch.nn.Module | None, x: str, heads: int, head_dim: int,
                base: str) -> str:
-    """A per-head norm (Qwen3's q_norm/k_norm over head_dim): [B, S, H*D] -> [B, S, H, D] -> norm -> back."""
+    """A q/k norm: per head (Qwen3's, a weight of head_dim): [B, S, H*D] -> [B, S, H, D] -> norm ->
+    back; or over all heads (OLMo2's, a weight of H*D): the norm on [B, S, H*D] as it is."""
     if module is None:
         return x
+    weight = getattr(module, "weight", None)
+    width = int(weight.numel()) if isinstance(weight, torch.Tensor) else head_dim
+    if width == heads * head_dim and width != head_dim:
+        return norm(module, x)
+    if width != head_dim:
+        raise OrtDecoderError(f"{base}: a q/k norm over {width} values is neither per head ({head_dim}) nor over "
+                              f"all {heads} heads ({heads * head_dim})")
     to_heads = w.init(f"{base}/heads_shape", np.array([0, 0, heads, head_dim], dtype=np.int64))
     flat = w.init(f"{base}/flat_shape", np.array([0, 0, heads * head_dim], dtype=np.int64))
     y = norm(module, w.one("Reshape", [x, to_heads], f"{base}/to_heads"))
@@ -435,7 +571,7 @@ def audit_norms(model: onnx.ModelProto, norm_nodes: int) -> int:
     """As many RMSNorm reductions as norm nodes, every one accumulating in float32 or wider."""
     from rmsnorm_deploy.graph.audit import audit_model
 
-    reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
+    reductions = [r for r in audit_model(model) if r.kind in ("RMSNorm", "RMSNorm (skip)")]
     if len(reductions) != norm_nodes:
         raise OrtDecoderError(f"the graph holds {len(reductions)} RMSNorm reductions for {norm_nodes} norm nodes")
     low = [r for r in reductions if r.low_precision]
@@ -527,6 +663,8 @@ class OrtDecoderExport:
     decoder: OrtDecoder
     parity: DecodeParity | None
     report_path: Any = None
+    #: written beside the model: genai_config.json and the source's Hugging Face config/tokenizer files
+    serving_files: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def parity_failed(self) -> bool:
@@ -542,6 +680,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
     """
     import json
 
+    from rmsnorm_deploy.exporter.genai_config import write_serving_files
+    from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
     from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
     from rmsnorm_deploy.progress import Progress
 
@@ -555,7 +695,13 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
         st.note(f"{len(decoder.model.graph.node)} nodes, {audited} norm nodes audited in float32")
     with progress.stage(f"saving {plan.target}") as st:
         save_onnx(decoder.model, plan.target, force=options.force)
-    result = OrtDecoderExport(plan.target, decoder, None)
+    max_len = int(max_length or decoder.dims.max_positions)
+    layout = KVCacheLayout.from_dict(kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
+                                                       max_length=max_len, head=decoder.lm_head))
+    with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
+        serving_files = write_serving_files(plan.target, layout, loaded.source, force=options.force)
+        st.note(", ".join(serving_files))
+    result = OrtDecoderExport(plan.target, decoder, None, serving_files=serving_files)
     if options.parity:
         with progress.stage("parity: ONNX Runtime CPU vs transformers with its cache (prefill + 4 steps)") as st:
             result.parity = decode_parity(loaded, str(plan.target), batch=options.batch, prompt=options.seq,
@@ -564,7 +710,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
         report = {
             "model": str(plan.target), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
             "kv_cache": kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
-                                          max_length=int(max_length or decoder.dims.max_positions), head=decoder.lm_head),
+                                          max_length=max_len, head=decoder.lm_head),
+            "serving_files": serving_files,
             "nodes": len(decoder.model.graph.node), "norms": [n.to_dict() for n in decoder.detection.norms],
             "parity": result.parity.to_dict(), "versions": tool_versions(),
         }

@@ -15,6 +15,13 @@ own distance from float64* (an exported model may not be less accurate than its 
 and every norm reduction of the graph ONNX Runtime actually ran accumulates in float32.
 When ONNX Runtime CPU has no kernel for an op of the model (bfloat16 ``MatMul``), the
 parity is *not run* and says why: it is never reported as passed.
+
+The PyTorch run records its ``topk`` and ``sort`` calls (``routing.TopKRecorder``). When a feed
+fails and the graph routes with ``TopK`` (mixture-of-experts models), ``routing.diagnose_routing``
+says whether a top-k choice went the other way on a near-tie and, with PyTorch's routing imposed
+on the graph, ONNX Runtime then agrees with PyTorch: the status is then ``routing tie``, with the
+token, the experts and the margin. It is not a pass (``failed`` is true): the exported model's
+outputs differ from PyTorch's on that input, through no fault of the export.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.table import format_table
 
 BACKEND = "onnxruntime"
+#: The status of a parity whose every failure is a routing tie (``routing.py``).
+ROUTING_TIE = "routing tie"
 #: Models larger than this are not re-saved by ONNX Runtime for the audit of what it ran.
 AUDIT_LIMIT_BYTES = 1 << 30
 
@@ -56,21 +65,24 @@ class Comparison:
 class ModelParity:
     dtype: str
     inputs: dict[str, list[int]]
-    status: str  # "pass", "FAIL" or "not run"
+    status: str  # "pass", "FAIL", "routing tie" (see the module docstring) or "not run"
     reason: str = ""
     comparisons: list[Comparison] = dataclasses.field(default_factory=list)
     ort_norm_ops: str = ""
     ort_accumulation: str = ""
+    #: per failed feed with TopK nodes in the graph: ``routing.RoutingDiagnosis.to_dict()``
+    routing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def failed(self) -> bool:
-        return self.status == "FAIL"
+        return self.status in ("FAIL", ROUTING_TIE)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "status": self.status, "reason": self.reason, "dtype": self.dtype, "inputs": self.inputs,
             "comparisons": [c.to_dict() for c in self.comparisons],
             "onnxruntime_norm_ops": self.ort_norm_ops, "onnxruntime_norm_accumulation": self.ort_accumulation,
+            "routing": self.routing,
         }
 
     def table(self) -> str:
@@ -85,7 +97,7 @@ class ModelParity:
         lines = [text] if text else []
         if self.ort_norm_ops:
             lines.append(f"ONNX Runtime CPU ran the norms as {self.ort_norm_ops}, accumulating in {self.ort_accumulation}")
-        verdict = f"parity: {self.status.upper() if self.status != 'not run' else 'NOT RUN'}"
+        verdict = f"parity: {self.status.upper()}"
         lines.append(verdict + (f": {self.reason}" if self.reason else ""))
         return "\n".join(lines)
 
@@ -102,6 +114,8 @@ class Expected:
     same_dtype: dict[str, torch.Tensor]
     float64: dict[str, torch.Tensor]
     baseline: dict[str, CompareResult]
+    #: the topk/sort calls of the same-dtype run (``None``: not recorded)
+    topk: list[Any] | None = None
 
 
 @torch.no_grad()
@@ -112,19 +126,26 @@ def torch_expectations(
     *,
     dtype: str,
     torch_outputs: Sequence[dict[str, torch.Tensor] | None] = (),
+    torch_topk: Sequence[list[Any] | None] = (),
 ) -> list[Expected]:
     """The PyTorch side of the parity check, computed once so the module can be freed before
     ONNX Runtime loads its own copy of the weights. ``torch_outputs``: outputs of ``module``
-    already computed for the first feeds."""
+    already computed for the first feeds; ``torch_topk``: their recorded topk calls."""
+    from rmsnorm_deploy.exporter.routing import TopKRecorder
     from rmsnorm_deploy.exporter.upcast import float64_outputs
 
     expected = []
     for i, feed in enumerate(feeds):
-        same = torch_outputs[i] if i < len(torch_outputs) and torch_outputs[i] is not None else module(**feed)
+        if i < len(torch_outputs) and torch_outputs[i] is not None:
+            same, calls = torch_outputs[i], (torch_topk[i] if i < len(torch_topk) else None)
+        else:
+            with TopKRecorder() as recorder:
+                same = module(**feed)
+            calls = recorder.calls if recorder.complete else None
         ideal = float64_outputs(module, norms, **feed)
         info = Tolerance(reason="context: how far the PyTorch module itself is from float64")
         baseline = {name: compare(out, ideal[name], info, name=name, dtype=dtype) for name, out in same.items()}
-        expected.append(Expected(feed, same, ideal, baseline))
+        expected.append(Expected(feed, same, ideal, baseline, calls))
     return expected
 
 
@@ -162,7 +183,9 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
         return parity
     tol = tolerance_for("model", BACKEND, dtype)
     bound = accuracy_bound_for("model_vs_float64", BACKEND, dtype)
+    failed_feeds = []
     for ort_outputs, e in zip(ort_runs, expected):
+        before = len(parity.comparisons)
         for name, out in ort_outputs.items():
             if name not in e.same_dtype:
                 parity.status, parity.reason = "FAIL", f"ONNX output {name!r} has no PyTorch counterpart"
@@ -173,6 +196,8 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
             parity.comparisons.append(Comparison(
                 "onnxruntime[cpu] vs float64", compare(out, e.float64[name], allowed, name=name, dtype=dtype), True))
             parity.comparisons.append(Comparison(f"torch {dtype} vs float64", e.baseline[name], checked=False))
+        if any(c.checked and not c.result.passed for c in parity.comparisons[before:]):
+            failed_feeds.append((ort_outputs, e))
     if ran is not None:
         parity.ort_norm_ops = ",".join(sorted({r.op for r in ran})) or "?"
         parity.ort_accumulation = ",".join(sorted({r.accumulation for r in ran})) or "?"
@@ -184,7 +209,32 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
     if failed and parity.status != "FAIL":
         parity.status = "FAIL"
         parity.reason = "; ".join(f"{c.label}: {c.result.summary()}" for c in failed)
+        _diagnose_routing(parity, Path(model_path), failed_feeds, tol, dtype)
     return parity
+
+
+def _diagnose_routing(parity: ModelParity, path: Path, failed_feeds: list[tuple[dict[str, np.ndarray], Expected]],
+                      tol: Tolerance, dtype: str) -> None:
+    """For a graph with TopK nodes: whether each failed feed is a routing tie (``routing.py``).
+    When every one is, the status becomes ``routing tie``; otherwise what the routing says is
+    added to the reason."""
+    from rmsnorm_deploy.exporter.routing import diagnose_routing, has_topk
+
+    if not failed_feeds or not has_topk(path):
+        return
+    diagnoses = []
+    for ort_outputs, e in failed_feeds:
+        feed = {k: v.numpy() for k, v in e.feed.items()}
+        diagnoses.append(diagnose_routing(path, feed, ort_outputs, e.same_dtype, e.topk, tol, dtype=dtype))
+    parity.routing = [{"inputs": {k: list(v.shape) for k, v in e.feed.items()}, **d.to_dict()}
+                      for (_, e), d in zip(failed_feeds, diagnoses)]
+    shapes = [" x ".join(str(n) for n in next(iter(e.feed.values())).shape) for _, e in failed_feeds]
+    text = "; ".join(f"input {s}: {d.describe()}" for s, d in zip(shapes, diagnoses))
+    if all(d.tie for d in diagnoses):
+        parity.status = ROUTING_TIE
+        parity.reason = f"{text}. Before imposing the routing: {parity.reason}"
+    else:
+        parity.reason = f"{parity.reason}; {text}"
 
 
 def _run_onnxruntime(path: Path, feeds: list[dict[str, np.ndarray]]) -> tuple[list[dict[str, np.ndarray]], list[Any] | None]:

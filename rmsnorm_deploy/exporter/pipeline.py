@@ -35,7 +35,8 @@ Steps (each one a line of progress on stderr):
    not know) before it replaces anything.
 6. **Save** into a hidden staging folder beside the target (``onnx_file.staging_folder``).
 7. **Parity** (``parity.py``): ONNX Runtime CPU against the module in its dtype and
-   against a float64 run, on the example shape and a larger one; ``report.json``.
+   against a float64 run, on the example shape and a larger one; a failure in a graph that
+   routes with ``TopK`` is diagnosed (``routing.py``: a routing tie or not); ``report.json``.
 8. **Publish** the model and its report together, the model last (``onnx_file.publish``),
    never over an existing file without ``force``; steps 6-8 hold a lock on the target, and
    the leftovers of a killed export are removed first.
@@ -61,7 +62,7 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.errors import LoweringError, UserError, one_line
-from rmsnorm_deploy.exporter.detect import DetectedNorm, Detection, detect_norms
+from rmsnorm_deploy.exporter.detect import DetectedNorm, Detection, detect_norms, root_path
 from rmsnorm_deploy.exporter.fusions import (
     FusionCounts,
     FusionError,
@@ -76,6 +77,7 @@ from rmsnorm_deploy.exporter.plan import (
     norm_overrides,
     plan_export,
 )
+from rmsnorm_deploy.exporter.routing import TopKRecorder
 from rmsnorm_deploy.exporter.surgery import (
     quiet_exporter,
     quiet_logger,
@@ -171,7 +173,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in list(feed.items())[:2])
     with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
         try:
-            with torch.no_grad():
+            # topk/sort calls are recorded for the parity check's routing diagnosis (routing.py)
+            with torch.no_grad(), TopKRecorder() as recorder:
                 torch_out = module(**feed)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
@@ -190,13 +193,15 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         from rmsnorm_deploy.exporter.parity import torch_expectations
 
         if kv is not None:
-            feeds, torch_outputs = kv.parity_feeds(), []
+            feeds, torch_outputs, torch_topk = kv.parity_feeds(), [], []
         else:
             batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
             feeds = [feed, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
             torch_outputs = [torch_out]
+            torch_topk = [recorder.calls if recorder.complete else None]
         with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
-            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs)
+            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs,
+                                          torch_topk=torch_topk)
         timings["parity_torch_s"] = st.seconds
 
     with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
@@ -448,6 +453,7 @@ def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype
     expected = {n.path: n for n in detection.norms}
     types = {vi.name: vi.type.tensor_type.elem_type for vi in
              list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
     seen: dict[str, int] = {}
     for node in model.graph.node:
         if not is_rmsnorm_node(node):
@@ -461,6 +467,13 @@ def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype
             raise ExportError(f"norm {path!r}: the exported node says {carried}, detection said {spec}")
         elem = types.get(node.input[0])
         input_dtype = dtype_name(elem) if elem else dtype_name(expected[path].dtype)
+        # The variant that casts every input to the accumulation dtype whenever one of them (x,
+        # weight, gate) is narrower: Bamba's gated norm in a float16 model takes a float32 x with
+        # a float16 weight and gate (a float32 variant would mix float16 and float32 in its ops).
+        narrower = [dtype_name(types[i]) for i in node.input[1:] if types.get(i)
+                    and spec.upcasts(dtype_name(types[i]))]
+        if narrower and not spec.upcasts(input_dtype):
+            input_dtype = narrower[0]
         count = seen.get(path, 0)
         seen[path] = count + 1
         name = path if count == 0 else f"{path}#{count + 1}"
@@ -503,7 +516,9 @@ def _source_placements(module: torch.nn.Module, detection: Detection, input_ids:
 
     ids = input_ids[:1, :_PLACEMENT_TOKENS]
     # LayerNorms stay in the graph as LayerNorms, which the graph side sees as norms too.
-    others = [path for path, _ in detection.other_norms if isinstance(module.get_submodule(path), torch.nn.LayerNorm)]
+    # other_norms are named as the wrapped model says it (a Hugging Face model's own paths)
+    paths = [root_path(module, name) for name, _ in detection.other_norms]
+    others = [path for path in paths if isinstance(module.get_submodule(path), torch.nn.LayerNorm)]
     try:
         return torch_placements(module, detection.norms, {INPUT_NAME: ids}, others)
     except (RuntimeError, NotImplementedError, TypeError) as exc:

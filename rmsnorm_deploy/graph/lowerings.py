@@ -142,7 +142,9 @@ def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormNode:
     declared = _value_dtype(model, node.input[0])
     from_overload = node_upcasts(node)
     if declared is not None:
-        upcast = spec.upcasts(declared)
+        # a weight or gate narrower than the accumulation dtype is cast too, whatever x is
+        others = [_value_dtype(model, name) for name in node.input[1:] if name]
+        upcast = spec.upcasts(declared) or any(d is not None and spec.upcasts(d) for d in others)
         if from_overload is not None and from_overload != upcast:
             raise LoweringError(
                 f"RMSNorm node {node.name!r}: its overload {node.overload!r} does not match its {declared} input; "

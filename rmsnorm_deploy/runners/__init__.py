@@ -9,10 +9,13 @@ base         ``Runner``: the activate/infer/deactivate template every runner fol
 onnxruntime  ``OnnxRuntimeRunner``: CPU, CUDA and TensorRT providers, bf16 through IOBinding,
              never a silent provider fallback
 tensorrt     ``TensorRTRunner``: a built engine, its sidecar checked before deserializing;
-             ``generate``: the decode loop of a KV-cache engine (prefill and decode profiles)
+             ``TensorRTStep``: one step of a KV-cache engine (prefill and decode profiles)
+             for the decode loop, ``generate``
 torch        ``TorchRunner``: a PyTorch module (a rebuilt source) in its dtype or float64
-kv_decoder   ``KVDecoderRunner``: greedy decoding of a KV-cache graph with IOBinding, separate
-             or shared past/present buffers
+kv_decoder   ``decode_loop``: the one decode loop of a KV-cache graph (mask, positions, token
+             choice, end-of-sequence, timings) over a backend's step; ``OrtStep``: ONNX
+             Runtime's step through IOBinding, separate or shared past/present buffers;
+             ``KVDecoderRunner``: greedy decoding in an ONNX Runtime CPU session
 ===========  ================================================================================
 """
 

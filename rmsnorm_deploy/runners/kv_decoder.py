@@ -1,33 +1,206 @@
-"""``KVDecoderRunner``: greedy decoding of a KV-cache graph in ONNX Runtime, with IOBinding.
+"""The decode loop of a KV-cache graph, written once; each backend supplies only "run one step".
 
-One loop for every graph in the optimum / onnxruntime-genai convention (ours, either target,
-or onnxruntime-genai's builder output): past and present stay ``OrtValue``s between steps,
-never copied through numpy. Two cache modes:
+:func:`decode_loop` is the loop every client of the optimum / onnxruntime-genai convention
+runs: one prefill over the (left-padded) prompts with an empty cache, then one step per new
+token with ``sequence = 1``. It owns everything but the run itself:
 
-- separate past and present (``past_present_share_buffer: false``): each step's present
-  outputs are bound as the next step's past inputs;
-- one shared buffer (``true``, onnxruntime-genai's mode): a [batch, kv_heads, max_length,
-  head_dim] ``OrtValue`` per cache tensor, bound as both past input and present output, so
-  GroupQueryAttention writes the new keys and values in place.
+- the attention mask, grown by one slot per step (left padding kept: zeros stay at the front);
+- the positions, ``cumsum(mask) - 1`` with padded slots 1
+  (``exporter.kv_cache.position_ids_for``, computed once for the whole run);
+- picking the next token (:func:`token_picker`: greedy ``argmax``, the first index on ties as
+  torch, or seeded sampling with a temperature and top-k);
+- stopping: a row that emits an end-of-sequence token gets the pad token afterwards, and the
+  loop ends when every row has ended or ``max_new_tokens`` are out (transformers' ``generate``);
+- the timings (a step's time includes picking its token) and, on request, each step's logits.
 
-``position_ids`` is fed when the graph takes it (cumsum(mask) - 1, so left padding works);
-onnxruntime-genai's graphs derive positions from the mask themselves.
+A backend is a :class:`Step`: ``empty_cache(batch)`` and ``run(input_ids, attention_mask,
+position_ids, cache) -> (last-position logits, next cache)``; the cache is the backend's own
+object (``OrtValue``\\ s, torch CUDA tensors), never copied through numpy by the loop.
+
+- :class:`OrtStep`: ONNX Runtime with one IOBinding per generation. Two cache modes: separate
+  past and present (``past_present_share_buffer: false``: each step's presents are bound as the
+  next step's pasts) or one shared buffer (``true``, onnxruntime-genai's mode: a [batch,
+  kv_heads, max_length, head_dim] ``OrtValue`` per cache tensor bound as both past input and
+  present output, written in place by GroupQueryAttention). ``position_ids`` is fed when the
+  graph takes it (onnxruntime-genai's graphs derive positions from the mask themselves).
+- TensorRT's step is ``runners.tensorrt.TensorRTStep`` (prefill and decode profiles).
+
+:class:`KVDecoderRunner` is a KV-cache graph in an ONNX Runtime CPU session with greedy
+decoding that ignores end-of-sequence tokens (the benchmarks' and the export-time parity's
+loop); ``serving.generate`` is the user-facing API over the same loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
-from rmsnorm_deploy.errors import InputError
+from rmsnorm_deploy.errors import InputError, UserError, one_line
+from rmsnorm_deploy.exporter.kv_cache import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, position_ids_for
 from rmsnorm_deploy.optional import require
 
 
+# -- picking the next token --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Greedy when ``do_sample`` is false; otherwise softmax(logits / temperature) over the top-k."""
+
+    do_sample: bool = False
+    seed: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0: the whole vocabulary
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature) and self.temperature > 0):
+            raise UserError(f"--temperature must be a finite number > 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UserError(f"--top-k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
+
+
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """The most likely token of each row (the first index on ties, as torch's ``argmax``)."""
+    return np.argmax(logits, axis=-1).astype(np.int64)
+
+
+def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.ndarray]:
+    """``pick(logits [batch, vocab]) -> tokens [batch]`` for ``sampling`` (its own seeded generator)."""
+    sampling = sampling or Sampling()
+    if not sampling.do_sample:
+        return greedy
+    rng = np.random.default_rng(sampling.seed)
+
+    def sample(logits: np.ndarray) -> np.ndarray:
+        scaled = logits.astype(np.float64) / sampling.temperature
+        if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+            kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k][:, None]
+            scaled = np.where(scaled < kth, -np.inf, scaled)
+        scaled -= scaled.max(axis=-1, keepdims=True)
+        probs = np.exp(scaled)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
+
+    return sample
+
+
+# -- the loop ------------------------------------------------------------------------------------
+class Step(Protocol):
+    """What a backend supplies to :func:`decode_loop`."""
+
+    def empty_cache(self, batch: int) -> Any:
+        """The cache before the prefill (past length 0, or an empty shared buffer)."""
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            cache: Any) -> tuple[np.ndarray, Any]:
+        """One run: the last position's logits [batch, vocab] as numpy, and the next step's cache."""
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: np.ndarray  # [batch, new tokens] int64 (pad after a row's end-of-sequence token)
+    prefill_s: float
+    decode_s: float  # all steps after the prefill
+    steps: int  # decode steps run after the prefill (new tokens - 1)
+    step_logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # with keep_logits
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1e3 * self.decode_s / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass
+class DecodeClock:
+    """Where :func:`decode_steps` spent its time (filled in as it runs)."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # all steps after the prefill
+    steps: int = 0  # decode steps run after the prefill
+
+
+def decode_steps(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
+                 max_new_tokens: int, pick: Callable[[np.ndarray], np.ndarray] = greedy,
+                 eos_token_ids: Iterable[int] = (), pad_token_id: int = 0,
+                 clock: DecodeClock | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The decode loop, lazily: each step's new tokens [batch] (pad after a row's end of sequence)
+    and the last-position logits they were picked from. The model runs the next step only when
+    the next token is asked for, so a stream can hand each token out before the next is made.
+    ``input_ids`` [batch, prompt], left padding marked by zeros in ``attention_mask``;
+    ``eos_token_ids`` empty: never stop early. Times go to ``clock``. The arguments are checked
+    before the first step runs."""
+    ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise InputError(f"input_ids must be [batch >= 1, prompt >= 1], got shape {list(ids.shape)}")
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
+    if mask.shape != ids.shape:
+        raise InputError(f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}")
+    return _steps(step, ids, mask, max_new_tokens, pick, eos_token_ids, pad_token_id, clock or DecodeClock())
+
+
+def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
+           pick: Callable[[np.ndarray], np.ndarray], eos_token_ids: Iterable[int], pad_token_id: int,
+           clock: DecodeClock) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    batch, prompt = ids.shape
+    # The whole run's mask and positions at once: each step reads a prefix (cumsum is causal).
+    total = np.ones((batch, prompt + max_new_tokens), dtype=np.int64)
+    total[:, :prompt] = mask
+    positions = position_ids_for(total, total.shape[1])
+    eos = np.array(sorted({int(t) for t in eos_token_ids}), dtype=np.int64)
+    finished = np.zeros(batch, dtype=bool)
+    cache = step.empty_cache(batch)
+    step_ids, made = ids, 0
+    while True:
+        length = prompt + made
+        started = time.perf_counter()
+        logits, cache = step.run(step_ids, np.ascontiguousarray(total[:, :length]),
+                                 np.ascontiguousarray(positions[:, length - step_ids.shape[1]:length]), cache)
+        token = np.where(finished, pad_token_id, pick(logits)).astype(np.int64)
+        elapsed = time.perf_counter() - started
+        if made:
+            clock.decode_s += elapsed
+            clock.steps += 1
+        else:
+            clock.prefill_s = elapsed
+        made += 1
+        if eos.size:
+            finished |= np.isin(token, eos)
+        yield token, logits
+        if made == max_new_tokens or finished.all():
+            return
+        step_ids = np.ascontiguousarray(token[:, None])
+
+
+def decode_loop(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
+                max_new_tokens: int, pick: Callable[[np.ndarray], np.ndarray] = greedy,
+                eos_token_ids: Iterable[int] = (), pad_token_id: int = 0, keep_logits: bool = False,
+                on_token: Callable[[np.ndarray], None] | None = None) -> Generation:
+    """:func:`decode_steps` run to the end: up to ``max_new_tokens`` new tokens, their timings and
+    (``keep_logits``) each step's logits. ``on_token(tokens [batch])`` is called with each step's
+    new tokens."""
+    clock = DecodeClock()
+    tokens: list[np.ndarray] = []
+    kept: list[np.ndarray] = []
+    for token, logits in decode_steps(step, input_ids, attention_mask, max_new_tokens=max_new_tokens, pick=pick,
+                                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, clock=clock):
+        tokens.append(token)
+        if keep_logits:
+            kept.append(np.array(logits, copy=True))
+        if on_token is not None:
+            on_token(token)
+    return Generation(np.stack(tokens, axis=1), clock.prefill_s, clock.decode_s, clock.steps, kept)
+
+
+# -- ONNX Runtime's step -------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
+    """The past/present tensors of a graph as one step binds them (from our metadata, or given for
+    a foreign graph such as onnxruntime-genai's or optimum's)."""
+
     layers: int
     kv_heads: int
     head_dim: int
@@ -48,6 +221,12 @@ class CacheLayout:
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the model's kv_cache metadata is incomplete ({exc!r}); export it again") from None
 
+    @classmethod
+    def of(cls, layout: Any) -> CacheLayout:
+        """From an ``exporter.kv_cache.KVCacheLayout`` (already checked)."""
+        return cls(layers=layout.num_layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
+                   share_buffer=layout.past_present_share_buffer, max_length=layout.max_length)
+
     def pairs(self) -> list[tuple[str, str]]:
         out = []
         for i in range(self.layers):
@@ -57,16 +236,83 @@ class CacheLayout:
 
 
 @dataclasses.dataclass
-class Generation:
-    tokens: np.ndarray  # [batch, new_tokens] int64
-    prefill_s: float
-    decode_s: float  # all steps after the prefill
-    steps: int  # decode steps (new_tokens - 1)
-    step_logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # with keep_logits
+class _OrtCache:
+    binding: Any  # one IOBinding for the whole generation
+    values: list[Any]  # the past OrtValues, in ``CacheLayout.pairs()`` order
+    batch: int
+    vocab: int = 0  # known after the prefill
+    logits: Any = None  # the decode steps' preallocated [batch, 1, vocab] logits
 
-    @property
-    def decode_ms_per_token(self) -> float:
-        return 1e3 * self.decode_s / max(1, self.steps)
+
+class OrtStep:
+    """One run of a KV-cache graph in an ONNX Runtime session, past/present bound through IOBinding."""
+
+    def __init__(self, session: Any, layout: CacheLayout, *, dtype: Any = np.float32, device: str = "cpu"):
+        self.ort = require("onnxruntime", "running a KV-cache model")
+        self.session, self.layout, self.device = session, layout, device
+        self.dtype = np.dtype(dtype)
+        self.input_names = {i.name for i in session.get_inputs()}
+        missing = [p for p, _ in layout.pairs() if p not in self.input_names]
+        if missing or ATTENTION_MASK not in self.input_names:
+            raise InputError(f"the model is not a KV-cache graph in the optimum/onnxruntime-genai convention "
+                             f"(missing {', '.join((missing or [ATTENTION_MASK])[:3])})")
+        self.takes_positions = POSITION_IDS in self.input_names
+        self._bf16 = self.dtype.name == "bfloat16"
+
+    def _value(self, array: np.ndarray) -> Any:
+        if self._bf16:
+            from onnx import TensorProto
+
+            return self.ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                np.ascontiguousarray(array).view(np.uint16), TensorProto.BFLOAT16)
+        return self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, 0)
+
+    def empty_cache(self, batch: int) -> _OrtCache:
+        lay = self.layout
+        binding = self.session.io_binding()
+        binding.bind_output(LOGITS, "cpu")  # first: outputs come back in binding order
+        length = lay.max_length if lay.share_buffer else 0
+        values = [self._value(np.zeros((batch, lay.kv_heads, length, lay.head_dim), self.dtype))
+                  for _ in lay.pairs()]
+        if lay.share_buffer:  # bound once: GroupQueryAttention writes each step in place
+            for (past, present), value in zip(lay.pairs(), values):
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+        return _OrtCache(binding, values, batch)
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            cache: _OrtCache) -> tuple[np.ndarray, _OrtCache]:
+        from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
+
+        lay, binding = self.layout, cache.binding
+        if lay.share_buffer and attention_mask.shape[1] > lay.max_length:
+            raise InputError(f"{attention_mask.shape[1]} tokens exceed the shared buffer's {lay.max_length}")
+        binding.bind_cpu_input(INPUT_IDS, input_ids)
+        binding.bind_cpu_input(ATTENTION_MASK, attention_mask)
+        if self.takes_positions:
+            binding.bind_cpu_input(POSITION_IDS, position_ids)
+        if input_ids.shape[1] == 1 and attention_mask.shape[1] > 1 and cache.vocab:  # a decode step
+            if self._bf16:
+                binding.bind_output(LOGITS, "cpu")  # a new output: a bound one keeps its first shape
+            elif cache.logits is None:  # every decode step writes its [batch, 1, vocab] logits here
+                buffer = np.empty((cache.batch, 1, cache.vocab), self.dtype)
+                cache.logits = self.ort.OrtValue.ortvalue_from_numpy(buffer)
+                binding.bind_ortvalue_output(LOGITS, cache.logits)
+        if not lay.share_buffer:
+            for (past, present), value in zip(lay.pairs(), cache.values):
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_output(present, self.device)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise UserError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
+        outputs = binding.get_outputs()
+        if not lay.share_buffer:
+            cache.values = list(outputs[1:])
+        cache.vocab = int(outputs[0].shape()[-1])
+        if self._bf16:  # numpy has no bfloat16 of its own: read the memory, compare in float32
+            return ortvalue_to_numpy(outputs[0])[:, -1, :].astype(np.float32), cache
+        return np.array(outputs[0].numpy()[:, -1, :]), cache  # a copy: the buffer is written again next step
 
 
 class KVDecoderRunner:
@@ -82,90 +328,21 @@ class KVDecoderRunner:
         if layout is None:
             layout = CacheLayout.from_metadata(_kv_metadata(self.session))
         self.layout = layout
-        self.ort = ort
-        self.dtype = np.dtype(dtype)
-        self.input_names = {i.name for i in self.session.get_inputs()}
-        missing = [p for p, _ in layout.pairs() if p not in self.input_names]
-        if missing or "attention_mask" not in self.input_names:
-            raise InputError(f"the model is not a KV-cache graph in the optimum/onnxruntime-genai convention "
-                             f"(missing {', '.join((missing or ['attention_mask'])[:3])})")
-        self.takes_positions = "position_ids" in self.input_names
+        self.step = OrtStep(self.session, layout, dtype=dtype)
+
+    @property
+    def takes_positions(self) -> bool:
+        return self.step.takes_positions
 
     def greedy(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *, new_tokens: int = 32,
                keep_logits: bool = False) -> Generation:
         """``new_tokens`` greedy tokens after ``input_ids`` [batch, prompt] (left padding in
         ``attention_mask``); ignores end-of-sequence tokens (a benchmark and parity loop)."""
-        ids = np.ascontiguousarray(input_ids, dtype=np.int64)
-        if ids.ndim != 2 or ids.shape[1] < 1 or new_tokens < 1:
-            raise InputError(f"input_ids must be [batch, prompt >= 1] and new_tokens >= 1; got {ids.shape}, {new_tokens}")
-        mask = np.ones_like(ids) if attention_mask is None else np.ascontiguousarray(attention_mask, dtype=np.int64)
-        batch, prompt = ids.shape
+        prompt = np.shape(input_ids)[-1] if np.ndim(input_ids) == 2 else 0
         lay = self.layout
-        if lay.share_buffer and prompt + new_tokens > lay.max_length:
+        if lay.share_buffer and isinstance(new_tokens, int) and prompt + new_tokens > lay.max_length:
             raise InputError(f"prompt {prompt} + {new_tokens} new tokens exceed the shared buffer's {lay.max_length}")
-        ort = self.ort
-        binding = self.session.io_binding()
-        binding.bind_output("logits", "cpu")  # first: outputs come back in binding order
-        caches: dict[str, Any] = {}
-        for past, present in lay.pairs():
-            length = lay.max_length if lay.share_buffer else 0
-            caches[past] = ort.OrtValue.ortvalue_from_numpy(
-                np.zeros((batch, lay.kv_heads, length, lay.head_dim), self.dtype))
-            if lay.share_buffer:  # bound once: GroupQueryAttention writes each step in place
-                binding.bind_ortvalue_input(past, caches[past])
-                binding.bind_ortvalue_output(present, caches[past])
-        # The decode steps' logits [batch, 1, vocab] land in one preallocated buffer.
-        step_logits = logits_value = None
-        out_tokens = np.zeros((batch, new_tokens), np.int64)
-        logits_kept: list[np.ndarray] = []
-        step_ids = ids
-        total = np.zeros((batch, prompt + new_tokens), np.int64)
-        total[:, :prompt] = mask
-        total[:, prompt:] = 1
-        positions_all = np.cumsum(total, axis=1) - 1
-        positions_all[total == 0] = 1  # padded slots, as transformers writes them
-        prefill_s = decode_s = 0.0
-        for step in range(new_tokens):
-            clock = time.perf_counter()
-            length = prompt + step
-            binding.bind_cpu_input("input_ids", step_ids)
-            binding.bind_cpu_input("attention_mask", np.ascontiguousarray(total[:, :length]))
-            if self.takes_positions:
-                binding.bind_cpu_input("position_ids",
-                                       np.ascontiguousarray(positions_all[:, length - step_ids.shape[1]:length]))
-            if step == 1:
-                vocab = logits_value.shape()[-1]
-                step_logits = ort.OrtValue.ortvalue_from_numpy(np.empty((batch, 1, vocab), self.dtype))
-                binding.bind_ortvalue_output("logits", step_logits)
-            if not lay.share_buffer:
-                for past, present in lay.pairs():
-                    binding.bind_ortvalue_input(past, caches[past])
-                    binding.bind_output(present, "cpu")
-            self.session.run_with_iobinding(binding)
-            values = binding.get_outputs()
-            logits_value = values[0] if step == 0 else step_logits
-            logits = logits_value.numpy()[:, -1, :]
-            if keep_logits:
-                logits_kept.append(logits.copy())
-            token = logits.argmax(-1).astype(np.int64)
-            out_tokens[:, step] = token
-            if not lay.share_buffer:
-                by_name = dict(zip(self._output_names(), values))
-                for past, present in lay.pairs():
-                    caches[past] = by_name[present]
-            step_ids = np.ascontiguousarray(token[:, None])
-            elapsed = time.perf_counter() - clock
-            if step == 0:
-                prefill_s = elapsed
-            else:
-                decode_s += elapsed
-        return Generation(out_tokens, prefill_s, decode_s, new_tokens - 1, logits_kept)
-
-    def _output_names(self) -> list[str]:
-        names = ["logits"]
-        for _, present in self.layout.pairs():
-            names.append(present)
-        return names
+        return decode_loop(self.step, input_ids, attention_mask, max_new_tokens=new_tokens, keep_logits=keep_logits)
 
 
 def _kv_metadata(session: Any) -> dict[str, Any]:

@@ -12,9 +12,11 @@ every other stream of the device (and TensorRT warns that it costs extra synchro
 The plugin is loaded with the implementation (``aot``/``jit``) the engine was built with.
 
 A KV-cache engine (``export --kv-cache``, built with a prefill and a decode profile) also runs
-the decode loop, :meth:`TensorRTRunner.generate`: one execution context per profile, the prefill
-on profile 0 with an empty past, then one decode step per token on profile 1, each step's
-``present`` tensors (torch CUDA tensors) bound as the next step's ``past`` without leaving the GPU.
+the decode loop, :meth:`TensorRTRunner.generate`: the one loop of ``runners.kv_decoder``
+(``decode_loop``: mask, positions, token choice, stopping) over :class:`TensorRTStep`, which
+holds one execution context per profile: a step with an empty past runs on profile 0 (prefill),
+every other on profile 1 (decode), each step's ``present`` tensors (torch CUDA tensors) bound as
+the next step's ``past`` without leaving the GPU; only the last position's logits come back.
 
 TensorRT API used (10.9 to 11.x): ``Runtime.deserialize_cuda_engine``,
 ``ICudaEngine.num_io_tensors/get_tensor_name/get_tensor_mode/get_tensor_dtype/
@@ -270,46 +272,51 @@ class _Step:
         return outputs
 
 
+class TensorRTStep:
+    """TensorRT's step of ``runners.kv_decoder.decode_loop`` on a KV-cache engine (see the module docstring)."""
+
+    def __init__(self, runner: TensorRTRunner, layout: Any):
+        if len(runner.profile_set) < 2 or runner.engine.num_optimization_profiles < 2:
+            raise UserError(f"{runner.engine_path} has no decode profile; build it from a KV-cache model "
+                            "(`export --kv-cache`, then `build`)")
+        self.layout = layout
+        self.device = _cuda_device()
+        self.stream = _new_stream(self.device)
+        self.prefill, self.decode = _Step(runner, 0, self.stream), _Step(runner, 1, self.stream)
+
+    def empty_cache(self, batch: int) -> dict[str, Any]:
+        import torch
+
+        lay = self.layout
+        dtype = _torch_dtype(lay.dtype)
+        return {n: torch.empty((batch, lay.kv_heads, 0, lay.head_dim), dtype=dtype, device=self.device)
+                for n in lay.past_names()}
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            cache: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+        import torch
+
+        from rmsnorm_deploy.exporter.kv_cache import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
+
+        lay = self.layout
+        first = next(iter(cache.values()), None)
+        step = self.prefill if first is None or first.shape[2] == 0 else self.decode
+        with _on_stream(self.stream):
+            feed = {INPUT_IDS: torch.from_numpy(input_ids).to(self.device),
+                    ATTENTION_MASK: torch.from_numpy(attention_mask).to(self.device),
+                    POSITION_IDS: torch.from_numpy(position_ids).to(self.device), **cache}
+            out = step.run(feed)
+            logits = out[LOGITS][:, -1, :].float().cpu().numpy()  # synchronizes the stream
+        return logits, {p: out[q] for p, q in zip(lay.past_names(), lay.present_names())}
+
+
 def _generate(runner: TensorRTRunner, layout: Any, prompts: Any, *, max_new_tokens: int,
               eos_token_id: Any = None, pad_token_id: int = 0) -> list[list[int]]:
-    import torch
+    from rmsnorm_deploy.exporter.kv_cache import left_padded
+    from rmsnorm_deploy.runners.kv_decoder import decode_loop
 
-    from rmsnorm_deploy.exporter.kv_cache import (
-        ATTENTION_MASK,
-        INPUT_IDS,
-        LOGITS,
-        POSITION_IDS,
-        left_padded,
-        position_ids_for,
-    )
-
-    if len(runner.profile_set) < 2 or runner.engine.num_optimization_profiles < 2:
-        raise UserError(f"{runner.engine_path} has no decode profile; build it from a KV-cache model "
-                        "(`export --kv-cache`, then `build`)")
-    device = _cuda_device()
-    stream = torch.cuda.Stream(device)
-    prefill, decode = _Step(runner, 0, stream), _Step(runner, 1, stream)
+    step = TensorRTStep(runner, layout)
     ids, mask = left_padded(prompts, pad_token_id)
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    batch = ids.shape[0]
-    dtype = _torch_dtype(layout.dtype)
-    past = {n: torch.empty((batch, layout.kv_heads, 0, layout.head_dim), dtype=dtype, device=device)
-            for n in layout.past_names()}
-    finished = np.zeros(batch, dtype=bool)
-    tokens: list[np.ndarray] = []
-    step, step_ids = prefill, ids
-    with torch.cuda.stream(stream):
-        while True:
-            feed = {INPUT_IDS: torch.from_numpy(step_ids).to(device), ATTENTION_MASK: torch.from_numpy(mask).to(device),
-                    POSITION_IDS: torch.from_numpy(position_ids_for(mask, step_ids.shape[1])).to(device), **past}
-            out = step.run(feed)
-            next_token = out[LOGITS][:, -1, :].float().argmax(dim=-1).cpu().numpy()  # synchronizes the stream
-            next_token = np.where(finished, pad_token_id, next_token).astype(np.int64)
-            tokens.append(next_token)
-            finished |= np.isin(next_token, list(eos))
-            if len(tokens) == max_new_tokens or finished.all():
-                break
-            past = {p: out[q] for p, q in zip(layout.past_names(), layout.present_names())}
-            mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-            step, step_ids = decode, next_token[:, None]
-    return np.stack(tokens, axis=1).tolist()
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    run = decode_loop(step, ids, mask, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=pad_token_id)
+    return run.tokens.tolist()

@@ -7,14 +7,19 @@ signature       ``Signature``: a graph's inputs, outputs, batch dim and KV-cache
 server          ``serve``: Triton embedded through PyTriton, inference through the ONNX Runtime
                 runner; ports checked, 127.0.0.1 by default, clean stop on SIGINT/SIGTERM;
                 a KV-cache export served as a generation model (``GenerationInference``:
-                ``input_ids`` in, ``output_ids`` out, through ``generate``)
+                ``input_ids`` in, ``output_ids`` out, through ``generate``) and its streaming
+                twin ``<name>_stream`` (``StreamingGenerationInference``: one response per
+                token, through ``stream``); bad requests refused with HTTP 400; ``free_ports``
 pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpython on
-                ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2
+                ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2, and ``refusal``:
+                a request refused as INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT)
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
 parity_client   a served model's answers over HTTP and gRPC against the same model run here
 generate        ``KVCacheModel`` and ``generate``: greedy or seeded sampling over a KV-cache graph
-                (``export --kv-cache``) in ONNX Runtime, past/present kept in ONNX Runtime's
-                memory through IOBinding; timings (prefill ms, decode ms per token, tokens/s)
+                (``export --kv-cache``) in ONNX Runtime, the prompts checked against the model
+                and the special tokens from its folder, run by ``runners.kv_decoder``'s one
+                loop; timings (prefill ms, decode ms per token, tokens/s)
+                ``stream``: one prompt's tokens as they come (the same loop, token by token)
 ==============  =============================================================================
 """

@@ -8,14 +8,15 @@ one-line error, never a silent fallback). Special tokens come from the folder's
 ``genai_config.json`` (else ``config.json``), the tokenizer from ``tokenizer.json`` through
 ``tokenizers`` when the folder has one.
 
-:func:`generate` runs the loop every serving stack runs: one prefill over the (left-padded)
-prompts with an empty past, then one step per new token with ``sequence = 1``. Each step's
-``present`` tensors stay ``OrtValue``\\ s on the provider's device and are bound as the next
-step's ``past`` through IOBinding; only the last position's logits come back to numpy.
-Greedy by default (``argmax``, the first index on ties, as torch); sampling with a seeded
-generator, a temperature and top-k as options. A row that emits an end-of-sequence token gets
-the pad token afterwards, and the loop stops when every row has ended, as transformers'
-``generate`` does.
+:func:`generate` is the entry point of generation: it checks the prompts against the model,
+takes the special tokens from the folder, and runs the one decode loop,
+``runners.kv_decoder.decode_loop`` (prefill, then one step per new token; positions from the
+mask, left padding, end-of-sequence handling, greedy or seeded sampling with a temperature and
+top-k), with ONNX Runtime's step (``runners.kv_decoder.OrtStep``): each step's ``present``
+tensors stay ``OrtValue``\\ s on the provider's device and are bound as the next step's
+``past`` through IOBinding (or written in place in a shared past/present buffer); only the last
+position's logits come back to numpy. :func:`stream` hands out one prompt's new tokens as that
+same loop makes them (the streaming endpoint of ``serve``).
 """
 
 from __future__ import annotations
@@ -23,48 +24,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.exporter.kv_cache import (
-    ATTENTION_MASK,
-    INPUT_IDS,
-    LOGITS,
-    POSITION_IDS,
-    KVCacheLayout,
-    check_io,
-    graph_io,
-    layout_of,
-    left_padded,
-    position_ids_for,
-)
+from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout, check_io, graph_io, layout_of, left_padded
+from rmsnorm_deploy.runners.kv_decoder import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FROM_FOLDER", "GenerationResult", "KVCacheModel", "Sampling", "generate",
+           "model_file"]
 
 MODEL_FILE = "model.onnx"
 DEFAULT_MAX_NEW_TOKENS = 32
 #: ``generate``'s default special tokens: those of the model folder (genai_config.json / config.json).
 FROM_FOLDER = "from the model folder"
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Greedy when ``do_sample`` is false; otherwise softmax(logits / temperature) over the top-k."""
-
-    do_sample: bool = False
-    seed: int = 0
-    temperature: float = 1.0
-    top_k: int = 0  # 0: the whole vocabulary
-
-    def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise UserError(f"--seed must be an integer >= 0, got {self.seed!r}")
-        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature) and self.temperature > 0):
-            raise UserError(f"--temperature must be a finite number > 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"--top-k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
 
 
 @dataclasses.dataclass
@@ -127,6 +103,7 @@ class KVCacheModel:
         self.tokenizer = _tokenizer(self.folder)
         self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads)
         self._device = "cuda" if any(provider_name(p) != "CPUExecutionProvider" for p in providers) else "cpu"
+        self._step: OrtStep | None = None
 
     def __enter__(self) -> KVCacheModel:
         self.runner.activate()
@@ -155,7 +132,10 @@ class KVCacheModel:
             return None
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def check_prompts(self, rows: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    def check_prompts(self, rows: Sequence[Sequence[int]], max_new_tokens: int, *,
+                      name: str = "--max-new-tokens") -> None:
+        """Refuse (``InputError``) empty prompts, ids outside the vocabulary, and prompts that with
+        ``max_new_tokens`` new tokens do not fit the model; ``name`` is what the user calls that number."""
         lay = self.layout
         if not rows:
             raise InputError("no prompt given")
@@ -170,59 +150,38 @@ class KVCacheModel:
             raise InputError(f"the prompt has {longest} tokens, longer than the model's maximum of {lay.max_length}")
         if longest + max_new_tokens > lay.max_length:
             raise InputError(f"{longest} prompt tokens + {max_new_tokens} new tokens exceed the model's maximum of "
-                             f"{lay.max_length}; lower --max-new-tokens to at most {lay.max_length - longest}")
+                             f"{lay.max_length}; lower {name} to at most {lay.max_length - longest}")
 
-    # -- one step -------------------------------------------------------------------------------
-    def _ortvalue(self, array: np.ndarray) -> Any:
-        import onnxruntime as ort
-        from onnx import TensorProto
-
-        array = np.ascontiguousarray(array)
-        device = self._device if array.dtype != np.int64 else "cpu"
-        if array.dtype.name == "bfloat16":
-            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), TensorProto.BFLOAT16)
-        return ort.OrtValue.ortvalue_from_numpy(array, device, 0)
-
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[Any]) -> tuple[np.ndarray, list[Any]]:
-        """One run: last-position logits (float32 numpy) and the presents (``OrtValue``\\ s)."""
-        from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
-
-        lay = self.layout
-        binding = self.session.io_binding()
-        keep = [self._ortvalue(input_ids), self._ortvalue(attention_mask),
-                self._ortvalue(position_ids_for(attention_mask, input_ids.shape[1]))]
-        for name, value in zip((INPUT_IDS, ATTENTION_MASK, POSITION_IDS), keep):
-            binding.bind_ortvalue_input(name, value)
-        for name, value in zip(lay.past_names(), past):
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_output(LOGITS, "cpu")
-        for name in lay.present_names():
-            binding.bind_output(name, self._device)
-        try:
-            self.session.run_with_iobinding(binding)
-        except Exception as exc:
-            raise UserError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
-        outputs = binding.get_outputs()
-        logits = ortvalue_to_numpy(outputs[0])[:, -1, :].astype(np.float32)
-        return logits, list(outputs[1:])
-
-    def empty_past(self, batch: int) -> list[Any]:
-        from rmsnorm_deploy.exporter.kv_cache import empty_past
-
-        return [self._ortvalue(a) for a in empty_past(self.layout, batch).values()]
+    @property
+    def stepper(self) -> OrtStep:
+        """ONNX Runtime's step of the decode loop, on this session (inside the ``with`` block)."""
+        session = self.session
+        if self._step is None or self._step.session is not session:
+            self._step = OrtStep(session, CacheLayout.of(self.layout), dtype=numpy_dtype(self.layout.dtype),
+                                 device=self._device)
+        return self._step
 
 
-def _pick(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> np.ndarray:
-    if not sampling.do_sample:
-        return np.argmax(logits, axis=-1).astype(np.int64)
-    scaled = logits.astype(np.float64) / sampling.temperature
-    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
-        kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k][:, None]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    scaled -= scaled.max(axis=-1, keepdims=True)
-    probs = np.exp(scaled)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
+def check_max_new_tokens(max_new_tokens: Any, *, name: str = "--max-new-tokens") -> None:
+    """Refuse (``InputError``) anything but an integer >= 1; ``name`` is what the user calls it."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InputError(f"{name} must be an integer >= 1, got {max_new_tokens!r}")
+
+
+def _prepare(model: KVCacheModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             eos_token_id: int | Sequence[int] | str | None,
+             pad_token_id: int | None) -> tuple[list[list[int]], set[int], int]:
+    """The checked prompts, the end-of-sequence ids and the pad id (see :func:`generate`)."""
+    check_max_new_tokens(max_new_tokens)
+    rows = [[int(t) for t in r] for r in prompts]
+    model.check_prompts(rows, max_new_tokens)
+    if eos_token_id == FROM_FOLDER:
+        eos_token_id = model.special.get("eos_token_id")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    pad = pad_token_id if pad_token_id is not None else model.special.get("pad_token_id")
+    if pad is None:
+        pad = min(eos) if eos else 0
+    return rows, eos, pad
 
 
 def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -235,51 +194,30 @@ def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_t
     ``None`` to never stop early. ``pad_token_id``: by default the folder's, else the first
     end-of-sequence id, else 0.
     """
-    sampling = sampling or Sampling()
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
-    rows = [[int(t) for t in r] for r in prompts]
-    model.check_prompts(rows, max_new_tokens)
-    if eos_token_id == FROM_FOLDER:
-        eos_token_id = model.special.get("eos_token_id")
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    pad = pad_token_id if pad_token_id is not None else model.special.get("pad_token_id")
-    if pad is None:
-        pad = min(eos) if eos else 0
+    rows, eos, pad = _prepare(model, prompts, max_new_tokens, eos_token_id, pad_token_id)
     ids, mask = left_padded(rows, pad)
-    rng = np.random.default_rng(sampling.seed)
-    batch = ids.shape[0]
-    finished = np.zeros(batch, dtype=bool)
-    new_tokens: list[np.ndarray] = []
-    step_logits: list[np.ndarray] = []
-
-    start = time.perf_counter()
-    logits, past = model.step(ids, mask, model.empty_past(batch))
-    prefill_ms = (time.perf_counter() - start) * 1000
-    decode_s = 0.0
-    steps = 0
-    while True:
-        if return_logits:
-            step_logits.append(logits)
-        token = _pick(logits, sampling, rng)
-        token = np.where(finished, pad, token)
-        new_tokens.append(token)
-        finished |= np.isin(token, list(eos))
-        if len(new_tokens) == max_new_tokens or finished.all():
-            break
-        mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-        clock = time.perf_counter()
-        logits, past = model.step(token[:, None], mask, past)
-        decode_s += time.perf_counter() - clock
-        steps += 1
-    tokens = np.stack(new_tokens, axis=1).tolist()
+    run = decode_loop(model.stepper, ids, mask, max_new_tokens=max_new_tokens, pick=token_picker(sampling),
+                      eos_token_ids=eos, pad_token_id=pad, keep_logits=return_logits)
+    tokens = run.tokens.tolist()
     text = [model.decode(t) for t in tokens] if model.tokenizer is not None else None
     return GenerationResult(
-        prompts=rows, tokens=tokens, prefill_ms=prefill_ms,
-        decode_ms_per_token=decode_s * 1000 / steps if steps else 0.0, steps=steps,
+        prompts=rows, tokens=tokens, prefill_ms=run.prefill_s * 1000,
+        decode_ms_per_token=run.decode_ms_per_token, steps=run.steps,
         providers=list(model.runner.actual_providers), text=text,
-        step_logits=step_logits if return_logits else None,
+        step_logits=[np.asarray(g, dtype=np.float32) for g in run.step_logits] if return_logits else None,
     )
+
+
+def stream(model: KVCacheModel, prompt: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+           sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
+           pad_token_id: int | None = None) -> Iterator[int]:
+    """One prompt's new tokens, one at a time, as :func:`generate` makes them (the same loop, so the
+    same tokens). The request is checked here, before the first token is asked for."""
+    rows, eos, pad = _prepare(model, [prompt], max_new_tokens, eos_token_id, pad_token_id)
+    ids, mask = left_padded(rows, pad)
+    steps = decode_steps(model.stepper, ids, mask, max_new_tokens=max_new_tokens, pick=token_picker(sampling),
+                         eos_token_ids=eos, pad_token_id=pad)
+    return (int(token[0]) for token, _ in steps)
 
 
 def _special_tokens(folder: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What PyTriton 0.7 needs from this process to serve correctly; set here so the user never has to.
 
-Two facts measured with ``nvidia-pytriton`` 0.7.0 (Triton 2.51) on CPython 3.11:
+Three facts measured with ``nvidia-pytriton`` 0.7.0 (Triton 2.51) on CPython 3.11:
 
 - **libpython.** The Python backend's stub (``triton_python_backend_stub``, a separate process
   the server starts per model instance) embeds Python and must load the interpreter's own
@@ -13,10 +13,19 @@ Two facts measured with ``nvidia-pytriton`` 0.7.0 (Triton 2.51) on CPython 3.11:
   with numpy 2 every tensor crossing it is wrong *without an error*: inputs arrive with stride 0
   (every element reads the first one) and outputs with 0 bytes. PyTriton's proxy model (the
   Python file the stub runs) converts with ``Tensor.as_numpy()`` and ``Tensor(name, array)``;
-  :func:`patch_proxy_for_numpy2` makes the copy PyTriton loads into the server exchange tensors
+  :func:`patch_proxy` makes the copy PyTriton loads into the server exchange tensors
   through DLPack instead (``Tensor.to_dlpack`` / ``Tensor.from_dlpack``), which involves no numpy
   ABI. PyTriton's own package is left untouched. The serving tests check the values bit for
   bit, so a PyTriton that changes this code fails them loudly rather than serving zeros.
+- **Error codes.** PyTriton turns any exception of an infer function into Triton's default
+  error code (HTTP 500, gRPC ``INTERNAL``) with the whole traceback as the message, so a client
+  cannot tell its own mistake from a server fault. The Python backend can answer one request
+  with ``pb_utils.TritonError(message, code=pb_utils.TritonError.INVALID_ARG)``, which Triton
+  sends as HTTP 400 / gRPC ``INVALID_ARGUMENT``. An infer function refuses a request by answering
+  it with :func:`refusal` (one output, :data:`REFUSED`, holding the one-line message as UTF-8
+  bytes); :func:`patch_proxy` turns that answer into such an error response, in plain and in
+  decoupled (streaming) models alike. Exceptions still travel PyTriton's way: a genuine fault
+  stays a 500.
 """
 
 from __future__ import annotations
@@ -26,6 +35,9 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+
+#: The output an infer function answers a refused request with (see :func:`refusal`).
+REFUSED = "rmsnorm_deploy_refused"
 
 #: Appended to PyTriton's proxy ``model.py`` (runs inside the stub, where ``pb_utils``,
 #: ``json``, ``Request`` and ``TritonRequestsServer`` are the module's own names).
@@ -93,7 +105,28 @@ def _wrap_response(response, requested_outputs_names, model_outputs_dict):
 
 TritonRequestsServer._wrap_request = _wrap_request_dlpack
 '''
+
+#: Appended after the DLPack patch, always: a :func:`refusal` answer becomes an INVALID_ARG error.
+_REFUSAL_PATCH = '''
+
+# --- rmsnorm_deploy: a refused request comes back as INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) ---
+_rmsnorm_deploy_wrap_response = _wrap_response
+
+
+def _wrap_response(response, requested_outputs_names, model_outputs_dict):
+    if response.data is not None and "@REFUSED@" in response.data:
+        message = response.data["@REFUSED@"].tobytes().decode("utf-8", "replace")
+        return pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(message, code=pb_utils.TritonError.INVALID_ARG))
+    return _rmsnorm_deploy_wrap_response(response, requested_outputs_names, model_outputs_dict)
+'''.replace("@REFUSED@", REFUSED)
 _MARK = "_rmsnorm_deploy_dlpack"
+
+
+def refusal(message: str) -> dict[str, np.ndarray]:
+    """An infer function's answer to a request it refuses: the client gets HTTP 400 / gRPC
+    ``INVALID_ARGUMENT`` with ``message`` (on one line), and the server keeps serving."""
+    return {REFUSED: np.frombuffer(" ".join(message.split()).encode("utf-8"), dtype=np.uint8).copy()}
 
 
 def numpy_needs_dlpack() -> bool:
@@ -122,16 +155,21 @@ def server_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def prepare_process() -> dict[str, str]:
-    """Apply :func:`server_environment` to ``os.environ`` and the numpy-2 patch; return what changed."""
+    """Apply :func:`server_environment` to ``os.environ`` and the proxy patch; return what changed."""
     changes = server_environment()
     os.environ.update(changes)
-    if numpy_needs_dlpack():
-        patch_proxy_for_numpy2()
+    patch_proxy()
     return changes
 
 
-def patch_proxy_for_numpy2() -> None:
-    """Make the proxy model PyTriton loads into the server exchange tensors through DLPack (idempotent)."""
+def proxy_patch(*, dlpack: bool) -> str:
+    """What is appended to PyTriton's proxy ``model.py``: the DLPack exchange (numpy 2), then the refusals."""
+    return (_PROXY_PATCH if dlpack else "") + _REFUSAL_PATCH
+
+
+def patch_proxy() -> None:
+    """Make the proxy model PyTriton loads into the server answer a :func:`refusal` with INVALID_ARG
+    and, under numpy 2, exchange tensors through DLPack (idempotent)."""
     from pytriton.models import model as pytriton_model
 
     cls = pytriton_model.Model
@@ -145,7 +183,7 @@ def patch_proxy_for_numpy2() -> None:
         if key not in files:
             raise RuntimeError(f"PyTriton's proxy files changed ({sorted(files)}): this PyTriton version is not the one "
                                "rmsnorm-deploy serves with (nvidia-pytriton 0.7)")
-        files[key] = files[key] + _PROXY_PATCH.encode()
+        files[key] = files[key] + proxy_patch(dlpack=numpy_needs_dlpack()).encode()
         return files
 
     setattr(get_proxy_model_files, _MARK, True)

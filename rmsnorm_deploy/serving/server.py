@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import logging
 import re
 import shutil
@@ -25,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -99,6 +100,22 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the system reports free on ``host`` now (for ``--http-port`` and the
+    others when any port will do: tests, benchmarks). Another process may still take one before it
+    is bound; :func:`check_options` then refuses it in one line."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 class BatchedInference:
     """PyTriton's infer function: the requests of one batch, run through the runner, split back.
 
@@ -144,6 +161,10 @@ class BatchedInference:
 #: The generation model's interface (a KV-cache graph is served as this, under ``--model-name``).
 GENERATION_INPUTS = (("input_ids", [-1], False), ("max_new_tokens", [1], True))  # (name, dims, optional)
 GENERATION_OUTPUT = "output_ids"
+#: The streaming twin, ``<model name>`` + this suffix: one response per new token.
+STREAM_SUFFIX = "_stream"
+#: Its second output: the new token's position among the new tokens (0, 1, ...).
+STREAM_INDEX = "index"
 
 
 class GenerationInference:
@@ -153,32 +174,79 @@ class GenerationInference:
     :data:`~rmsnorm_deploy.serving.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
     the new tokens, greedy, ending at the folder's end-of-sequence token if one comes. Requests run
     one after the other (the session and its cache are not shared between them), so an answer is
-    the same as ``generate(model, [prompt])`` called directly. A bad request (ids outside the
-    vocabulary, too long, ``max_new_tokens`` < 1) is answered with the one-line error.
+    the same as ``generate(model, [prompt])`` called directly. A bad request (no ``input_ids``, ids
+    outside the vocabulary, too long, ``max_new_tokens`` < 1) is refused
+    (:func:`~rmsnorm_deploy.serving.pytriton_env.refusal`: HTTP 400 / gRPC ``INVALID_ARGUMENT``
+    with the one-line error); anything else that goes wrong stays a server fault (500).
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, lock: threading.Lock | None = None):
         self.model = model
-        self.lock = threading.Lock()
+        self.lock = lock or threading.Lock()
 
     def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         return [self._one(request) for request in requests]
 
     def _one(self, request: Any) -> dict[str, np.ndarray]:
-        from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS, generate
+        from rmsnorm_deploy.serving.generate import generate
+        from rmsnorm_deploy.serving.pytriton_env import refusal
+
+        try:
+            prompt, max_new_tokens = self.parse(request)
+        except InputError as exc:
+            return refusal(str(exc))
+        with self.lock:
+            result = generate(self.model, [prompt], max_new_tokens=max_new_tokens)
+        return {GENERATION_OUTPUT: np.asarray(result.tokens[0], dtype=np.int64)}
+
+    def parse(self, request: Any) -> tuple[list[int], int]:
+        """The prompt and ``max_new_tokens`` of one request, checked against the model (``InputError``)."""
+        from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS, check_max_new_tokens
 
         if "input_ids" not in request.keys():
             raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
-        prompt = np.asarray(request["input_ids"]).reshape(-1).tolist()
+        prompt = [int(t) for t in np.asarray(request["input_ids"]).reshape(-1)]
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if "max_new_tokens" in request.keys():
             given = np.asarray(request["max_new_tokens"]).reshape(-1)
             if given.size != 1:
                 raise InputError(f"max_new_tokens must hold one number, got {given.size}")
             max_new_tokens = int(given[0])
-        with self.lock:
-            result = generate(self.model, [prompt], max_new_tokens=max_new_tokens)
-        return {GENERATION_OUTPUT: np.asarray(result.tokens[0], dtype=np.int64)}
+        check_max_new_tokens(max_new_tokens, name="max_new_tokens")
+        self.model.check_prompts([prompt], max_new_tokens, name="max_new_tokens")
+        return prompt, max_new_tokens
+
+
+class StreamingGenerationInference(GenerationInference):
+    """The decoupled twin of :class:`GenerationInference` (model ``<name>_stream``): one response per
+    new token as ``stream`` makes it (``output_ids`` INT64 [1], ``index`` INT64 [1]), then Triton's
+    final (empty) response. The tokens are those ``generate`` returns for the same request.
+
+    A refused request gets one error response (INVALID_ARG, the one-line message) on the stream.
+    The lock is held for one decode step at a time, never across a ``yield``: PyTriton runs this
+    generator in an event loop that also starts the next streaming request, and that one must be
+    able to run its steps in between (steps of two streams interleave; each stream's tokens are
+    unchanged, every step reads only its own past).
+    """
+
+    def __call__(self, requests: Sequence[Any]) -> Iterator[list[dict[str, np.ndarray]]]:  # type: ignore[override]
+        from rmsnorm_deploy.serving.generate import stream
+        from rmsnorm_deploy.serving.pytriton_env import refusal
+
+        if len(requests) != 1:  # Triton hands an unbatched model's requests over one by one
+            raise RuntimeError(f"the streaming model got {len(requests)} requests at once; it answers one at a time")
+        try:
+            prompt, max_new_tokens = self.parse(requests[0])
+        except InputError as exc:
+            yield [refusal(str(exc))]
+            return
+        tokens = stream(self.model, prompt, max_new_tokens=max_new_tokens)
+        for index in itertools.count():
+            with self.lock:
+                token = next(tokens, None)
+            if token is None:
+                return
+            yield [{GENERATION_OUTPUT: np.array([token], dtype=np.int64), STREAM_INDEX: np.array([index], dtype=np.int64)}]
 
 
 def generation_endpoint(path: Path, signature: Signature, providers: Sequence[str]) -> Any:
@@ -260,11 +328,17 @@ class Server:
         from pytriton.model_config import Tensor
 
         sig = self.signature
+        streaming: dict[str, Any] = {}
         if self.generator is not None:
             model_config = ModelConfig(batching=False)
             infer_func: Any = GenerationInference(self.generator)
             inputs = [Tensor(name=n, dtype=np.int64, shape=tuple(d), optional=opt) for n, d, opt in GENERATION_INPUTS]
             outputs = [Tensor(name=GENERATION_OUTPUT, dtype=np.int64, shape=(-1,))]
+            # the streaming twin shares the session and the lock (see StreamingGenerationInference)
+            streaming = {
+                "model_name": o.model_name + STREAM_SUFFIX, "config": ModelConfig(batching=False, decoupled=True),
+                "infer_func": StreamingGenerationInference(self.generator, infer_func.lock), "inputs": inputs,
+                "outputs": [Tensor(name=n, dtype=np.int64, shape=(1,)) for n in (GENERATION_OUTPUT, STREAM_INDEX)]}
         else:
             model_config = ModelConfig(
                 batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
@@ -278,6 +352,8 @@ class Server:
                                  security_config=TritonSecurityConfig(restricted_endpoints=list(PROTECTED_ENDPOINTS)))
             self.triton.bind(model_name=o.model_name, infer_func=infer_func, inputs=inputs, outputs=outputs,
                              config=model_config, strict=False)
+            if streaming:
+                self.triton.bind(**streaming, strict=False)
             self.triton.run()
         except Exception as exc:
             self.stop()
@@ -297,7 +373,9 @@ class Server:
             what = "generation model"
             ins = "input_ids int64[n] (one prompt), max_new_tokens int64[1] (optional)"
             outs = f"{GENERATION_OUTPUT} int64[m] (the new tokens, greedy)"
-            batching = f"one request at a time; the KV cache ({len(sig.cache)} past/present pairs) stays in the server"
+            batching = (f"one request at a time; the KV cache ({len(sig.cache)} past/present pairs) stays in the server"
+                        f"\n  streaming  {o.model_name + STREAM_SUFFIX!r} (gRPC stream): the same inputs, one response "
+                        f"per new token ({GENERATION_OUTPUT} int64[1], {STREAM_INDEX} int64[1])")
         else:
             what = "model"
             ins, outs = _describe(sig.inputs), _describe(sig.outputs)
@@ -359,5 +437,6 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
             signal.signal(sig, handler)
 
 
-__all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference", "check_options",
+__all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference",
+           "StreamingGenerationInference", "check_options", "free_ports",
            "generation_endpoint", "InputError"]

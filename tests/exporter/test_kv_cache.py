@@ -178,3 +178,22 @@ def test_serving_files_copy_the_hf_folder_and_never_clobber(tmp_path):
     config_only = write_serving_files(tmp_path / "cfg" / "model.onnx", _layout(),
                                       {"kind": "hf", "config": {"model_type": "qwen3"}}, force=False)
     assert config_only == ["config.json", "genai_config.json"]
+
+
+@pytest.mark.parametrize("layout", [_layout(), _layout(num_layers=1, num_heads=7, kv_heads=1, head_dim=3, hidden_size=7,
+                                                         vocab_size=199, max_length=760, dtype="bfloat16")])
+def test_a_model_without_a_hf_config_gets_one_from_its_layout(tmp_path, layout):
+    """A preset has no Hugging Face folder: optimum's ORTModelForCausalLM still needs a config.json
+    with a model_type and the dims it sizes the cache with (it refused the folder without one)."""
+    source = {"kind": "preset", "name": "tiny", "toml": "", "seed": 0}
+    written = write_serving_files(tmp_path / "model.onnx", layout, source, force=False)
+    assert sorted(written) == ["config.json", "genai_config.json"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["use_cache"] is True and config["torch_dtype"] == layout.dtype
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"], config["hidden_size"], config["vocab_size"], config["max_position_embeddings"]) == (
+        layout.num_layers, layout.num_heads, layout.kv_heads, layout.head_dim, layout.hidden_size, layout.vocab_size,
+        layout.max_length)
+    genai = json.loads((tmp_path / "genai_config.json").read_text())["model"]
+    assert genai["type"] == "llama" and genai["eos_token_id"] == []  # a preset has no special tokens

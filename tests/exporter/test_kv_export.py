@@ -99,7 +99,8 @@ def test_export_kv_cache_of_a_preset_through_the_cli(tmp_path, capsys):
     assert main(["export", "tiny", "--kv-cache", "-o", str(out), "--seq", "8"]) == 0
     printed = capsys.readouterr().out
     assert "parity: PASS" in printed and "KV cache: 2 layers" in printed and "genai_config.json" in printed
-    assert sorted(p.name for p in out.iterdir()) == ["genai_config.json", "model.onnx", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "genai_config.json", "model.onnx", "report.json"]
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
     with KVCacheModel(out) as kv:
         tokens = generate(kv, [[1, 2, 3], [4]], max_new_tokens=4, eos_token_id=None).tokens
     assert len(tokens) == 2 and all(len(t) == 4 for t in tokens)

@@ -29,10 +29,13 @@ from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
 from rmsnorm_deploy.runners.kv_decoder import CacheLayout, KVDecoderRunner  # noqa: E402
 
-#: Families written by --target onnxruntime (Qwen3: per-head q/k norms; Qwen2: q/k/v biases).
-FAMILIES = ["llama", "qwen3", "qwen2", "mistral"]
-#: Norm modules per family of the 2-layer tiny configs: 2 per layer + final, Qwen3 2 more per layer.
-NORMS = {"llama": 5, "qwen3": 9, "qwen2": 5, "mistral": 5}
+#: Families written by --target onnxruntime (Qwen3: per-head q/k norms; Qwen2: q/k/v biases; OLMo2:
+#: norms after each sublayer and q/k norms over all heads; Gemma3: ``1 + w`` gains, sandwich norms,
+#: per-head q/k norms, the embedding scale, GELU (tanh) and a rotary table per attention type).
+FAMILIES = ["llama", "qwen3", "qwen2", "mistral", "olmo2", "gemma3"]
+#: Norm modules per family of the 2-layer tiny configs: 2 per layer + final, Qwen3 and OLMo2 2 more per
+#: layer, Gemma3 4 more per layer.
+NORMS = {"llama": 5, "qwen3": 9, "qwen2": 5, "mistral": 5, "olmo2": 9, "gemma3": 13}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,7 @@ def test_step_logits_match_transformers_cache(models, kind):
 
 @pytest.mark.parametrize("kind, batch, share_buffer", [
     ("llama", 1, False), ("llama", 3, False), ("llama", 3, True), ("qwen3", 1, True), ("qwen3", 3, False),
+    ("olmo2", 1, False), ("olmo2", 3, True), ("gemma3", 1, True), ("gemma3", 3, False),
 ])
 def test_greedy_tokens_equal_generate(models, kind, batch, share_buffer):
     loaded = models(kind)
@@ -166,9 +170,28 @@ def test_metadata_records_convention_target_and_buffer_mode(models):
         assert layout.share_buffer is share and layout.layers == 2
 
 
+def test_gemma3_local_and_global_rotary_tables():
+    """Gemma3's sliding and full attention layers rotate with their own tables (theta 1e4 and 1e6):
+    each layer's GroupQueryAttention reads its own; tokens equal to transformers' at batch 3
+    (16 tokens: the step logits already tell the tables apart). Slow under load (about 7 s of it is
+    building a Gemma3 with both attention types, which the module's tiny config does not have)."""
+    config = {**hf.TINY_CONFIGS["gemma3"], "layer_types": ["sliding_attention", "full_attention"]}
+    loaded = hf.from_config(config, "float32", seed=0)
+    dec = build_decoder(loaded, max_length=64)
+    gqa = [n for n in dec.model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [n.input[7] for n in gqa] == ["cos_cache_sliding_attention", "cos_cache_full_attention"]
+    parity = decode_parity(loaded, dec.model, batch=3, prompt=7, steps=2)  # one table for both: 1.6e-2 off
+    assert not parity.failed, parity.table()
+    ids, mask = _left_padded(3, 9, loaded.vocab_size)
+    got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=16)
+    np.testing.assert_array_equal(got.tokens, _generate(loaded.module.model, ids, mask, 16))
+
+
 def test_refusals(models):
-    with pytest.raises(OrtDecoderError, match="does not write 'gemma3_text' models yet"):
-        build_decoder(models("gemma3"))
+    with pytest.raises(OrtDecoderError, match="does not write 'phi3' models yet"):
+        build_decoder(models("phi3"))
+    with pytest.raises(OrtDecoderError, match="final_logit_softcapping"):
+        build_decoder(models("gemma3", final_logit_softcapping=30.0))
     with pytest.raises(OrtDecoderError, match="GroupQueryAttention has no bfloat16 CPU kernel"):
         build_decoder(hf.from_config(hf.TINY_CONFIGS["llama"], "bfloat16", seed=0))
     with pytest.raises(OrtDecoderError, match="sliding-window attention"):
@@ -218,6 +241,28 @@ def test_export_command(tmp_path, models):
     assert report["kv_cache"]["target"] == "onnxruntime"
     meta = ModelMetadata.read(onnx.load(str(out / "model.onnx")))
     assert meta.kv_cache["past_present_share_buffer"] is False
+    # Beside it, what optimum's ORTModelForCausalLM and onnxruntime-genai read, as for the portable graph.
+    from rmsnorm_deploy.exporter.genai_config import HF_FILES
+
+    copied = {name for name in HF_FILES if (folder / name).is_file()}
+    assert "config.json" in copied and set(report["serving_files"]) == copied | {"genai_config.json"}
+    assert all((out / name).read_bytes() == (folder / name).read_bytes() for name in copied)
+    config = json.loads((out / "config.json").read_text())
+    source = models("llama").module.model.config
+    for field in ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                  "vocab_size", "eos_token_id"):
+        assert config[field] == getattr(source, field), field
+    genai = json.loads((out / "genai_config.json").read_text())
+    assert genai["model"]["decoder"]["num_key_value_heads"] == meta.kv_cache["kv_heads"]
+    assert genai["model"]["decoder"]["head_size"] == meta.kv_cache["head_dim"]
+    assert genai["search"]["past_present_share_buffer"] is False
+    # ... and `rmsnorm-deploy generate` runs the folder as it is: transformers' greedy tokens.
+    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+
+    ids, mask = _left_padded(2, 6, config["vocab_size"])
+    with KVCacheModel(out) as kv:
+        got = generate(kv, [list(ids[0]), list(ids[1, 2:])], max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    assert got.tokens == _generate(models("llama").module.model, ids, mask, 8).tolist()
     # Nothing is replaced without --force.
     assert main(["export", str(folder), "--kv-cache", "--target", "onnxruntime", "-o", str(out)]) == 2
 
@@ -229,4 +274,21 @@ def test_float16_step_logits_within_tolerance_table():
     assert audit_norms(dec.model, dec.norm_nodes) == NORMS["llama"]
     parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=3)
     assert len(parity.results) == 4 and all(r.dtype == "float16" for r in parity.results)
+    assert not parity.failed, parity.table()
+
+
+def test_gemma3_float16_embedding_scale_rounded_as_transformers():
+    """Gemma3 in float16 at hidden 80: the embedding scale is sqrt(80) rounded to float16 (8.945, not
+    8.944), as transformers multiplies; step logits within the float16 model tolerance, tokens equal.
+    About 7 s: a float16 Gemma3 of its own (the module's models are float32 at hidden 64, where the
+    scale 8 is exact)."""
+    loaded = hf.from_config({**hf.TINY_CONFIGS["gemma3"], "hidden_size": 80}, "float16", seed=0)
+    dec = build_decoder(loaded)
+    scale = next(i for i in dec.model.graph.initializer if i.name.endswith("embed_tokens.embed_scale"))
+    got = onnx.numpy_helper.to_array(scale)
+    assert got.dtype == np.float16 and got.size == 1
+    assert got.item() == float(np.float16(np.sqrt(80.0))) != float(np.float32(np.sqrt(80.0)))
+    assert audit_norms(dec.model, dec.norm_nodes) == NORMS["gemma3"]
+    parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=3)
+    assert all(r.dtype == "float16" for r in parity.results)
     assert not parity.failed, parity.table()

@@ -198,3 +198,36 @@ def test_layer_norms_are_norms_on_both_sides():
     x = {"x": torch.randn(1, 3, 8)}
     assert torch_placements(module, detection.norms, x, others=["ln"]) == {"rms": "other"}
     assert torch_placements(module, detection.norms, x) == {"rms": "final"}  # the LayerNorm's ops crossed
+
+
+def test_layer_norms_of_a_wrapped_model_are_found_by_their_model_names():
+    """Detection names a LayerNorm as the wrapped model does (without the wrapper's ``model.``);
+    placing the norms must find it under the wrapper (DeepSeek-V3.2's indexer LayerNorm crashed
+    the export with ``AttributeError: ... has no attribute `layers```)."""
+    from rmsnorm_deploy.exporter.detect import PATH_PREFIX_ATTRIBUTE, root_path
+    from rmsnorm_deploy.exporter.pipeline import _source_placements
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.LayerNorm(8)])
+            self.rms, self.head = torch.nn.RMSNorm(8), torch.nn.Linear(8, 4)
+
+        def forward(self, input_ids):
+            x = torch.nn.functional.one_hot(input_ids, 8).float()
+            return self.head(self.rms(self.layers[0](x) + x))
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Inner()
+
+        def forward(self, input_ids):
+            return {"logits": self.model(input_ids)}
+
+    setattr(Wrapper, PATH_PREFIX_ATTRIBUTE, "model.")
+    module = Wrapper()
+    detection = detect_norms(module, dtype="float32")
+    assert [p for p, _ in detection.other_norms] == ["layers.0"]
+    assert root_path(module, "layers.0") == "model.layers.0" and root_path(module, "elsewhere") == "elsewhere"
+    assert _source_placements(module, detection, torch.tensor([[1, 2, 3]])) == {"model.rms": "final"}

@@ -173,3 +173,25 @@ def test_onnxruntime_sigmoid_is_inexact():
     ours_ulps = np.abs(ours - ideal) / np.spacing(ideal.astype(np.float32))
     assert ulps.max() > 1e4 and ours_ulps.max() <= 4
     onnx.checker.check_model(gated)
+
+
+def test_a_float32_input_with_a_float16_weight_and_gate_gets_the_casting_variant(tmp_path):
+    """Bamba's gated norm in a float16 model takes a float32 x with a float16 weight and gate:
+    the function must cast them (the float32 variant mixed float16 and float32 and failed
+    onnx.checker); the output stays float32, as the module's is."""
+    spec = RMSNormSpec.mamba2_gated(1e-5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 8)).astype(np.float32)
+    z = rng.normal(size=(3, 8)).astype(np.float16)
+    w = rng.uniform(0.5, 1.5, 8).astype(np.float16)
+    node = rmsnorm_node(spec, "float16", ["x", "w", "z"], ["y"], name="norm")
+    graph = helper.make_graph(
+        [node], "mixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8]),
+                          helper.make_tensor_value_info("z", TensorProto.FLOAT16, [3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])], [onnx.numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("rmsnorm_deploy", 1)])
+    model = lower_model(model, "function")
+    onnx.checker.check_model(model, full_check=True)
+    y = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x, "z": z})[0]
+    want = oracle(spec, to_torch(x), to_torch(w.astype(np.float32)), to_torch(z.astype(np.float32))).numpy()
+    assert y.dtype == np.float32 and np.allclose(y, want, rtol=1e-6, atol=1e-6)

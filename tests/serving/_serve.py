@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,20 +18,10 @@ from typing import Iterator
 
 import pytest
 
+from rmsnorm_deploy.serving.server import free_ports
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_S = 90
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = []
-    for _ in range(count):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 class Served:

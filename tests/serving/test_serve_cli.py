@@ -9,6 +9,7 @@ import pytest
 
 from rmsnorm_deploy.cli import main
 from rmsnorm_deploy.serving import pytriton_env
+from rmsnorm_deploy.serving.server import check_port_free, free_ports
 from rmsnorm_deploy.serving.signature import read_signature
 from tests.serving._models import external_data_model, fixed_shape_model, kv_cache_model
 
@@ -19,12 +20,6 @@ def _one_line_error(capsys) -> str:
     return err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port"])
 def test_port_in_use_is_refused(tmp_path, capsys, flag):
     pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
@@ -33,7 +28,8 @@ def test_port_in_use_is_refused(tmp_path, capsys, flag):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        ports = {f: str(port) if f == flag else str(_free_port())
+        others = iter(free_ports(2))
+        ports = {f: str(port) if f == flag else str(next(others))
                  for f in ("--http-port", "--grpc-port", "--metrics-port")}
         argv = ["serve", str(model)] + [x for f, p in ports.items() for x in (f, p)]
         assert main(argv) == 2
@@ -99,8 +95,8 @@ def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(
     pytest.importorskip("pytriton", reason="the patch applies to nvidia-pytriton's proxy model")
     from pytriton.models.model import Model
 
-    pytriton_env.patch_proxy_for_numpy2()
-    pytriton_env.patch_proxy_for_numpy2()
+    pytriton_env.patch_proxy()
+    pytriton_env.patch_proxy()
 
     class Fake:
         model_version = 1
@@ -109,7 +105,25 @@ def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(
     files = Model.get_proxy_model_files(Fake())
     text = files["file:1/model.py"].decode()
     assert text.count("TritonRequestsServer._wrap_request = _wrap_request_dlpack") == 1
+    # the refusal patch comes once, after the DLPack one (it wraps the _wrap_response that one defines)
+    assert text.count("_rmsnorm_deploy_wrap_response = _wrap_response") == 1
+    assert text.index("_wrap_request_dlpack") < text.index("_rmsnorm_deploy_wrap_response")
+    assert f'"{pytriton_env.REFUSED}" in response.data' in text and "code=pb_utils.TritonError.INVALID_ARG" in text
+    compile(text, "model.py", "exec")
     # the names the patch relies on are still the proxy's own
     for name in ("class TritonRequestsServer", "def _wrap_response(", "import triton_python_backend_utils as pb_utils",
                  "from .types import Request"):
         assert name in text.split("# --- rmsnorm_deploy")[0], name
+
+
+def test_the_refusal_patch_does_not_need_the_dlpack_one():
+    plain = pytriton_env.proxy_patch(dlpack=False)
+    assert "_wrap_request_dlpack" not in plain and "TritonError.INVALID_ARG" in plain
+    assert pytriton_env.proxy_patch(dlpack=True).endswith(plain)
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = free_ports(5)
+    assert len(set(ports)) == 5 and all(1024 <= p <= 65535 for p in ports)
+    for port in ports:
+        check_port_free("127.0.0.1", port, "--http-port")  # raises a UserError if it cannot be bound
