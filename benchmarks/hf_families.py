@@ -48,9 +48,6 @@ EXTRA: dict[str, dict] = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
     "olmoe": dict(num_experts=4, num_experts_per_tok=2),
     "jetmoe": dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=16),
-    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                        n_group=1, topk_group=1, head_dim=8),
 }
 #: Multi-head latent attention (DeepSeek-V2/V3 style): low ranks, a rotary head_dim that matches
 #: qk_rope_head_dim, and as many key/value heads as query heads (the latent K/V is per head).
@@ -61,6 +58,7 @@ _MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_di
 _INDEXER = dict(index_topk=8, index_head_dim=16, index_n_heads=2)
 EXTRA.update({
     "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
     "axk1": _MLA,
     "axk2": {**_MLA, **_INDEXER, "gated_norm_rank": 4},
     "deepseek_v32": {**_MLA, **_INDEXER},
