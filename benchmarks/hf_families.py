@@ -59,6 +59,9 @@ _INDEXER = dict(index_topk=8, index_head_dim=16, index_n_heads=2)
 EXTRA.update({
     "deepseek_v2": _MLA,
     "deepseek_v3": _MLA,
+    "glm4_moe_lite": _MLA,
+    "glm_moe_dsa": {**_MLA, **_INDEXER},
+    "dots3_note_text": dict(num_key_value_heads=4),
     "axk1": _MLA,
     "axk2": {**_MLA, **_INDEXER, "gated_norm_rank": 4},
     "deepseek_v32": {**_MLA, **_INDEXER},
@@ -245,8 +248,11 @@ EXPLAINED: dict[str, str] = {
     "axk2": "the sparse-attention indexer's top-k over masked -inf scores is a tie (margin 0)",
     "deepseek_v4": "x * rsqrt(mean(x^2) + eps) rounds differently from every spec (2 ULP in float16): "
                    "refused with the closest candidate; it needs a spec of its own",
-    "qwen3_next": "about 800 s per row on 2 loaded cores (torch.export's symbolic tracing, three exports "
-                  "per row): longer than the timeout",
+    "hrm_text": "a recurrent model: its 10 norm modules run 4 times each, so 40 norm nodes (one per call, "
+                "each exact) is right; logits within 2.2e-7",
+    "hyperclovax": "placement: `residual + post_norm1(f(x)) * residual_multiplier`; the multiplier (1.0) "
+                   "is folded away in the graph (sublayer_output) but seen in PyTorch (other): the rules do not "
+                   "yet see through a constant scale, so export refuses the mismatch (open)",
     "dots3_note_text": "placement: the graph finds k_rope_only_layernorm inside attention (qk), the PyTorch "
                        "side calls it other; export refuses the mismatch (open)",
 }
