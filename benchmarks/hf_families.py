@@ -250,9 +250,6 @@ EXPLAINED: dict[str, str] = {
                    "refused with the closest candidate; it needs a spec of its own",
     "hrm_text": "a recurrent model: its 10 norm modules run 4 times each, so 40 norm nodes (one per call, "
                 "each exact) is right; logits within 2.2e-7",
-    "hyperclovax": "placement: `residual + post_norm1(f(x)) * residual_multiplier`; the multiplier (1.0) "
-                   "is folded away in the graph (sublayer_output) but seen in PyTorch (other): the rules do not "
-                   "yet see through a constant scale, so export refuses the mismatch (open)",
     "dots3_note_text": "placement: the graph finds k_rope_only_layernorm inside attention (qk), the PyTorch "
                        "side calls it other; export refuses the mismatch (open)",
 }
