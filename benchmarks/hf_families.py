@@ -61,7 +61,6 @@ EXTRA.update({
     "deepseek_v3": _MLA,
     "glm4_moe_lite": _MLA,
     "glm_moe_dsa": {**_MLA, **_INDEXER},
-    "dots3_note_text": dict(num_key_value_heads=4),
     "axk1": _MLA,
     "axk2": {**_MLA, **_INDEXER, "gated_norm_rank": 4},
     "deepseek_v32": {**_MLA, **_INDEXER},
