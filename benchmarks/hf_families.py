@@ -122,7 +122,7 @@ def _norm_classes(module) -> list[str]:
 def _has_rms_norm(classes: list[str]) -> bool:
     import re
 
-    return any(re.search("rms", c, re.I) for c in classes)
+    return any(re.search("RMS|Rms|rmsnorm", c) for c in classes)  # not "LayerNormSelf..."
 
 
 def _meta_triage(model_type: str) -> dict | None:
