@@ -80,3 +80,14 @@ def running_server(model_dir: Path) -> Iterator[Served]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=30)
+
+
+def post_infer(url: str, body: dict, *, timeout: float = 30) -> tuple[int, str]:
+    """POST a KServe v2 JSON inference request to ``url``: the HTTP status and body, errors included."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                                     method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import queue
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tes
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
-from tests.serving._serve import running_server  # noqa: E402
+from tests.serving._serve import post_infer, running_server  # noqa: E402
 
 VOCAB = 512  # the tiny preset's
 
@@ -110,13 +108,7 @@ def test_generated_tokens_equal_generate_called_directly(served, tiny_kv_export,
 
 
 def _post_infer(http: int, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{http}/v2/models/model/infer", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+    return post_infer(f"http://127.0.0.1:{http}/v2/models/model/infer", body)
 
 
 @pytest.mark.parametrize("inputs,message", [

@@ -24,7 +24,7 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tes
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
-from tests.serving._serve import running_server  # noqa: E402
+from tests.serving._serve import post_infer, running_server  # noqa: E402
 
 VOCAB = 512  # the tiny preset's
 CLIENTS, REQUESTS_PER_CLIENT = 32, 20
@@ -153,13 +153,7 @@ def test_concurrent_clients_are_all_answered_exactly_and_batched(served, direct)
 
 
 def _post_infer(served, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(served.url("/v2/models/model/infer"), data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+    return post_infer(served.url("/v2/models/model/infer"), body, timeout=10)
 
 
 @pytest.mark.parametrize("inputs,message", [
