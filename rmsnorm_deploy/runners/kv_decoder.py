@@ -24,6 +24,8 @@ object (``OrtValue``\\ s, torch CUDA tensors), never copied through numpy by the
   present output, written in place by GroupQueryAttention). ``position_ids`` is fed when the
   graph takes it (onnxruntime-genai's graphs derive positions from the mask themselves).
 - TensorRT's step is ``runners.tensorrt.TensorRTStep`` (prefill and decode profiles).
+- transformers' own forward and cache, the reference the graphs are compared with, is
+  ``runners.transformers_step.TransformersStep``; :func:`forced` feeds it the tokens a graph chose.
 
 :class:`KVDecoderRunner` is a KV-cache graph in an ONNX Runtime CPU session with greedy
 decoding that ignores end-of-sequence tokens (the benchmarks' and the export-time parity's
@@ -85,6 +87,13 @@ def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.
         return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
 
     return sample
+
+
+def forced(tokens: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """``pick`` that hands out ``tokens`` [batch, steps] one column per step, whatever the logits:
+    a reference fed the tokens another model chose (teacher forcing)."""
+    columns = iter(np.asarray(tokens, dtype=np.int64).T)
+    return lambda logits: next(columns)
 
 
 # -- the loop ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.exporter.kv_cache import left_padded
-from rmsnorm_deploy.runners.kv_decoder import Sampling, decode_loop, greedy, token_picker
+from rmsnorm_deploy.runners.kv_decoder import Sampling, decode_loop, forced, greedy, token_picker
 
 VOCAB = 11
 
@@ -84,6 +84,14 @@ def test_kept_logits_and_the_per_token_hook_see_every_step():
                       on_token=lambda t: seen.append(t.tolist()))
     assert seen == run.tokens.T.tolist()
     assert [g.argmax(-1).tolist() for g in run.step_logits] == run.tokens.T.tolist()
+
+
+def test_forced_tokens_are_fed_whatever_the_logits_say():
+    given = np.array([[7, 2, 9], [1, 1, 4]])
+    step = ScriptedStep()
+    run = decode_loop(step, np.array([[3, 4], [5, 6]]), max_new_tokens=3, pick=forced(given))
+    assert np.array_equal(run.tokens, given)
+    assert [call[0][:, 0].tolist() for call in step.calls[1:]] == given[:, :2].T.tolist()
 
 
 def test_greedy_takes_the_first_index_on_ties_and_top_k_1_sampling_is_greedy():
