@@ -612,6 +612,7 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
     from rmsnorm_deploy.contract.inputs import token_ids
     from rmsnorm_deploy.contract.tolerances import tolerance_for
     from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner
+    from rmsnorm_deploy.runners.transformers_step import transformers_steps
 
     dtype = dtype_name(loaded.dtype)
     lm = _causal_lm(loaded)
@@ -621,40 +622,11 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
         mask[row, : min(prompt - 1, 2 * row)] = 0  # left padding, different per row
     runner = KVDecoderRunner(model, dtype=numpy_dtype(dtype))
     got = runner.greedy(ids, mask, new_tokens=steps + 1, keep_logits=True)
-    expected, tokens = _transformers_steps(lm, ids, mask, steps + 1)
+    expected = transformers_steps(lm, ids, mask, new_tokens=steps + 1)
     tolerance = tolerance_for("model", "onnxruntime", dtype)
     results = [compare(g, e, tolerance, name=f"logits step {i}" if i else "logits prefill", dtype=dtype)
-               for i, (g, e) in enumerate(zip(got.step_logits, expected))]
-    return DecodeParity(results, bool(np.array_equal(tokens, got.tokens)))
-
-
-@torch.no_grad()
-def _transformers_steps(lm: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """Last-position logits of each greedy step and the tokens, transformers eager with its cache."""
-    import warnings
-
-    from rmsnorm_deploy.exporter.surgery import quiet_logger
-
-    input_ids, attention = torch.from_numpy(ids), torch.from_numpy(mask)
-    with warnings.catch_warnings(), quiet_logger("transformers"):
-        warnings.simplefilter("ignore", FutureWarning)  # transformers renames past_key_values
-        return _steps(lm, input_ids, attention, new_tokens)
-
-
-def _steps(lm: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, new_tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
-    cache, logits_per_step, tokens = None, [], []
-    for _ in range(new_tokens):
-        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)[:, -input_ids.shape[1]:]
-        out = lm(input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                 use_cache=True)
-        cache = out.past_key_values
-        last = out.logits[:, -1, :]
-        logits_per_step.append(last.float().numpy() if last.dtype == torch.bfloat16 else last.numpy())
-        token = last.argmax(-1)
-        tokens.append(token.numpy())
-        input_ids = token[:, None]
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-    return logits_per_step, np.stack(tokens, axis=1)
+               for i, (g, e) in enumerate(zip(got.step_logits, expected.step_logits))]
+    return DecodeParity(results, bool(np.array_equal(expected.tokens, got.tokens)))
 
 
 @dataclasses.dataclass
