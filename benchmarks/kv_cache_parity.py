@@ -27,39 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rmsnorm_deploy.exporter.hf import TINY_CONFIGS, from_config  # noqa: E402
-from rmsnorm_deploy.exporter.kv_cache import left_padded, position_ids_for  # noqa: E402
+from rmsnorm_deploy.exporter.kv_cache import left_padded  # noqa: E402
 from rmsnorm_deploy.exporter.pipeline import export_model  # noqa: E402
 from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
+from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps  # noqa: E402
 from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
 
 NEW = 32
 PROMPTS = {1: [[5, 17, 99, 3, 250, 41, 7]], 3: [[5, 17, 99, 3, 250, 41, 7], [11, 12, 13], [200, 1, 64, 64, 9]]}
 CASES = [("llama", "float32", False), ("llama", "float32", True), ("qwen3", "float32", False),
          ("gemma3", "float32", False), ("olmo2", "float32", False), ("llama", "float16", False)]
-
-
-def hf_generate(model, prompts, pad):
-    ids, mask = left_padded(prompts, pad)
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
-                             max_new_tokens=NEW, pad_token_id=pad)
-    return out[:, ids.shape[1]:].tolist()
-
-
-def hf_step_logits(model, prompts, tokens, pad):
-    from transformers import DynamicCache
-
-    ids, mask = left_padded(prompts, pad)
-    cache, out_logits, step_ids = DynamicCache(), [], ids
-    with torch.no_grad():
-        for step in range(len(tokens[0])):
-            out = model(input_ids=torch.from_numpy(step_ids), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(position_ids_for(mask, step_ids.shape[1])), cache=cache,
-                        use_cache=True)
-            out_logits.append(out.logits[:, -1, :].float().numpy())
-            step_ids = np.array([[row[step]] for row in tokens], dtype=np.int64)
-            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
-    return out_logits
 
 
 def genai_tokens(folder, prompt):
@@ -97,11 +74,12 @@ def main() -> int:
                 pad = kv.special["pad_token_id"]
                 for batch, prompts in PROMPTS.items():
                     ours = generate(kv, prompts, max_new_tokens=NEW, return_logits=True)
-                    theirs = hf_generate(model, prompts, pad)
-                    ref = hf_step_logits(model, prompts, ours.tokens, pad)
+                    ids, mask = left_padded(prompts, pad)
+                    theirs = transformers_generate(model, ids, mask, max_new_tokens=NEW, pad_token_id=pad).tolist()
+                    ref = transformers_steps(model, ids, mask, tokens=ours.tokens).step_logits
                     diff = max(float(np.abs(a - b).max()) for a, b in zip(ours.step_logits, ref))
                     if full is not None:
-                        theirs32 = hf_generate(full, prompts, pad)
+                        theirs32 = transformers_generate(full, ids, mask, max_new_tokens=NEW, pad_token_id=pad).tolist()
                         agree = [r for r in range(batch) if theirs[r] == theirs32[r]]
                         same = all(ours.tokens[r] == theirs[r] for r in agree)
                         row[f"b{batch}_rows_compared"] = f"{len(agree)}/{batch}"

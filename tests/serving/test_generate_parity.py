@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from tests.kv_models import KV_FAMILIES, exported_kv, hf_model
 
 from rmsnorm_deploy.contract.compare import compare
 from rmsnorm_deploy.contract.tolerances import tolerance_for
-from rmsnorm_deploy.exporter.kv_cache import left_padded, position_ids_for
+from rmsnorm_deploy.exporter.kv_cache import left_padded
+from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps
 from rmsnorm_deploy.serving.generate import KVCacheModel, generate
 
 pytest.importorskip("transformers", reason="transformers builds the reference models")
@@ -26,33 +26,6 @@ NEW_TOKENS = 32
 PROMPTS = {1: [[5, 17, 99, 3, 250, 41, 7]], 3: [[5, 17, 99, 3, 250, 41, 7], [11, 12, 13], [200, 1, 64, 64, 9]]}
 
 
-def _hf_generate(model, prompts, pad: int) -> list[list[int]]:
-    ids, mask = left_padded(prompts, pad)
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, pad_token_id=pad)
-    return out[:, ids.shape[1]:].tolist()
-
-
-def _hf_step_logits(model, prompts, new_tokens, pad: int) -> list[np.ndarray]:
-    """transformers with its DynamicCache, fed the same tokens step by step: last-position logits."""
-    from transformers import DynamicCache
-
-    ids, mask = left_padded(prompts, pad)
-    cache = DynamicCache()
-    logits = []
-    step_ids = ids
-    with torch.no_grad():
-        for step in range(len(new_tokens[0])):
-            out = model(input_ids=torch.from_numpy(step_ids), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(position_ids_for(mask, step_ids.shape[1])), cache=cache,
-                        use_cache=True)
-            logits.append(out.logits[:, -1, :].float().numpy())
-            step_ids = np.array([[row[step]] for row in new_tokens], dtype=np.int64)
-            mask = np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1)
-    return logits
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("family", KV_FAMILIES)
 def test_greedy_tokens_and_step_logits_match_transformers(family, batch):
@@ -62,8 +35,9 @@ def test_greedy_tokens_and_step_logits_match_transformers(family, batch):
     with KVCacheModel(folder) as kv:
         pad = kv.special["pad_token_id"]
         ours = generate(kv, PROMPTS[batch], max_new_tokens=NEW_TOKENS, return_logits=True)
-    assert ours.tokens == _hf_generate(model, PROMPTS[batch], pad)
-    reference = _hf_step_logits(model, PROMPTS[batch], ours.tokens, pad)
+    ids, mask = left_padded(PROMPTS[batch], pad)
+    assert ours.tokens == transformers_generate(model, ids, mask, max_new_tokens=NEW_TOKENS, pad_token_id=pad).tolist()
+    reference = transformers_steps(model, ids, mask, tokens=ours.tokens).step_logits
     tol = tolerance_for("model", "onnxruntime", "float32")
     assert len(ours.step_logits) == len(reference) >= 1
     for step, (got, want) in enumerate(zip(ours.step_logits, reference)):
@@ -79,11 +53,13 @@ def test_float16_tokens_match_torch_in_float16_while_torch_agrees_with_float32()
     with KVCacheModel(folder) as kv:
         pad = kv.special["pad_token_id"]
         ours = generate(kv, prompts, max_new_tokens=NEW_TOKENS, return_logits=True)
-    torch_half, torch_full = _hf_generate(half, prompts, pad), _hf_generate(full, prompts, pad)
+    ids, mask = left_padded(prompts, pad)
+    torch_half, torch_full = (transformers_generate(m, ids, mask, max_new_tokens=NEW_TOKENS, pad_token_id=pad).tolist()
+                              for m in (half, full))
     agree = [r for r in range(len(prompts)) if torch_half[r] == torch_full[r]]
     assert agree, "torch's own float16 and float32 runs disagree on every row: nothing to compare"
     assert [ours.tokens[r] for r in agree] == [torch_half[r] for r in agree]
-    reference = _hf_step_logits(half, prompts, ours.tokens, pad)
+    reference = transformers_steps(half, ids, mask, tokens=ours.tokens).step_logits
     tol = tolerance_for("model", "onnxruntime", "float16")
     for step, (got, want) in enumerate(zip(ours.step_logits, reference)):
         res = compare(got.astype(np.float16), want.astype(np.float16), tol, name=f"logits step {step}",
