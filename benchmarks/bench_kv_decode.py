@@ -157,28 +157,12 @@ class GenaiRuntime:
         return tokens, prefill, decode
 
 
-@torch.no_grad()
 def torch_greedy(lm: torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
-    from transformers import DynamicCache
+    """transformers with its own cache, through the decode loop every ONNX contender runs (same clock)."""
+    from rmsnorm_deploy.runners.transformers_step import transformers_steps
 
-    input_ids = torch.from_numpy(ids)
-    attention = torch.ones_like(input_ids)
-    cache = DynamicCache()
-    tokens = []
-    prefill = decode = 0.0
-    for step in range(NEW_TOKENS):
-        clock = time.perf_counter()
-        out = lm(input_ids=input_ids, attention_mask=attention, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1, :].argmax(-1)
-        elapsed = time.perf_counter() - clock
-        if step == 0:
-            prefill = elapsed
-        else:
-            decode += elapsed
-        tokens.append(token.numpy())
-        input_ids = token[:, None]
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-    return np.stack(tokens, axis=1), prefill, decode
+    run = transformers_steps(lm, ids, new_tokens=NEW_TOKENS, keep_logits=False)
+    return run.tokens, run.prefill_s, run.decode_s
 
 
 def ours_runner(path: Path, layout: Any = None, profile_prefix: str | None = None) -> Any:
