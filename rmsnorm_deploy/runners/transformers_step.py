@@ -61,13 +61,16 @@ def transformers_steps(lm: Any, input_ids: np.ndarray, attention_mask: np.ndarra
 
 
 def transformers_generate(lm: Any, input_ids: np.ndarray, attention_mask: np.ndarray, *, max_new_tokens: int,
-                          pad_token_id: int) -> np.ndarray:
-    """transformers' own greedy ``generate`` (its end-of-sequence rule and cache): the new tokens
-    [batch, new], left padding in ``attention_mask``."""
+                          pad_token_id: int, stop_at_eos: bool = True) -> np.ndarray:
+    """transformers' own greedy ``generate`` (its cache, and its end-of-sequence rule unless
+    ``stop_at_eos`` is false: then every row runs all ``max_new_tokens``, as a benchmark loop does):
+    the new tokens [batch, new], left padding in ``attention_mask``."""
     import torch
 
+    # eos_token_id=None here overrides the model's generation config for this call only
+    no_eos = {} if stop_at_eos else {"eos_token_id": None}
     with torch.no_grad():
         out = lm.generate(input_ids=torch.from_numpy(np.asarray(input_ids, dtype=np.int64)),
                           attention_mask=torch.from_numpy(np.asarray(attention_mask, dtype=np.int64)),
-                          do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
+                          do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, **no_eos)
     return out[:, np.shape(input_ids)[1]:].numpy()

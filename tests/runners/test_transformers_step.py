@@ -11,7 +11,7 @@ import pytest
 
 from rmsnorm_deploy.errors import InputError
 from rmsnorm_deploy.exporter.kv_cache import left_padded, position_ids_for
-from rmsnorm_deploy.runners.transformers_step import transformers_steps
+from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers builds the reference model")
@@ -65,3 +65,15 @@ def test_bfloat16_logits_come_back_as_float32():
 def test_bad_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(InputError, match=message):
         transformers_steps(object(), *left_padded(PROMPTS, 0), **kwargs)
+
+
+def test_generate_runs_every_token_past_the_end_of_sequence_only_when_asked():
+    lm = _llama()
+    ids, mask = left_padded(PROMPTS, 0)
+    greedy = transformers_steps(lm, ids, mask, new_tokens=6).tokens
+    lm.generation_config.eos_token_id = int(greedy[0, 1])  # row 0 ends at its second token
+    stopped = transformers_generate(lm, ids, mask, max_new_tokens=6, pad_token_id=0)
+    unstopped = transformers_generate(lm, ids, mask, max_new_tokens=6, pad_token_id=0, stop_at_eos=False)
+    assert np.array_equal(unstopped, greedy)
+    assert stopped[0, :2].tolist() == greedy[0, :2].tolist() and (stopped[0, 2:] == 0).all()
+    assert lm.generation_config.eos_token_id == greedy[0, 1]  # the model's own config is left alone
