@@ -5,7 +5,6 @@ node audited in float32, the LM head taken from the model structure, and the ref
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import onnx
@@ -28,6 +27,8 @@ from rmsnorm_deploy.exporter.plan import ExportOptions, check_options  # noqa: E
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
 from rmsnorm_deploy.runners.kv_decoder import CacheLayout, KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.runners.transformers_step import transformers_generate  # noqa: E402
+from tests.kv_models import random_left_padded  # noqa: E402
 
 #: Families written by --target onnxruntime (Qwen3: per-head q/k norms; Qwen2: q/k/v biases; OLMo2:
 #: norms after each sublayer and q/k norms over all heads; Gemma3: ``1 + w`` gains, sandwich norms,
@@ -51,22 +52,9 @@ def models():
     return get
 
 
-def _left_padded(batch: int, prompt: int, vocab: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.random.default_rng(seed).integers(3, vocab, size=(batch, prompt), dtype=np.int64)
-    mask = np.ones_like(ids)
-    for row in range(1, batch):
-        mask[row, : 2 * row] = 0
-        ids[row, : 2 * row] = 0  # the pad id
-    return ids, mask
-
-
 def _generate(lm, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
-    lm.generation_config.eos_token_id = None  # run all new tokens, as our loop does
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        out = lm.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                          max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return out[:, ids.shape[1]:].numpy()
+    """transformers' tokens for all ``new_tokens``, end of sequence ignored as our greedy loop does."""
+    return transformers_generate(lm, ids, mask, max_new_tokens=new_tokens, pad_token_id=0, stop_at_eos=False)
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -90,7 +78,7 @@ def test_step_logits_match_transformers_cache(models, kind):
 def test_greedy_tokens_equal_generate(models, kind, batch, share_buffer):
     loaded = models(kind)
     dec = build_decoder(loaded, share_buffer=share_buffer, max_length=64)
-    ids, mask = _left_padded(batch, 9, loaded.vocab_size)
+    ids, mask = random_left_padded(batch, 9, loaded.vocab_size, seed=3)
     got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=32)
     want = _generate(loaded.module.model, ids, mask, 32)
     assert got.tokens.shape == (batch, 32)
@@ -182,7 +170,7 @@ def test_gemma3_local_and_global_rotary_tables():
     assert [n.input[7] for n in gqa] == ["cos_cache_sliding_attention", "cos_cache_full_attention"]
     parity = decode_parity(loaded, dec.model, batch=3, prompt=7, steps=2)  # one table for both: 1.6e-2 off
     assert not parity.failed, parity.table()
-    ids, mask = _left_padded(3, 9, loaded.vocab_size)
+    ids, mask = random_left_padded(3, 9, loaded.vocab_size, seed=3)
     got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=16)
     np.testing.assert_array_equal(got.tokens, _generate(loaded.module.model, ids, mask, 16))
 
@@ -259,7 +247,7 @@ def test_export_command(tmp_path, models):
     # ... and `rmsnorm-deploy generate` runs the folder as it is: transformers' greedy tokens.
     from rmsnorm_deploy.serving.generate import KVCacheModel, generate
 
-    ids, mask = _left_padded(2, 6, config["vocab_size"])
+    ids, mask = random_left_padded(2, 6, config["vocab_size"], seed=3)
     with KVCacheModel(out) as kv:
         got = generate(kv, [list(ids[0]), list(ids[1, 2:])], max_new_tokens=8, eos_token_id=None, pad_token_id=0)
     assert got.tokens == _generate(models("llama").module.model, ids, mask, 8).tolist()

@@ -5,7 +5,6 @@ against the float64 oracle and transformers), and a lean left-padding prelude.""
 from __future__ import annotations
 
 import collections
-import warnings
 
 import numpy as np
 import onnx
@@ -34,6 +33,8 @@ from rmsnorm_deploy.exporter.ort_decoder import (  # noqa: E402
 from rmsnorm_deploy.graph.audit import audit_model, optimized_by_onnxruntime  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.runners.transformers_step import transformers_generate  # noqa: E402
+from tests.kv_models import random_left_padded  # noqa: E402
 
 LAYERS = hf.TINY_CONFIGS["llama"].get("num_hidden_layers", 2)
 
@@ -134,19 +135,9 @@ def test_skip_refusal_names_the_reason(spec, dtype, message):
 def test_ort_lowering_greedy_tokens_equal_generate_left_padded(llama, batch, share_buffer):
     """32 greedy tokens, rows left-padded by 0, 2 and 4: transformers' tokens."""
     dec = build_decoder(llama, lowering="ort", share_buffer=share_buffer, max_length=64)
-    rng = np.random.default_rng(5)
-    ids = rng.integers(3, llama.vocab_size, size=(batch, 9), dtype=np.int64)
-    mask = np.ones_like(ids)
-    for row in range(1, batch):
-        mask[row, : 2 * row] = 0
-        ids[row, : 2 * row] = 0
+    ids, mask = random_left_padded(batch, 9, llama.vocab_size, seed=5)
     got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=32)
-    lm = llama.module.model
-    lm.generation_config.eos_token_id = None
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = lm.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                           max_new_tokens=32, do_sample=False, pad_token_id=0)[:, ids.shape[1]:].numpy()
+    want = transformers_generate(llama.module.model, ids, mask, max_new_tokens=32, pad_token_id=0, stop_at_eos=False)
     np.testing.assert_array_equal(got.tokens, want)
 
 
