@@ -38,7 +38,7 @@ LM head (each row of the head is computed alone); with
 ``cumsum(attention_mask) - 1``, which is what the convention's ``position_ids`` hold (the input
 is accepted and the same positions are derived). The present tensors hold each row's valid
 keys first: they are this graph's own state, fed back unchanged, as every client does. The
-result is transformers' masking and positions at any left padding, for 18 small index ops on
+result is transformers' masking and positions at any left padding, for 17 small index ops on
 [batch, sequence] per step (onnxruntime-genai's graph has 6 and is right only for unpadded rows).
 
 ``share_buffer=True`` writes onnxruntime-genai's other mode: past and present are one
@@ -364,9 +364,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
     seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                     to=TensorProto.INT32)
-    # GroupQueryAttention's total_sequence_length is a scalar: Gather with a scalar index gives one.
-    total_i32 = w.one("Cast", [w.one("Gather", [total_1d, i64("zero", 0)], "mask/total")],
-                      "mask/total_sequence_length", to=TensorProto.INT32)
+    # GroupQueryAttention's total_sequence_length: a scalar or, as here, a one-element vector.
+    total_i32 = w.one("Cast", [total_1d], "mask/total_sequence_length", to=TensorProto.INT32)
 
     layer_types = list(getattr(lm.config, "layer_types", None) or [None] * dims.layers)
     caches: dict[str | None, tuple[str, str]] = {}
@@ -413,13 +412,13 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
         return _bias(w, f"{base}/attn/o_proj", o, attn.o_proj)
 
     def feed_forward(layer: torch.nn.Module, x: str, base: str) -> str:
+        # Gate and up as two MatMuls on the same input, not one fused MatMul and a Split: the
+        # Split copies both halves every step, and ONNX Runtime runs two MatMuls as fast as one.
         mlp = layer.mlp
-        inter = mlp.gate_proj.weight.shape[0]
-        gate_up = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.gate_up_proj.weight", mlp.gate_proj.weight,
-                                                   mlp.up_proj.weight)], f"{base}/mlp/gate_up")
-        gate_up = _bias(w, f"{base}/mlp/gate_up", gate_up, mlp.gate_proj, mlp.up_proj)
-        gate, up = w.node("Split", [gate_up, w.init(f"{base}/mlp/split", np.array([inter, inter], dtype=np.int64))],
-                          f"{base}/mlp/split", outputs=2, axis=-1)
+        gate = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.gate_proj.weight", mlp.gate_proj.weight)], f"{base}/mlp/gate")
+        gate = _bias(w, f"{base}/mlp/gate", gate, mlp.gate_proj)
+        up = w.one("MatMul", [x, w.linear_t(f"{base}.mlp.up_proj.weight", mlp.up_proj.weight)], f"{base}/mlp/up")
+        up = _bias(w, f"{base}/mlp/up", up, mlp.up_proj)
         if dims.activation == "gelu_pytorch_tanh":
             act = w.one("Gelu", [gate], f"{base}/mlp/gelu", approximate="tanh")
         else:

@@ -105,7 +105,8 @@ class Step(Protocol):
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: Any) -> tuple[np.ndarray, Any]:
-        """One run: the last position's logits [batch, vocab] as numpy, and the next step's cache."""
+        """One run: the last position's logits [batch, vocab] as numpy (valid until the next run:
+        a backend may hand out its own output buffer), and the next step's cache."""
 
 
 @dataclasses.dataclass
@@ -250,7 +251,11 @@ class _OrtCache:
     values: list[Any]  # the past OrtValues, in ``CacheLayout.pairs()`` order
     batch: int
     vocab: int = 0  # known after the prefill
-    logits: Any = None  # the decode steps' preallocated [batch, 1, vocab] logits
+    #: The decode steps' [batch, 1, vocab] logits: a numpy array bound as the output, so a step
+    #: reads it in place instead of asking the binding for its outputs.
+    logits: np.ndarray | None = None
+    #: The decode steps' [batch, 1] input_ids and position_ids, bound once and written in place.
+    step_inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 class OrtStep:
@@ -296,17 +301,23 @@ class OrtStep:
         lay, binding = self.layout, cache.binding
         if lay.share_buffer and attention_mask.shape[1] > lay.max_length:
             raise InputError(f"{attention_mask.shape[1]} tokens exceed the shared buffer's {lay.max_length}")
-        binding.bind_cpu_input(INPUT_IDS, input_ids)
+        decoding = input_ids.shape[1] == 1 and attention_mask.shape[1] > 1 and cache.vocab > 0
         binding.bind_cpu_input(ATTENTION_MASK, attention_mask)
-        if self.takes_positions:
-            binding.bind_cpu_input(POSITION_IDS, position_ids)
-        if input_ids.shape[1] == 1 and attention_mask.shape[1] > 1 and cache.vocab:  # a decode step
-            if self._bf16:
-                binding.bind_output(LOGITS, "cpu")  # a new output: a bound one keeps its first shape
-            elif cache.logits is None:  # every decode step writes its [batch, 1, vocab] logits here
-                buffer = np.empty((cache.batch, 1, cache.vocab), self.dtype)
-                cache.logits = self.ort.OrtValue.ortvalue_from_numpy(buffer)
-                binding.bind_ortvalue_output(LOGITS, cache.logits)
+        fixed = {INPUT_IDS: input_ids, **({POSITION_IDS: position_ids} if self.takes_positions else {})}
+        if decoding and not self._bf16:
+            if not cache.step_inputs:  # the first decode step: [batch, 1] buffers, bound for good
+                cache.step_inputs = {name: np.empty((cache.batch, 1), np.int64) for name in fixed}
+                for name, array in cache.step_inputs.items():
+                    binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(array))
+                cache.logits = np.empty((cache.batch, 1, cache.vocab), self.dtype)
+                binding.bind_ortvalue_output(LOGITS, self.ort.OrtValue.ortvalue_from_numpy(cache.logits))
+            for name, array in fixed.items():
+                np.copyto(cache.step_inputs[name], array)
+        else:
+            for name, array in fixed.items():
+                binding.bind_cpu_input(name, array)
+            if decoding:  # bfloat16: a new output each step (a bound one keeps its first shape)
+                binding.bind_output(LOGITS, "cpu")
         if not lay.share_buffer:
             for (past, present), value in zip(lay.pairs(), cache.values):
                 binding.bind_ortvalue_input(past, value)
@@ -315,13 +326,18 @@ class OrtStep:
             self.session.run_with_iobinding(binding)
         except Exception as exc:
             raise UserError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
+        if decoding and lay.share_buffer and cache.logits is not None:
+            # Nothing to collect: the cache was written in place, the logits into cache.logits.
+            return cache.logits[:, -1, :], cache
         outputs = binding.get_outputs()
         if not lay.share_buffer:
             cache.values = list(outputs[1:])
+        if decoding and cache.logits is not None:
+            return cache.logits[:, -1, :], cache
         cache.vocab = int(outputs[0].shape()[-1])
         if self._bf16:  # numpy has no bfloat16 of its own: read the memory, compare in float32
             return ortvalue_to_numpy(outputs[0])[:, -1, :].astype(np.float32), cache
-        return np.array(outputs[0].numpy()[:, -1, :]), cache  # a copy: the buffer is written again next step
+        return np.array(outputs[0].numpy()[:, -1, :]), cache  # a copy: the prefill's output is freed next step
 
 
 class KVDecoderRunner:
