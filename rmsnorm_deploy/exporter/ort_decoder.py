@@ -31,14 +31,15 @@ The I/O convention is the one optimum-onnx and onnxruntime-genai read: inputs ``
 
 Padding. GroupQueryAttention keeps each row's cache compact: a row's valid keys are its first
 ``seqlens_k + 1`` slots and its positions their indices (right padding). The convention pads on
-the left, so the graph rotates each row's chunk of ``input_ids`` left by the row's padding
-before the embedding (valid tokens first) and rotates the final hidden state back before the
-LM head (each row of the head is computed alone); with
+the left, so the graph reorders each row's chunk of ``input_ids`` valid tokens first (a
+``TopK`` of the chunk's mask, equal values kept in index order: for left padding a rotation by
+the padding) before the embedding, and puts the final hidden state back in the input's order
+before the LM head (each row of the head is computed alone); with
 ``seqlens_k = sum(attention_mask) - 1`` every valid token then sits at its position
 ``cumsum(attention_mask) - 1``, which is what the convention's ``position_ids`` hold (the input
 is accepted and the same positions are derived). The present tensors hold each row's valid
 keys first: they are this graph's own state, fed back unchanged, as every client does. The
-result is transformers' masking and positions at any left padding, for 17 small index ops on
+result is transformers' masking and positions at any left padding, for 13 small index ops on
 [batch, sequence] per step (onnxruntime-genai's graph has 6 and is right only for unpadded rows).
 
 ``share_buffer=True`` writes onnxruntime-genai's other mode: past and present are one
@@ -343,23 +344,21 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
 
     # Prelude. GroupQueryAttention keeps each row's cache compact: its valid tokens first, its
     # length seqlens_k + 1 = sum(attention_mask), positions = index in the row. The convention pads
-    # on the left, so the chunk's tokens are rotated left by the row's padding before the
-    # embedding (valid tokens first, as GQA reads them) and the logits rotated back after the
+    # on the left, so the chunk's tokens are reordered valid tokens first before the embedding
+    # (as GQA reads them) and the final hidden state put back in the input's order before the
     # LM head. Positions then equal cumsum(attention_mask) - 1, which is what the convention's
     # position_ids hold (the input is accepted; GQA's rotary derives the same positions).
     i64 = lambda name, value: w.init(f"const/{name}", np.array(value, dtype=np.int64))  # noqa: E731
-    zero_1d, one_1d, axes1 = i64("zero_1d", [0]), i64("one_1d", [1]), i64("axes_1", [1])
+    one_1d, axes1 = i64("one_1d", [1]), i64("axes_1", [1])
     seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
     total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
     chunk = w.one("Slice", ["attention_mask", w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d, axes1],
                   "mask/chunk")
-    valid = w.one("ReduceSum", [chunk, axes1], "mask/chunk_valid", keepdims=1)  # [batch, 1]
-    # 0 .. sequence - 1, sliced from a constant (no scalar to squeeze for a Range).
-    steps = w.one("Slice", [i64("positions", np.arange(dims.max_positions)), zero_1d, seq_1d], "mask/steps")
-    # pad = sequence - valid; compact[i] = chunk[(i + pad) % seq] and original[j] = compact[(j - pad) % seq],
-    # i.e. (i - valid) % seq and (j + valid) % seq: Mod takes the divisor's sign (fmod=0), never negative.
-    to_compact = w.one("Mod", [w.one("Sub", [steps, valid], "mask/shifted"), seq_1d], "mask/to_compact")
-    back = w.one("Mod", [w.one("Add", [steps, valid], "mask/unshifted"), seq_1d], "mask/to_original")
+    # The chunk's valid slots first, in order, then its padded slots: TopK of the 0/1 mask with
+    # ONNX's tie rule (equal values keep index order); for left padding, a rotation by the padding.
+    # The way back is the inverse permutation: the ascending order of those indices.
+    _, to_compact = w.node("TopK", [chunk, seq_1d], "mask/to_compact", outputs=2, axis=1, largest=1, sorted=1)
+    _, back = w.node("TopK", [to_compact, seq_1d], "mask/to_original", outputs=2, axis=1, largest=0, sorted=1)
     ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
     lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
     seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
