@@ -66,7 +66,7 @@ class Sampling:
 
 def greedy(logits: np.ndarray) -> np.ndarray:
     """The most likely token of each row (the first index on ties, as torch's ``argmax``)."""
-    return np.argmax(logits, axis=-1).astype(np.int64)
+    return np.argmax(logits, axis=-1)
 
 
 def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.ndarray]:
@@ -169,7 +169,9 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
         started = time.perf_counter()
         logits, cache = step.run(step_ids, np.ascontiguousarray(total[:, :length]),
                                  np.ascontiguousarray(positions[:, length - step_ids.shape[1]:length]), cache)
-        token = np.where(finished, pad_token_id, pick(logits)).astype(np.int64)
+        token = np.array(pick(logits), dtype=np.int64)  # our own copy: a picker may hand out a view
+        if eos.size:
+            token[finished] = pad_token_id
         elapsed = time.perf_counter() - started
         if made:
             clock.decode_s += elapsed
@@ -180,9 +182,9 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
         if eos.size:
             finished |= np.isin(token, eos)
         yield token, logits
-        if made == max_new_tokens or finished.all():
+        if made == max_new_tokens or (eos.size and finished.all()):
             return
-        step_ids = np.ascontiguousarray(token[:, None])
+        step_ids = token[:, None]  # a view of a contiguous row: contiguous
 
 
 def decode_loop(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
