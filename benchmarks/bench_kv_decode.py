@@ -322,10 +322,13 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
             log(f"  batch {batch} round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {times[n]['decode_ms_per_token'][-1]:.3f}" for n in names if times[n]["decode_ms_per_token"]))
         med = {n: {k: round(statistics.median(v), 4) for k, v in t.items()} for n, t in times.items()}
+        # The spread over rounds (25th and 75th percentiles): how far the machine's noise moves a median.
+        quartiles = {n: {k: [round(float(q), 4) for q in np.percentile(v, [25, 75])] for k, v in t.items()}
+                     for n, t in times.items()}
         fastest_other_decode = min(med[n]["decode_ms_per_token"] for n in names if not n.startswith("ours"))
         fastest_other_prefill = min(med[n]["prefill_ms"] for n in names if not n.startswith("ours"))
         result["batches"][str(batch)] = {
-            "median": med, "samples": {n: len(t["prefill_ms"]) for n, t in times.items()}, "same_tokens": same,
+            "median": med, "quartiles": quartiles, "samples": {n: len(t["prefill_ms"]) for n, t in times.items()}, "same_tokens": same,
             "ours_best_decode_vs_fastest_other": round(min(med[n]["decode_ms_per_token"] for n in OURS_BUILDS)
                                                        / fastest_other_decode, 3),
             "ours_best_prefill_vs_fastest_other": round(min(med[n]["prefill_ms"] for n in OURS_BUILDS)
@@ -345,6 +348,15 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
 
 
 # -- report -------------------------------------------------------------------------------
+def _cell(batch: dict[str, Any], name: str, metric: str) -> str:
+    """The median, and under it the 25th–75th percentile range over rounds."""
+    if name not in batch["median"]:
+        return "—"
+    low, high = batch.get("quartiles", {}).get(name, {}).get(metric, [None, None])
+    spread = f" ({low:.2f}–{high:.2f})" if low is not None and high is not None and low != high else ""
+    return f"{batch['median'][name][metric]:.3f}{spread}"
+
+
 def markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [
@@ -352,7 +364,8 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"{env['cpu']}, {THREADS} threads, float32, prompt {PROMPT}, {NEW_TOKENS} greedy tokens; median of "
         f"interleaved rounds ({results['settings']['rounds']} for the tiny model, {results['settings']['rounds_125m']} "
-        f"for 125M; torch eager {results['settings']['torch_rounds']}). onnxruntime {env['onnxruntime']}, "
+        f"for 125M; torch eager {results['settings']['torch_rounds']}), with the 25th–75th percentile range over "
+        f"rounds in brackets. onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}, torch {env['torch']}, transformers {env['transformers']}. "
         "Every contender gave torch eager's tokens. Ratio: ours (best of our three graphs) / the fastest "
         "other contender.",
@@ -367,7 +380,7 @@ def markdown(results: dict[str, Any]) -> str:
     for key, data in results["models"].items():
         for batch, b in data["batches"].items():
             for metric, label in (("decode_ms_per_token", "decode ms/token"), ("prefill_ms", "prefill ms")):
-                cells = [f"{b['median'][n][metric]:.3f}" if n in b["median"] else "—" for n in results["contenders"]]
+                cells = [_cell(b, n, metric) for n in results["contenders"]]
                 ratio = b["ours_best_decode_vs_fastest_other" if metric.startswith("decode") else
                           "ours_best_prefill_vs_fastest_other"]
                 lines.append(f"| {data['label']}: {label} | {batch} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
