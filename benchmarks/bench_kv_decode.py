@@ -13,6 +13,10 @@ greedy tokens, batch 1 and 4:
   onnxruntime_genai.models.builder -p fp32 -e cpu``, run here into a temporary folder from the saved
   Hugging Face folder), decoded by onnxruntime-genai's own ``Generator``;
 * ``genai builder, our loop``: the same graph decoded by our loop (the graph alone compared);
+* ``ours onnxruntime shared, ort lowering, genai runtime``: ``rmsnorm-deploy export HF_FOLDER
+  --kv-cache --target onnxruntime --share-buffer --lowering ort`` (the folder as a user gets it, its
+  ``genai_config.json`` included) decoded by onnxruntime-genai's own ``Generator``: the two graphs
+  under one runtime, and what a genai user who switches to our export runs;
 * ``torch eager``: transformers with its ``DynamicCache``, 2 threads;
 * ``ours portable``: ``rmsnorm-deploy export HF_FOLDER --kv-cache`` (the plain-ops graph, with its
   ``config.json``, tokenizer and ``genai_config.json`` beside it), decoded by our loop;
@@ -27,8 +31,9 @@ greedy tokens, batch 1 and 4:
 Every ONNX Runtime session: 2 intra-op threads, ORT_ENABLE_ALL (genai's are set through its
 ``genai_config.json``). Rounds interleave the contenders (the order rotates each round); a
 contender's prefill is its first step and its decode ms/token the mean of the 63 later steps;
-the reported value is the median over rounds. Every contender must give torch's tokens (asserted;
-end-of-sequence ignored). ONNX Runtime's profiler then gives the op-type share of decode time.
+the reported value is the median over rounds, with the 25th-75th percentiles; each decode step is
+also timed alone, and the median step over all rounds is reported beside the mean. Every
+contender must give torch's tokens (asserted; end-of-sequence ignored). ONNX Runtime's profiler then gives the op-type share of decode time.
 
     python benchmarks/bench_kv_decode.py [--rounds 5] [--models tiny,125m] [--batches 1,4]
 
@@ -76,9 +81,18 @@ OURS_SHARED_ORT = "ours onnxruntime shared, ort lowering"
 #: Our onnxruntime-target contenders: name -> (share_buffer, lowering).
 OURS_BUILDS = {OURS: (False, "function"), OURS_SHARED: (True, "function"), OURS_SHARED_ORT: (True, "ort")}
 GENAI, GENAI_OURLOOP, TORCH = "genai builder, genai runtime", "genai builder, our loop", "torch eager"
+#: Our export folder (``--share-buffer --lowering ort``) served by onnxruntime-genai's own runtime: the
+#: graphs compared under one runtime, and what a genai user who switches to our export runs.
+OURS_GENAI = "ours onnxruntime shared, ort lowering, genai runtime"
+#: Every contender whose graph is ours (the "ours" side of the ratios).
+OURS_ALL = (*OURS_BUILDS, OURS_GENAI)
 OPTIMUM_OURS, OPTIMUM_OWN = "optimum generate, our portable graph", "optimum generate, optimum graph"
 OPTIMUM_NOT_RUN = ("optimum-onnx 0.1 needs transformers < 4.58, not installable beside this package's transformers; "
                    "give --optimum-python")
+
+
+#: What a contender's greedy run gives: its tokens, the prefill's seconds, each decode step's seconds.
+Timed = tuple[np.ndarray, float, list[float]]
 
 
 def log(message: str) -> None:
@@ -118,12 +132,17 @@ def build_genai(hf_dir: Path, out: Path, cache: Path) -> Path:
                            "-p", "fp32", "-e", "cpu", "-c", str(cache)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"onnxruntime-genai's builder failed: {proc.stderr.strip().splitlines()[-1:]}")
-    config_path = out / "genai_config.json"
+    genai_session_options(out)
+    log(f"  genai builder: {time.perf_counter() - clock:.1f}s")
+    return out
+
+
+def genai_session_options(folder: Path) -> None:
+    """The benchmark's ONNX Runtime settings (2 intra-op threads, ORT_ENABLE_ALL) in a folder's genai_config.json."""
+    config_path = folder / "genai_config.json"
     config = json.loads(config_path.read_text())
     config["model"]["decoder"]["session_options"].update(intra_op_num_threads=THREADS, graph_optimization_level="ORT_ENABLE_ALL")
     config_path.write_text(json.dumps(config, indent=1))
-    log(f"  genai builder: {time.perf_counter() - clock:.1f}s")
-    return out
 
 
 class GenaiRuntime:
@@ -135,7 +154,7 @@ class GenaiRuntime:
         self.og = og
         self.model = og.Model(str(folder))
 
-    def greedy(self, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+    def greedy(self, ids: np.ndarray) -> Timed:
         og = self.og
         batch, prompt = ids.shape
         params = og.GeneratorParams(self.model)
@@ -148,21 +167,22 @@ class GenaiRuntime:
         gen.generate_next_token()
         prefill = time.perf_counter() - clock
         tokens[:, 0] = gen.get_next_tokens()
-        clock = time.perf_counter()
+        steps = []
         for step in range(1, NEW_TOKENS):
+            clock = time.perf_counter()
             gen.generate_next_token()
             tokens[:, step] = gen.get_next_tokens()
-        decode = time.perf_counter() - clock
+            steps.append(time.perf_counter() - clock)
         del gen
-        return tokens, prefill, decode
+        return tokens, prefill, steps
 
 
-def torch_greedy(lm: torch.nn.Module, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+def torch_greedy(lm: torch.nn.Module, ids: np.ndarray) -> Timed:
     """transformers with its own cache, through the decode loop every ONNX contender runs (same clock)."""
     from rmsnorm_deploy.runners.transformers_step import transformers_steps
 
     run = transformers_steps(lm, ids, new_tokens=NEW_TOKENS, keep_logits=False)
-    return run.tokens, run.prefill_s, run.decode_s
+    return run.tokens, run.prefill_s, run.step_s
 
 
 def ours_runner(path: Path, layout: Any = None, profile_prefix: str | None = None) -> Any:
@@ -171,21 +191,23 @@ def ours_runner(path: Path, layout: Any = None, profile_prefix: str | None = Non
     return KVDecoderRunner(str(path), layout, threads=THREADS, session_options=ort_options(profile_prefix))
 
 
-def runner_call(runner: Any) -> Callable[[np.ndarray], tuple[np.ndarray, float, float]]:
-    def call(ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+def runner_call(runner: Any) -> Callable[[np.ndarray], Timed]:
+    def call(ids: np.ndarray) -> Timed:
         gen = runner.greedy(ids, new_tokens=NEW_TOKENS)
-        return gen.tokens, gen.prefill_s, gen.decode_s
+        return gen.tokens, gen.prefill_s, gen.step_s
     return call
 
 
-def export_portable(hf_dir: Path, out: Path) -> Path:
-    """``rmsnorm-deploy export HF_DIR --kv-cache`` (the portable graph and the files beside it)."""
+def export_folder(hf_dir: Path, out: Path, *options: str) -> Path:
+    """``rmsnorm-deploy export HF_DIR --kv-cache [OPTIONS]``: the graph and the files beside it
+    (``config.json``, tokenizer, ``genai_config.json``), as a user gets them."""
     clock = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "rmsnorm_deploy", "export", str(hf_dir), "--kv-cache", "-o", str(out)],
-                          capture_output=True, text=True, cwd=ROOT)
+    command = [sys.executable, "-m", "rmsnorm_deploy", "export", str(hf_dir), "--kv-cache", *options, "-o", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"export --kv-cache failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    log(f"  export --kv-cache: {time.perf_counter() - clock:.1f}s")
+        raise RuntimeError(f"export --kv-cache {' '.join(options)} failed: "
+                           f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    log(f"  export --kv-cache {' '.join(options)}: {time.perf_counter() - clock:.1f}s")
     return out
 
 
@@ -205,11 +227,11 @@ class OptimumWorker:
                                "see its error above")
         return json.loads(line)
 
-    def greedy(self, ids: np.ndarray) -> tuple[np.ndarray, float, float]:
+    def greedy(self, ids: np.ndarray) -> Timed:
         self.proc.stdin.write(json.dumps({"ids": ids.tolist(), "new_tokens": NEW_TOKENS}) + "\n")
         self.proc.stdin.flush()
         answer = self._answer()
-        return np.asarray(answer["tokens"], dtype=np.int64), answer["prefill_s"], answer["decode_s"]
+        return np.asarray(answer["tokens"], dtype=np.int64), answer["prefill_s"], answer["step_s"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -274,17 +296,21 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
         decoders[name] = dec
     dims = decoders[OURS].dims
     genai_dir = build_genai(hf_dir, tmp / f"{key}-genai", tmp / "genai-cache")
-    portable_dir = export_portable(hf_dir, tmp / f"{key}-portable")
+    portable_dir = export_folder(hf_dir, tmp / f"{key}-portable")
+    ours_genai_dir = export_folder(hf_dir, tmp / f"{key}-ours-genai", "--target", "onnxruntime", "--share-buffer",
+                                   "--lowering", "ort")
+    genai_session_options(ours_genai_dir)
     shared_layout = genai_layout(dims, max_length)
     from rmsnorm_deploy.runners.kv_decoder import CacheLayout
 
     ours_shared_layout = CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                                      share_buffer=True, max_length=max_length)
-    contenders: dict[str, Callable[[np.ndarray], tuple[np.ndarray, float, float]]] = {
+    contenders: dict[str, Callable[[np.ndarray], Timed]] = {
         OURS: runner_call(ours_runner(paths[OURS])),
         OURS_SHARED: runner_call(ours_runner(paths[OURS_SHARED], ours_shared_layout)),
         OURS_SHARED_ORT: runner_call(ours_runner(paths[OURS_SHARED_ORT], ours_shared_layout)),
         GENAI: GenaiRuntime(genai_dir).greedy,
+        OURS_GENAI: GenaiRuntime(ours_genai_dir).greedy,
         GENAI_OURLOOP: runner_call(ours_runner(genai_dir / "model.onnx", shared_layout)),
         PORTABLE: runner_call(ours_runner(portable_dir / "model.onnx")),
         TORCH: lambda ids: torch_greedy(lm, ids),
@@ -304,6 +330,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
         ids = np.random.default_rng(batch).integers(3, loaded.vocab_size, size=(batch, PROMPT), dtype=np.int64)
         names = list(contenders)
         times: dict[str, dict[str, list[float]]] = {n: {"prefill_ms": [], "decode_ms_per_token": []} for n in names}
+        step_ms: dict[str, list[float]] = {n: [] for n in names}  # every decode step of every round
         warm = {n: contenders[n](ids)[0] for n in names}  # warm-up, and the tokens every contender must give
         reference = warm[TORCH]
         same = {}
@@ -315,24 +342,34 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
             for n in order:
                 if n == TORCH and r >= args.torch_rounds:
                     continue
-                tokens, prefill, decode = contenders[n](ids)
+                tokens, prefill, steps = contenders[n](ids)
                 assert np.array_equal(tokens, reference), f"{key} batch {batch}: {n} changed its tokens"
+                assert len(steps) == NEW_TOKENS - 1, f"{key} batch {batch}: {n} timed {len(steps)} decode steps"
                 times[n]["prefill_ms"].append(1e3 * prefill)
-                times[n]["decode_ms_per_token"].append(1e3 * decode / (NEW_TOKENS - 1))
+                times[n]["decode_ms_per_token"].append(1e3 * sum(steps) / len(steps))
+                step_ms[n].extend(1e3 * t for t in steps)
             log(f"  batch {batch} round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {times[n]['decode_ms_per_token'][-1]:.3f}" for n in names if times[n]["decode_ms_per_token"]))
-        med = {n: {k: round(statistics.median(v), 4) for k, v in t.items()} for n, t in times.items()}
+        for n, t in times.items():  # the typical step, which a preempted step does not move
+            t["decode_median_step_ms"] = [statistics.median(step_ms[n])] if step_ms[n] else []
+        med = {n: {k: round(statistics.median(v), 4) for k, v in t.items() if v} for n, t in times.items()}
         # The spread over rounds (25th and 75th percentiles): how far the machine's noise moves a median.
-        quartiles = {n: {k: [round(float(q), 4) for q in np.percentile(v, [25, 75])] for k, v in t.items()}
+        quartiles = {n: {k: [round(float(q), 4) for q in np.percentile(v, [25, 75])] for k, v in t.items() if v}
                      for n, t in times.items()}
-        fastest_other_decode = min(med[n]["decode_ms_per_token"] for n in names if not n.startswith("ours"))
-        fastest_other_prefill = min(med[n]["prefill_ms"] for n in names if not n.startswith("ours"))
+        for n in names:  # for the median step: the quartiles of all steps
+            if step_ms[n]:
+                quartiles[n]["decode_median_step_ms"] = [round(float(q), 4) for q in np.percentile(step_ms[n], [25, 75])]
+        def ratio(metric: str) -> float:
+            """Our best graph over the fastest other contender, on ``metric``'s medians."""
+            others = min(med[n][metric] for n in names if n not in OURS_ALL and metric in med[n])
+            return round(min(med[n][metric] for n in OURS_ALL if n in med) / others, 3)
+
+        fastest_other_decode = min(med[n]["decode_ms_per_token"] for n in names if n not in OURS_ALL)
         result["batches"][str(batch)] = {
             "median": med, "quartiles": quartiles, "samples": {n: len(t["prefill_ms"]) for n, t in times.items()}, "same_tokens": same,
-            "ours_best_decode_vs_fastest_other": round(min(med[n]["decode_ms_per_token"] for n in OURS_BUILDS)
-                                                       / fastest_other_decode, 3),
-            "ours_best_prefill_vs_fastest_other": round(min(med[n]["prefill_ms"] for n in OURS_BUILDS)
-                                                        / fastest_other_prefill, 3),
+            "ours_best_decode_vs_fastest_other": ratio("decode_ms_per_token"),
+            "ours_best_median_step_vs_fastest_other": ratio("decode_median_step_ms"),
+            "ours_best_prefill_vs_fastest_other": ratio("prefill_ms"),
             "ours_default_lowering_decode_vs_fastest_other": round(
                 min(med[OURS]["decode_ms_per_token"], med[OURS_SHARED]["decode_ms_per_token"]) / fastest_other_decode, 3),
         }
@@ -349,8 +386,8 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
 
 # -- report -------------------------------------------------------------------------------
 def _cell(batch: dict[str, Any], name: str, metric: str) -> str:
-    """The median, and under it the 25th–75th percentile range over rounds."""
-    if name not in batch["median"]:
+    """The median, and beside it the 25th–75th percentile range."""
+    if metric not in batch["median"].get(name, {}):
         return "—"
     low, high = batch.get("quartiles", {}).get(name, {}).get(metric, [None, None])
     spread = f" ({low:.2f}–{high:.2f})" if low is not None and high is not None and low != high else ""
@@ -367,8 +404,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"for 125M; torch eager {results['settings']['torch_rounds']}), with the 25th–75th percentile range over "
         f"rounds in brackets. onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}, torch {env['torch']}, transformers {env['transformers']}. "
-        "Every contender gave torch eager's tokens. Ratio: ours (best of our three graphs) / the fastest "
-        "other contender.",
+        "Every contender gave torch eager's tokens. Ratio: ours (the best of our graphs, in our loop or in "
+        "onnxruntime-genai's runtime) / the fastest other contender. \"decode ms/token\" is the mean over a "
+        "generation's 63 decode steps (median over rounds); \"decode, median step\" the median of every "
+        "decode step of every round, which a step preempted by another process on the machine does not move.",
         "",
         f"Machine load (1-minute load average on {env['cpu']}) before / after the run: {env['load_before'][0]} / "
         f"{env.get('load_after', ['?'])[0]}: with other jobs sharing the cores, absolute times are inflated "
@@ -379,11 +418,14 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for key, data in results["models"].items():
         for batch, b in data["batches"].items():
-            for metric, label in (("decode_ms_per_token", "decode ms/token"), ("prefill_ms", "prefill ms")):
+            for metric, label, ratio_key in (
+                    ("decode_ms_per_token", "decode ms/token", "ours_best_decode_vs_fastest_other"),
+                    ("decode_median_step_ms", "decode, median step ms", "ours_best_median_step_vs_fastest_other"),
+                    ("prefill_ms", "prefill ms", "ours_best_prefill_vs_fastest_other")):
+                if ratio_key not in b:
+                    continue
                 cells = [_cell(b, n, metric) for n in results["contenders"]]
-                ratio = b["ours_best_decode_vs_fastest_other" if metric.startswith("decode") else
-                          "ours_best_prefill_vs_fastest_other"]
-                lines.append(f"| {data['label']}: {label} | {batch} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+                lines.append(f"| {data['label']}: {label} | {batch} | " + " | ".join(cells) + f" | {b[ratio_key]:.2f}× |")
     if results.get("not_run"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in results["not_run"].items()) + "."]
     if results.get("optimum"):
@@ -442,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": env, "settings": {
         "threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": args.rounds,
         "rounds_125m": args.rounds_125m, "torch_rounds": args.torch_rounds, "batches": args.batches},
-        "contenders": [*OURS_BUILDS, PORTABLE, GENAI, GENAI_OURLOOP, TORCH]
+        "contenders": [*OURS_ALL, PORTABLE, GENAI, GENAI_OURLOOP, TORCH]
         + ([OPTIMUM_OURS, OPTIMUM_OWN] if args.optimum_python else []), "models": {},
         "not_run": {} if args.optimum_python else {"optimum-onnx": OPTIMUM_NOT_RUN}, "optimum": optimum_versions}
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,10 @@ prompts and tokens).
 
 ``serve FOLDER [--export]`` is the worker ``benchmarks/bench_kv_decode.py --optimum-python``
 drives: one JSON request per line on stdin (``{"ids": [[...]], "new_tokens": N}``), one JSON
-answer per line on stdout (``{"tokens", "prefill_s", "decode_s"}``), greedy, end-of-sequence
+answer per line on stdout (``{"tokens", "prefill_s", "decode_s", "step_s"}``), greedy, end-of-sequence
 ignored, 2 intra-op threads, ORT_ENABLE_ALL. The prefill is the time to the first new token; the
-decode time runs from there to the last token (a stopping criterion stamps each step). With
+decode time runs from there to the last token (a stopping criterion stamps each step; ``step_s``
+holds each step's seconds). With
 ``--export`` FOLDER is a Hugging Face folder that optimum exports itself first (its own graph).
 """
 
@@ -84,8 +85,8 @@ class StepClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def greedy(model: Any, ids: Any, mask: Any, new_tokens: int, *, eos: Any, pad: int) -> tuple[Any, float, float]:
-    """``new_tokens`` greedy tokens (fewer if every row ended); prefill and decode seconds."""
+def greedy(model: Any, ids: Any, mask: Any, new_tokens: int, *, eos: Any, pad: int) -> tuple[Any, float, list[float]]:
+    """``new_tokens`` greedy tokens (fewer if every row ended); the prefill's seconds and each decode step's."""
     from transformers import StoppingCriteriaList
 
     clock = StepClock()
@@ -94,8 +95,7 @@ def greedy(model: Any, ids: Any, mask: Any, new_tokens: int, *, eos: Any, pad: i
                          eos_token_id=eos, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
     stamps = clock.stamps
     prefill = stamps[0] - start if stamps else 0.0
-    decode = stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0
-    return out[:, ids.shape[1]:], prefill, decode
+    return out[:, ids.shape[1]:], prefill, [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def check(folder: str, expected_path: str) -> int:
@@ -116,7 +116,7 @@ def check(folder: str, expected_path: str) -> int:
     pad = gen.pad_token_id if gen.pad_token_id is not None else 0
     ids, mask = left_padded(prompts, pad)
     new_tokens = max(len(t) for t in tokens)
-    out, prefill, decode = greedy(model, ids, mask, new_tokens, eos=gen.eos_token_id, pad=pad)
+    out, prefill, steps = greedy(model, ids, mask, new_tokens, eos=gen.eos_token_id, pad=pad)
     got = out.tolist()
     same = got == tokens
     import optimum.version
@@ -126,7 +126,7 @@ def check(folder: str, expected_path: str) -> int:
                       "use_cache": bool(model.config.use_cache), "io_binding": bool(model.use_io_binding),
                       "optimum_version": optimum.version.__version__, "transformers": transformers.__version__,
                       "prefill_ms": round(prefill * 1e3, 3),
-                      "decode_ms_per_token": round(decode * 1e3 / max(1, len(got[0]) - 1), 3)}, indent=1))
+                      "decode_ms_per_token": round(sum(steps) * 1e3 / max(1, len(steps)), 3)}, indent=1))
     return 0 if same else 1
 
 
@@ -144,9 +144,10 @@ def serve(folder: str, export: bool) -> int:
                 continue
             request = json.loads(line)
             ids = torch.tensor(request["ids"], dtype=torch.int64)
-            out, prefill, decode = greedy(model, ids, torch.ones_like(ids), int(request["new_tokens"]), eos=None,
-                                          pad=0)
-            print(json.dumps({"tokens": out.tolist(), "prefill_s": prefill, "decode_s": decode}), flush=True)
+            out, prefill, steps = greedy(model, ids, torch.ones_like(ids), int(request["new_tokens"]), eos=None,
+                                         pad=0)
+            print(json.dumps({"tokens": out.tolist(), "prefill_s": prefill, "decode_s": sum(steps), "step_s": steps}),
+                  flush=True)
     return 0
 
 

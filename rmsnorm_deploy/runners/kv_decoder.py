@@ -116,6 +116,7 @@ class Generation:
     decode_s: float  # all steps after the prefill
     steps: int  # decode steps run after the prefill (new tokens - 1)
     step_logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # with keep_logits
+    step_s: list[float] = dataclasses.field(default_factory=list)  # each decode step's time
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -129,6 +130,7 @@ class DecodeClock:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # all steps after the prefill
     steps: int = 0  # decode steps run after the prefill
+    step_s: list[float] = dataclasses.field(default_factory=list)  # each decode step's time
 
 
 def decode_steps(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
@@ -176,6 +178,7 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
         if made:
             clock.decode_s += elapsed
             clock.steps += 1
+            clock.step_s.append(elapsed)
         else:
             clock.prefill_s = elapsed
         made += 1
@@ -204,7 +207,7 @@ def decode_loop(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | 
             kept.append(np.array(logits, copy=True))
         if on_token is not None:
             on_token(token)
-    return Generation(np.stack(tokens, axis=1), clock.prefill_s, clock.decode_s, clock.steps, kept)
+    return Generation(np.stack(tokens, axis=1), clock.prefill_s, clock.decode_s, clock.steps, kept, clock.step_s)
 
 
 # -- ONNX Runtime's step -------------------------------------------------------------------------
