@@ -283,3 +283,28 @@ def test_gemma3_float16_embedding_scale_rounded_as_transformers():
     parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=3)
     assert all(r.dtype == "float16" for r in parity.results)
     assert not parity.failed, parity.table()
+
+
+@pytest.mark.parametrize("share_buffer", [False, True])
+def test_long_uneven_left_padding_keeps_transformers_logits(models, share_buffer):
+    """The prelude puts each row's valid tokens first with a TopK of the mask (ONNX keeps equal
+    values in index order) and back with a second one: at prompt 100 with rows padded by 0, 37 and
+    99 slots (one valid token), every step's logits stay transformers' and the tokens its own."""
+    from rmsnorm_deploy.contract.compare import compare
+    from rmsnorm_deploy.contract.tolerances import tolerance_for
+    from rmsnorm_deploy.runners.transformers_step import transformers_steps
+
+    loaded = models("llama")
+    dec = build_decoder(loaded, share_buffer=share_buffer, max_length=110)
+    ids = np.random.default_rng(5).integers(3, loaded.vocab_size, size=(3, 100), dtype=np.int64)
+    mask = np.ones_like(ids)
+    for row, pad in enumerate((0, 37, 99)):
+        mask[row, :pad], ids[row, :pad] = 0, 0
+    got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=6, keep_logits=True)
+    want = transformers_steps(loaded.module.model, ids, mask, new_tokens=6)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    tolerance = tolerance_for("model", "onnxruntime", "float32")
+    assert len(got.step_logits) == len(want.step_logits) == 6
+    for step, (g, w) in enumerate(zip(got.step_logits, want.step_logits)):
+        result = compare(g, w, tolerance, name=f"logits step {step}", dtype="float32")
+        assert result.passed, result.summary()
