@@ -84,8 +84,8 @@ GENAI, GENAI_OURLOOP, TORCH = "genai builder, genai runtime", "genai builder, ou
 #: Our export folder (``--share-buffer --lowering ort``) served by onnxruntime-genai's own runtime: the
 #: graphs compared under one runtime, and what a genai user who switches to our export runs.
 OURS_GENAI = "ours onnxruntime shared, ort lowering, genai runtime"
-#: Every contender whose graph is ours (the "ours" side of the ratios).
-OURS_ALL = (*OURS_BUILDS, OURS_GENAI)
+#: Every contender whose graph is ours (the "ours" side of the ratios; the portable graph included).
+OURS_ALL = (*OURS_BUILDS, OURS_GENAI, PORTABLE)
 OPTIMUM_OURS, OPTIMUM_OWN = "optimum generate, our portable graph", "optimum generate, optimum graph"
 OPTIMUM_NOT_RUN = ("optimum-onnx 0.1 needs transformers < 4.58, not installable beside this package's transformers; "
                    "give --optimum-python")
@@ -359,15 +359,25 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
         for n in names:  # for the median step: the quartiles of all steps
             if step_ms[n]:
                 quartiles[n]["decode_median_step_ms"] = [round(float(q), 4) for q in np.percentile(step_ms[n], [25, 75])]
-        def ratio(metric: str) -> float:
+        def ratio(metric: str, med: dict[str, dict[str, float]] = med) -> float:
             """Our best graph over the fastest other contender, on ``metric``'s medians."""
-            others = min(med[n][metric] for n in names if n not in OURS_ALL and metric in med[n])
-            return round(min(med[n][metric] for n in OURS_ALL if n in med) / others, 3)
+            others = min(m[metric] for n, m in med.items() if n not in OURS_ALL and metric in m)
+            return round(min(m[metric] for n, m in med.items() if n in OURS_ALL) / others, 3)
 
         fastest_other_decode = min(med[n]["decode_ms_per_token"] for n in names if n not in OURS_ALL)
+        # Paired by round: our fastest graph over the fastest other one (each chosen by its median), one
+        # ratio per round, so that whatever slows a whole round cancels out; their median and quartiles.
+        paired = {}
+        for metric in ("decode_ms_per_token", "prefill_ms"):
+            mine = min((n for n in names if n in OURS_ALL), key=lambda n, m=metric: med[n][m])
+            theirs = min((n for n in names if n not in OURS_ALL and len(times[n][metric]) == rounds),
+                         key=lambda n, m=metric: med[n][m])
+            ratios = [a / b for a, b in zip(times[mine][metric], times[theirs][metric])]
+            paired[metric] = {"ours": mine, "other": theirs, "median": round(statistics.median(ratios), 3),
+                              "quartiles": [round(float(q), 3) for q in np.percentile(ratios, [25, 75])]}
         result["batches"][str(batch)] = {
             "median": med, "quartiles": quartiles, "samples": {n: len(t["prefill_ms"]) for n, t in times.items()}, "same_tokens": same,
-            "ours_best_decode_vs_fastest_other": ratio("decode_ms_per_token"),
+            "ours_best_decode_vs_fastest_other": ratio("decode_ms_per_token"), "paired_by_round": paired,
             "ours_best_median_step_vs_fastest_other": ratio("decode_median_step_ms"),
             "ours_best_prefill_vs_fastest_other": ratio("prefill_ms"),
             "ours_default_lowering_decode_vs_fastest_other": round(
@@ -426,6 +436,14 @@ def markdown(results: dict[str, Any]) -> str:
                     continue
                 cells = [_cell(b, n, metric) for n in results["contenders"]]
                 lines.append(f"| {data['label']}: {label} | {batch} | " + " | ".join(cells) + f" | {b[ratio_key]:.2f}× |")
+    lines += ["", "Paired by round (our fastest graph and the fastest other one, each chosen by its median; one "
+              "ratio per round, so that what slows a whole round cancels; median and 25th–75th percentiles):", ""]
+    for key, data in results["models"].items():
+        for batch, b in data["batches"].items():
+            for metric, p in b.get("paired_by_round", {}).items():
+                what = "decode" if metric.startswith("decode") else "prefill"
+                lines.append(f"- {data['label']}, batch {batch}, {what}: {p['ours']} / {p['other']} = "
+                             f"{p['median']:.3f}× ({p['quartiles'][0]:.3f}–{p['quartiles'][1]:.3f})")
     if results.get("not_run"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in results["not_run"].items()) + "."]
     if results.get("optimum"):
@@ -484,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"environment": env, "settings": {
         "threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": args.rounds,
         "rounds_125m": args.rounds_125m, "torch_rounds": args.torch_rounds, "batches": args.batches},
-        "contenders": [*OURS_ALL, PORTABLE, GENAI, GENAI_OURLOOP, TORCH]
+        "contenders": [*OURS_ALL, GENAI, GENAI_OURLOOP, TORCH]
         + ([OPTIMUM_OURS, OPTIMUM_OWN] if args.optimum_python else []), "models": {},
         "not_run": {} if args.optimum_python else {"optimum-onnx": OPTIMUM_NOT_RUN}, "optimum": optimum_versions}
     args.out_dir.mkdir(parents=True, exist_ok=True)

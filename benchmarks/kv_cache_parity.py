@@ -40,18 +40,14 @@ CASES = [("llama", "float32", False), ("llama", "float32", True), ("qwen3", "flo
 
 
 def genai_tokens(folder, prompt):
+    """onnxruntime-genai's greedy tokens from the folder, or None where it is not installed."""
+    from rmsnorm_deploy.errors import MissingDependencyError
+    from rmsnorm_deploy.serving.genai_client import genai_greedy
+
     try:
-        import onnxruntime_genai as og
-    except ImportError:
+        return genai_greedy(folder, prompt, NEW)
+    except MissingDependencyError:
         return None
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + NEW, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array([prompt], dtype=np.int32))
-    while not gen.is_done():
-        gen.generate_next_token()
-    return [int(t) for t in gen.get_sequence(0)][len(prompt):]
 
 
 def main() -> int:

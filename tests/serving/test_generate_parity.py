@@ -16,6 +16,7 @@ from rmsnorm_deploy.contract.tolerances import tolerance_for
 from rmsnorm_deploy.exporter.kv_cache import left_padded
 from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps
 from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+from rmsnorm_deploy.serving.genai_client import genai_greedy
 
 pytest.importorskip("transformers", reason="transformers builds the reference models")
 pytest.importorskip("onnxruntime", reason="the generation loop runs in ONNX Runtime")
@@ -69,20 +70,13 @@ def test_float16_tokens_match_torch_in_float16_while_torch_agrees_with_float32()
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3's config has no end-of-sequence token
 def test_onnxruntime_genai_generates_our_tokens_from_the_folder_unmodified(family):
-    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install "
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install "
                                                          "onnxruntime-genai==0.18.0)")
     folder, _ = exported_kv(family)
     prompt = PROMPTS[1][0]
     with KVCacheModel(folder) as kv:
         ours = generate(kv, [prompt], max_new_tokens=NEW_TOKENS)
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + NEW_TOKENS, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    while not generator.is_done():
-        generator.generate_next_token()
-    theirs = [int(t) for t in generator.get_sequence(0)][len(prompt):]
+    theirs = genai_greedy(folder, prompt, NEW_TOKENS)
     assert theirs == ours.tokens[0][:len(theirs)] and len(theirs) == len(ours.tokens[0])
 
 
