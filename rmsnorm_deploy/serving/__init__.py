@@ -21,5 +21,7 @@ generate        ``KVCacheModel`` and ``generate``: greedy or seeded sampling ove
                 and the special tokens from its folder, run by ``runners.kv_decoder``'s one
                 loop; timings (prefill ms, decode ms per token, tokens/s)
                 ``stream``: one prompt's tokens as they come (the same loop, token by token)
+genai_client    ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
+                (optional dependency, loaded lazily)
 ==============  =============================================================================
 """
