@@ -16,6 +16,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from tests.tensorrt._gpu import needs_trt
 from tests.tensorrt._models import two_norm_model
 from onnx import TensorProto, helper
 
@@ -32,18 +33,7 @@ from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.onnx_file import save_onnx
 
 
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("tensorrt") is None:
-        return "needs tensorrt: not installed here (run `pytest -m trt` in the Docker image)"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU for TensorRT: torch sees none"
-    return None
-
-
-SKIP = _skip_reason()
-pytestmark = [pytest.mark.trt, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+pytestmark = needs_trt
 
 HIDDEN = 760
 PROFILE = ["d0:1,199,256"]

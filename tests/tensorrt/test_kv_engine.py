@@ -5,26 +5,11 @@ Needs tensorrt and a CUDA GPU (the Docker image, `pytest -m trt`); elsewhere it 
 
 from __future__ import annotations
 
-import importlib.util
+from tests.tensorrt._gpu import needs_trt
 
-import pytest
-
-
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("tensorrt") is None:
-        return "needs tensorrt: not installed here (run `pytest -m trt` in the Docker image)"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU for TensorRT: torch sees none"
-    return None
+pytestmark = needs_trt
 
 
-SKIP = _skip_reason()
-
-
-@pytest.mark.trt
-@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_kv_engine_decode_loop_generates_onnxruntime_tokens(tmp_path):
     from tests.kv_models import exported_kv
 
