@@ -99,14 +99,18 @@ def test_bad_dtype_is_a_usage_error(capsys):
     assert "argument --dtype: invalid choice: 'float64'" in capsys.readouterr().err
 
 
-class FourierMixer(torch.nn.Module):
-    """A pre-norm model whose token mixing is an FFT (FNet): torch has no float16 FFT on CPU."""
+class _EmbedNormHead(torch.nn.Module):
+    """An embedding, one RMS norm and a head: what the models below mix differently."""
 
     def __init__(self, vocab: int = 32, dim: int = 16):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
         self.norm = torch.nn.RMSNorm(dim, eps=1e-6)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+
+class FourierMixer(_EmbedNormHead):
+    """A pre-norm model whose token mixing is an FFT (FNet): torch has no float16 FFT on CPU."""
 
     def forward(self, input_ids):
         h = self.embed(input_ids)
@@ -114,14 +118,8 @@ class FourierMixer(torch.nn.Module):
         return self.head(h)
 
 
-class ExportSensitive(torch.nn.Module):
+class ExportSensitive(_EmbedNormHead):
     """A model whose code takes another branch while being exported, as export workarounds do."""
-
-    def __init__(self, vocab: int = 32, dim: int = 16):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.norm = torch.nn.RMSNorm(dim, eps=1e-6)
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, input_ids):
         h = self.norm(self.embed(input_ids))
