@@ -13,3 +13,15 @@ triton_repo  a model repository for the standalone Triton Inference Server
 env          versions, GPU, providers, TensorRT and the plugin
 ===========  ==================================================================================
 """
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_result_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json``, ``--output PATH`` and ``--force``: how a command that prints a table of ``what``
+    also gives it as JSON, on stdout or to a file it does not clobber unasked."""
+    parser.add_argument("--json", action="store_true", help=f"print the {what} as JSON instead of the table")
+    parser.add_argument("--output", metavar="PATH", help=f"also write the {what} as JSON to PATH")
+    parser.add_argument("--force", action="store_true", help="replace --output if it exists")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from rmsnorm_deploy.commands import add_result_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the .onnx file")
@@ -26,9 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--onnxruntime-version", metavar="VERSION",
                         help="judge ONNX Runtime's Skip*LayerNormalization ops (no stash_type) as this version runs "
                         "them, e.g. 1.26 for a deployment pinned to it (default: the installed onnxruntime)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
-    parser.add_argument("--output", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    add_result_options(parser, "results")
 
 
 def run(args: argparse.Namespace) -> int:

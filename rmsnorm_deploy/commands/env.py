@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from rmsnorm_deploy.commands import add_result_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--output", metavar="PATH", help="also write the environment as JSON to PATH")
-    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    add_result_options(parser, "environment")
     parser.add_argument("--require-gpu", action="store_true",
                         help="exit with code 2 unless a CUDA GPU is visible (for the Docker image's suite)")
 

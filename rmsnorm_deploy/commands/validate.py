@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from rmsnorm_deploy.commands import add_result_options
+
 _BACKEND_HELP = (
     "comma-separated backends: cpu, cuda, tensorrt (ONNX Runtime's CPU, CUDA and TensorRT execution providers), "
     "trt (a TensorRT engine built from the model), trt-plugin (the same with our RMSNorm plugin); default cpu"
@@ -44,9 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the Hugging Face folder the model was exported from (the metadata's own folder is "
                         "used only when it lies inside the model's folder: metadata is not trusted to open others)")
     parser.add_argument("--no-norms", action="store_true", help="compare outputs only, not each norm on its own")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
-    parser.add_argument("--output", metavar="PATH", help="also write the results as JSON to PATH")
-    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    add_result_options(parser, "results")
 
 
 def parse_provider_options(items: list[str]) -> dict[str, dict[str, str]]:
