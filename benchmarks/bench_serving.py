@@ -23,9 +23,7 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,36 +38,13 @@ sys.path.insert(0, str(ROOT))
 
 from rmsnorm_deploy.environment import package_version  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
-from rmsnorm_deploy.serving.server import free_ports  # noqa: E402
+from rmsnorm_deploy.errors import UserError  # noqa: E402
+from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402
 from rmsnorm_deploy.table import format_table  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 32)
 CONTENDERS = ("onnxruntime (bare session)", "triton http", "triton grpc")
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _start_server(model: Path) -> tuple[subprocess.Popen, int, int, float]:
-    http, grpc, metrics = free_ports(3)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "rmsnorm_deploy", "serve", str(model), "--http-port", str(http),
-                                "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"serve exited with {process.returncode}:\n{''.join(lines)}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
-                if r.status == 200 and any(line.startswith("ready") for line in lines):
-                    return process, http, grpc, time.perf_counter() - started
-        except OSError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise SystemExit(f"serve was not ready in 120 s:\n{''.join(lines)}")
 
 
 def _make_callers(contender: str, runner, http: int, grpc: int):
@@ -154,7 +129,11 @@ def main() -> int:
     load_before = os.getloadavg()
     rng = np.random.default_rng(0)
     pool = [rng.integers(0, 512, (1, args.seq)).astype(np.int64) for _ in range(16)]
-    process, http, grpc, startup = _start_server(model)
+    try:
+        served = start_serve_process(model, timeout_s=120)
+    except UserError as exc:
+        raise SystemExit(str(exc)) from None
+    http, grpc, startup = served.http, served.grpc, served.startup_s
     samples: dict[tuple[str, int], dict[str, list]] = {}
     batching: dict[int, dict[str, int]] = {}
     try:
@@ -178,8 +157,7 @@ def main() -> int:
                 batching[concurrency] = {k: after[k] - before[k] for k in after}
                 print(f"concurrency {concurrency}: done", flush=True)
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+        served.stop(timeout_s=60)
         tmp.cleanup()
 
     rows, data = [], []

@@ -9,7 +9,8 @@ server          ``serve``: Triton embedded through PyTriton, inference through t
                 a KV-cache export served as a generation model (``GenerationInference``:
                 ``input_ids`` in, ``output_ids`` out, through ``generate``) and its streaming
                 twin ``<name>_stream`` (``StreamingGenerationInference``: one response per
-                token, through ``stream``); bad requests refused with HTTP 400; ``free_ports``
+                token, through ``stream``); bad requests refused with HTTP 400; ``free_ports``;
+                ``start_serve_process``: ``serve`` as a child process, handed back once ready
 pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpython on
                 ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2, and ``refusal``:
                 a request refused as INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT)

@@ -116,6 +116,73 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+@dataclasses.dataclass
+class ServeProcess:
+    """An ``rmsnorm-deploy serve`` child process on loopback ports, and everything it printed."""
+
+    process: Any  # subprocess.Popen
+    http: int
+    grpc: int
+    metrics: int
+    log: list[str]
+    startup_s: float = 0.0  # from the start to ready
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.http}{path}"
+
+    def stop(self, timeout_s: float = 40) -> None:
+        """SIGTERM (the server stops cleanly), then SIGKILL if it is still there after ``timeout_s``."""
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+
+
+def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90) -> ServeProcess:
+    """``rmsnorm-deploy serve MODEL_DIR`` as a child process (this package, this Python) on free
+    loopback ports, returned once it is ready both on the wire (``/v2/health/ready``) and in its own
+    output (it prints ``ready`` after the server is up). Raises :class:`UserError` with what it
+    printed when it exits first or is not ready within ``timeout_s`` (then it is killed)."""
+    import os
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    http, grpc, metrics = free_ports(3)
+    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rmsnorm_deploy", "serve", str(model_dir), "--http-port", str(http),
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
+    served = ServeProcess(process, http, grpc, metrics, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise UserError(f"serve exited with {process.returncode} before it was ready:\n{''.join(log)}")
+        try:
+            with urllib.request.urlopen(served.url("/v2/health/ready"), timeout=2) as response:
+                if response.status == 200 and any(line.startswith("ready") for line in log):
+                    served.startup_s = time.perf_counter() - started
+                    return served
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.2)
+    process.kill()
+    process.wait(timeout=30)
+    raise UserError(f"serve was not ready within {timeout_s:g} s:\n{''.join(log)}")
+
+
 class BatchedInference:
     """PyTriton's infer function: the requests of one batch, run through the runner, split back.
 

@@ -5,12 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,21 +12,22 @@ from typing import Iterator
 
 import pytest
 
-from rmsnorm_deploy.serving.server import free_ports
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.serving.server import ServeProcess, start_serve_process
 
-REPO = Path(__file__).resolve().parents[2]
 STARTUP_S = 90
 
 
 class Served:
-    """The server process, its ports and everything it printed."""
+    """The running server (``serving.server.ServeProcess``: process, ports, log) and the tests'
+    helpers around it."""
 
-    def __init__(self, process: subprocess.Popen, http: int, grpc: int, metrics: int, log: list[str]):
-        self.process, self.http, self.grpc, self.metrics, self.log = process, http, grpc, metrics, log
+    def __init__(self, proc: ServeProcess):
+        self.proc = proc
         self.children: set[int] = set()
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http}{path}"
+    def __getattr__(self, name: str):  # process, http, grpc, metrics, log, url
+        return getattr(self.proc, name)
 
     def get_json(self, path: str) -> dict:
         with urllib.request.urlopen(self.url(path), timeout=10) as response:
@@ -46,40 +41,14 @@ class Served:
 def running_server(model_dir: Path) -> Iterator[Served]:
     """``serve model_dir`` until the block ends; fails the test if it is not ready in time.
     A server still running at the end (a test may have stopped it) gets SIGTERM, then SIGKILL."""
-    http, grpc, metrics = free_ports(3)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rmsnorm_deploy", "serve", str(model_dir), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
-    server = Served(process, http, grpc, metrics, log)
-    deadline = time.monotonic() + STARTUP_S
     try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"serve exited with {process.returncode} before it was ready:\n{''.join(log)}")
-            try:
-                with urllib.request.urlopen(server.url("/v2/health/ready"), timeout=2) as response:
-                    # ready on the wire, and serve has said so (it prints after the server is up)
-                    if response.status == 200 and any(line.startswith("ready") for line in log):
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve was not ready within {STARTUP_S} s:\n{''.join(log)}")
-            time.sleep(0.2)
-        yield server
+        proc = start_serve_process(model_dir, timeout_s=STARTUP_S)
+    except UserError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield Served(proc)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=30)
+        proc.stop()
 
 
 def post_infer(url: str, body: dict, *, timeout: float = 30) -> tuple[int, str]:

@@ -9,7 +9,8 @@ import pytest
 
 from rmsnorm_deploy.cli import main
 from rmsnorm_deploy.serving import pytriton_env
-from rmsnorm_deploy.serving.server import check_port_free, free_ports
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.serving.server import check_port_free, free_ports, start_serve_process
 from rmsnorm_deploy.serving.signature import read_signature
 from tests.serving._models import external_data_model, fixed_shape_model, kv_cache_model
 
@@ -127,3 +128,8 @@ def test_free_ports_are_distinct_and_bindable():
     assert len(set(ports)) == 5 and all(1024 <= p <= 65535 for p in ports)
     for port in ports:
         check_port_free("127.0.0.1", port, "--http-port")  # raises a UserError if it cannot be bound
+
+
+def test_a_serve_process_that_exits_before_ready_is_reported_with_its_output(tmp_path):
+    with pytest.raises(UserError, match=r"serve exited with 2 before it was ready:\n.*missing"):
+        start_serve_process(tmp_path / "missing", timeout_s=60)
