@@ -20,6 +20,8 @@ greedy tokens, batch 1 and 4:
 * ``torch eager``: transformers with its ``DynamicCache``, 2 threads;
 * ``ours portable``: ``rmsnorm-deploy export HF_FOLDER --kv-cache`` (the plain-ops graph, with its
   ``config.json``, tokenizer and ``genai_config.json`` beside it), decoded by our loop;
+* ``ours portable --fuse-attention``: the same with opset-23 ``Attention`` taking the past and
+  returning the present, and ``RotaryEmbedding``;
 * with ``--optimum-python PY`` (a Python with optimum-onnx, which needs transformers < 4.58 and so
   its own environment; docs/kv-cache.md), through ``benchmarks/optimum_client.py serve`` workers
   run by PY: ``optimum generate, our portable graph`` (``ORTModelForCausalLM.from_pretrained`` on
@@ -77,6 +79,7 @@ MODELS = {
 }
 LABELS = {"tiny": "HF Llama hidden 256, 4 layers, vocab 2048", "125m": "Llama hidden 768, 12 layers, vocab 32000 (~134M)"}
 OURS, OURS_SHARED, PORTABLE = "ours onnxruntime", "ours onnxruntime shared", "ours portable"
+PORTABLE_FUSED = "ours portable --fuse-attention"
 OURS_SHARED_ORT = "ours onnxruntime shared, ort lowering"
 #: Our onnxruntime-target contenders: name -> (share_buffer, lowering).
 OURS_BUILDS = {OURS: (False, "function"), OURS_SHARED: (True, "function"), OURS_SHARED_ORT: (True, "ort")}
@@ -85,7 +88,7 @@ GENAI, GENAI_OURLOOP, TORCH = "genai builder, genai runtime", "genai builder, ou
 #: graphs compared under one runtime, and what a genai user who switches to our export runs.
 OURS_GENAI = "ours onnxruntime shared, ort lowering, genai runtime"
 #: Every contender whose graph is ours (the "ours" side of the ratios; the portable graph included).
-OURS_ALL = (*OURS_BUILDS, OURS_GENAI, PORTABLE)
+OURS_ALL = (*OURS_BUILDS, OURS_GENAI, PORTABLE, PORTABLE_FUSED)
 OPTIMUM_OURS, OPTIMUM_OWN = "optimum generate, our portable graph", "optimum generate, optimum graph"
 #: What a user runs today and would switch from (the issue's contenders): onnxruntime-genai's builder
 #: output in its own runtime, optimum-onnx's export in its own generate, torch eager. "genai builder, our
@@ -301,6 +304,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
     dims = decoders[OURS].dims
     genai_dir = build_genai(hf_dir, tmp / f"{key}-genai", tmp / "genai-cache")
     portable_dir = export_folder(hf_dir, tmp / f"{key}-portable")
+    fused_dir = export_folder(hf_dir, tmp / f"{key}-portable-fused", "--fuse-attention")
     ours_genai_dir = export_folder(hf_dir, tmp / f"{key}-ours-genai", "--target", "onnxruntime", "--share-buffer",
                                    "--lowering", "ort")
     genai_session_options(ours_genai_dir)
@@ -317,10 +321,12 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
         OURS_GENAI: GenaiRuntime(ours_genai_dir).greedy,
         GENAI_OURLOOP: runner_call(ours_runner(genai_dir / "model.onnx", shared_layout)),
         PORTABLE: runner_call(ours_runner(portable_dir / "model.onnx")),
+        PORTABLE_FUSED: runner_call(ours_runner(fused_dir / "model.onnx")),
         TORCH: lambda ids: torch_greedy(lm, ids),
     }
     graphs = {OURS: graph_ops(paths[OURS]), OURS_SHARED_ORT: graph_ops(paths[OURS_SHARED_ORT]),
-              PORTABLE: graph_ops(portable_dir / "model.onnx"), GENAI: graph_ops(genai_dir / "model.onnx")}
+              PORTABLE: graph_ops(portable_dir / "model.onnx"),
+              PORTABLE_FUSED: graph_ops(fused_dir / "model.onnx"), GENAI: graph_ops(genai_dir / "model.onnx")}
     if args.optimum_python:
         for name, folder, export in ((OPTIMUM_OURS, portable_dir, False), (OPTIMUM_OWN, hf_dir, True)):
             worker = OptimumWorker(args.optimum_python, folder, export=export)
