@@ -102,6 +102,25 @@ OPTIMUM_NOT_RUN = ("optimum-onnx 0.1 needs transformers < 4.58, not installable 
 Timed = tuple[np.ndarray, float, list[float]]
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU time counters (/proc/stat: user, nice, system, idle, iowait, irq, softirq,
+    steal), or None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """The share of CPU time the hypervisor gave to other machines between two readings: time no
+    contender could use, and the main source of the rounds' spread on a virtual machine."""
+    if not before or not after or len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after) - sum(before)
+    return round((after[7] - before[7]) / total, 3) if total > 0 else None
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -448,7 +467,10 @@ def markdown(results: dict[str, Any]) -> str:
         "decode step of every round, which a step preempted by another process on the machine does not move.",
         "",
         f"Machine load (1-minute load average on {env['cpu']}) before / after the run: {env['load_before'][0]} / "
-        f"{env.get('load_after', ['?'])[0]}: with other jobs sharing the cores, absolute times are inflated "
+        f"{env.get('load_after', ['?'])[0]}"
+        + (f"; the hypervisor took {env['steal_share']:.0%} of the CPU time (steal)" if env.get("steal_share") is not None
+           else "")
+        + ": with other jobs sharing the cores, absolute times are inflated "
         "and noisy; the interleaved rounds keep the contenders' comparison fair, not the absolute values.",
         "",
         "| model | batch | " + " | ".join(results["contenders"]) + " | ours / any | ours / users |",
@@ -541,11 +563,13 @@ def main(argv: list[str] | None = None) -> int:
         + ([OPTIMUM_OURS, OPTIMUM_OWN] if args.optimum_python else []), "models": {},
         "not_run": {} if args.optimum_python else {"optimum-onnx": OPTIMUM_NOT_RUN}, "optimum": optimum_versions}
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    start_times = cpu_times()
     with tempfile.TemporaryDirectory(prefix="bench-kv-") as tmp:
         for key in args.models.split(","):
             def checkpoint(result: dict[str, Any], key: str = key) -> None:
                 results["models"][key] = result  # after each batch: a long run keeps what it measured
                 env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+                env["steal_share"] = steal_share(start_times, cpu_times())
                 write(results, args.out_dir)
 
             workers: list[OptimumWorker] = []
