@@ -114,7 +114,8 @@ def cpu_times() -> list[int] | None:
 
 def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
     """The share of CPU time the hypervisor gave to other machines between two readings: time no
-    contender could use, and the main source of the rounds' spread on a virtual machine."""
+    contender could use. (Neighbours sharing the host's memory bandwidth slow a memory-bound decode
+    step too, and that no counter here shows.)"""
     if not before or not after or len(before) < 8 or len(after) < 8:
         return None
     total = sum(after) - sum(before)
