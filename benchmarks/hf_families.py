@@ -90,6 +90,15 @@ EXTRA.update({
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                   first_k_dense_replace=1),
     "dots3_note_text": _MLA,
+    # MLA families: the latent K/V is per head (with TINY's 2 KV heads for 4 query heads the forward
+    # fails in attention), and youtu's and longcat_flash's rotary tables are sized by head_dim, which
+    # must equal qk_rope_head_dim (TINY's 16 against the default 64 fails in the rotary product)
+    "youtu": _MLA,
+    "minicpm3": _MLA,
+    "sarvam_mla": _MLA,
+    # and LongCat-Flash's router also picks among zero (identity) experts: 2 of them beside the 4
+    # routed ones, not the default 256 that would take nearly every top-2 choice
+    "longcat_flash": {**_MLA, "zero_expert_num": 2},
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 })
 GATED_HINT = "gated norm"
