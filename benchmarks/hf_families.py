@@ -254,8 +254,6 @@ EXPLAINED: dict[str, str] = {
     "gemma4_unified": "multimodal: over 900 s at load 6-9; its decoder, gemma4_text, meets the target",
     "kimi_linear": "a linear-attention hybrid: like Qwen3-Next (about 800 s per row, torch.export's symbolic "
                    "tracing), longer than the 360 s timeout of this pass; not rerun longer",
-    "dots3_note_text": "placement: the graph finds k_rope_only_layernorm inside attention (qk), the PyTorch "
-                       "side calls it other; export refuses the mismatch (open)",
     "nanochat": "its final norm module runs twice (on the embeddings before the layers, and after them), so 10 "
                 "norm nodes for 9 modules (one per call, each exact) is right; logits within 2.4e-7",
     "phi4_multimodal": "refused: the audio encoder's Phi4MultimodalAudioMeanVarianceNormLayer is named like a "
