@@ -263,8 +263,6 @@ EXPLAINED: dict[str, str] = {
     "gemma4_unified": "multimodal: over 900 s at load 6-9; its decoder, gemma4_text, meets the target",
     "kimi_linear": "a linear-attention hybrid: like Qwen3-Next (about 800 s per row, torch.export's symbolic "
                    "tracing), longer than the 360 s timeout of this pass; not rerun longer",
-    "dots3_note_text": "placement: the graph finds k_rope_only_layernorm inside attention (qk), the PyTorch "
-                       "side calls it other; export refuses the mismatch (open)",
     "longcat_flash": "its experts (with identity 'zero' experts) are not @use_experts_implementation, so no "
                      "batched_mm: the eager loop over nonzero() of the experts hit is data-dependent for "
                      "torch.export (unbind of an unbacked size)",

@@ -3,12 +3,13 @@
 The module runs once, eagerly, under a :class:`torch.overrides.TorchFunctionMode` that records
 every torch function it calls (``F.linear``, ``Tensor.__add__``, ``torch.matmul``,
 ``F.scaled_dot_product_attention``, views, casts...) with the identities of the tensors it reads
-and writes; each detected norm is recorded as one op (forward hooks on its module; what it
-does inside is not recorded). That is the op graph of ``graph/placement.py``, and the same
-rules place each norm there (``pre``, ``post``, ``sublayer_output``, ``qk``, ``final``,
-``other``). Eager execution sees what the model computes whatever its code looks like (HF
-models, our blocks, user modules), with no tracer to satisfy. A norm called more than once
-gets one placement per call, named ``path``, ``path#2``, ... as the exported nodes are.
+and writes (an in-place write into a view also writes the view's base: MLA fills its keys with
+``keys[..., n:].copy_(k_rot)``); each detected norm is recorded as one op (forward hooks on its
+module; what it does inside is not recorded). That is the op graph of ``graph/placement.py``, and
+the same rules place each norm there (``pre``, ``post``, ``sublayer_output``, ``qk``, ``final``,
+``other``). Eager execution sees what the model computes whatever its code looks like (HF models,
+our blocks, user modules), with no tracer to satisfy. A norm called more than once gets one
+placement per call, named ``path``, ``path#2``, ... as the exported nodes are.
 
 Export compares these placements with the ONNX graph's (:func:`check_placements`) and refuses
 a mismatch.
@@ -79,6 +80,9 @@ class _Recorder(TorchFunctionMode):
         if kind == "matmul" and fname in ("baddbmm", "addmm"):
             inputs = inputs[1:3]
         self.ops.append(Op(kind, inputs, outputs, name=fname))
+        base = args[0]._base if in_place and args and isinstance(args[0], torch.Tensor) else None
+        if base is not None:  # a write into a view (``buf[..., :n].copy_(k)``) writes its base too
+            self.ops.append(Op("op", [self.name(base), outputs[0]], [self.name(base, new=True)], name=fname))
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

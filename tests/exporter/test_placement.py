@@ -181,6 +181,36 @@ def test_a_norm_called_twice_is_placed_per_call():
 
 
 
+class SliceFilledKeys(torch.nn.Module):
+    """Keys assembled in a buffer by writes into views of it, as MLA does (DeepSeek-style ``expand_kv``:
+    ``new_empty``, then ``keys[..., :n].copy_(k_nope)``): the normalized rotary part reaches the scores
+    only through the buffer."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.q, self.k_nope, self.k_rope, self.v = (torch.nn.Linear(8, 8), torch.nn.Linear(8, 4),
+                                                      torch.nn.Linear(8, 4), torch.nn.Linear(8, 8))
+        self.k_rope_norm = torch.nn.RMSNorm(4)
+        self.write = write
+
+    def forward(self, x):
+        q = self.q(x)
+        keys = q.new_empty(q.shape)
+        self.write(keys[..., :4], self.k_nope(x))
+        self.write(keys.narrow(-1, 4, 4), self.k_rope_norm(self.k_rope(x)))
+        return {"y": torch.nn.functional.scaled_dot_product_attention(q, keys, self.v(x))}
+
+
+@pytest.mark.parametrize("write", [lambda view, v: view.copy_(v), lambda view, v: view.__setitem__(..., v)],
+                         ids=["copy_", "setitem"])
+def test_a_write_into_a_view_reaches_its_base(write):
+    """A norm written into a slice of the key buffer feeds attention's keys: ``qk``, as the graph (one
+    ``Concat``) places it; recording the write on the slice alone left the norm ``other``."""
+    module = SliceFilledKeys(write)
+    norms = detect_norms(module, dtype="float32").norms
+    assert torch_placements(module, norms, {"x": torch.randn(1, 3, 8)}) == {"k_rope_norm": "qk"}
+
+
 def test_layer_norms_are_norms_on_both_sides():
     """A LayerNorm (exported as it is) is a norm in the graph; the PyTorch side collapses it too, so a
     norm whose value reaches the head only through a LayerNorm is ``other`` on both sides."""
