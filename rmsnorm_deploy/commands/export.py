@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
                        [[count, cls, how, spec] for (cls, how, spec), count in groups.items()]))
     for path, cls in result.detection.other_norms:
         print(f"left as exported by torch (not an RMSNorm): {path} ({cls})")
+    for left in result.detection.not_exported:
+        print(f"not on the exported path (never called on the example input): {left.name} ({left.class_name})")
     if result.parity is not None:
         print()
         print(result.parity.table())

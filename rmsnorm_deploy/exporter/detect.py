@@ -24,6 +24,10 @@ Known classes (matched by their exact class, never by a name pattern):
   seen), nor is a module with children whose ``forward(x)`` does not map a float tensor to
   one of the same shape or that computes no candidate spec (a block named like a norm).
   Mean-subtracting norms are refused as LayerNorms.
+  A weightless module without a ``normalized_shape`` that this run never calls is not on the
+  exported path (the export traces the same forward on the same input): it is left out and
+  listed (:attr:`Detection.not_exported`), and :func:`refuse_calls_of_not_exported` stops an
+  export whose traced run calls it after all.
 
 Every spec is then *confirmed*: the module and ``reference(spec, x, weight)`` run on seeded
 random inputs in the module's own dtype (rows from 1e-3 to 1e2 in magnitude, so epsilon
@@ -38,9 +42,10 @@ paths: the wrapper's attribute (``TokenLogits.model``) is not part of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -94,12 +99,32 @@ class DetectedNorm:
                 "normalized_shape": list(self.normalized_shape), "dtype": str(self.dtype).removeprefix("torch.")}
 
 
+#: Why a module in :attr:`Detection.not_exported` is left out.
+NOT_CALLED = ("has no weight and no normalized_shape, and the model's forward does not call it on the example "
+              "input, so it is not on the exported path")
+
+
+@dataclasses.dataclass(frozen=True)
+class NotExportedNorm:
+    """A module named like a norm that the example run never calls: not in the exported graph, so not checked."""
+
+    path: str
+    name: str  # the model's own module path
+    class_name: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "name": self.name, "class": self.class_name, "reason": self.reason}
+
+
 @dataclasses.dataclass
 class Detection:
     norms: list[DetectedNorm]
     #: (name, class) of normalizations that are not RMSNorm and are exported as they are; the
     #: name as the wrapped model says it (``model_path``; ``root_path`` gives the path back).
     other_norms: list[tuple[str, str]]
+    #: Norm-like modules left out because the example run never calls them (none of ``norms``).
+    not_exported: list[NotExportedNorm] = dataclasses.field(default_factory=list)
 
     @property
     def specs(self) -> dict[str, RMSNormSpec]:
@@ -284,6 +309,7 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
     widths: dict[str, Any] | None = None
     norms: list[DetectedNorm] = []
     others: list[tuple[str, str]] = []
+    not_exported: list[NotExportedNorm] = []
     skip_under: list[str] = []
     for path, module in model.named_modules():
         if any(path.startswith(prefix + ".") for prefix in skip_under):
@@ -307,6 +333,9 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
             if shape is None:
                 if widths is None:
                     widths = _record_inputs(model, example, where)
+                if _not_called(widths, path, module):
+                    not_exported.append(NotExportedNorm(path, name, class_path(type(module)), NOT_CALLED))
+                    continue
                 shape = _recorded_width(widths, path, module, where)
             if shape is None:  # a container that is not itself a norm
                 continue
@@ -332,6 +361,9 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
                 example is None and how == "known class"):
             if widths is None:
                 widths = _record_inputs(model, example, where)
+            if _not_called(widths, path, module):
+                not_exported.append(NotExportedNorm(path, name, class_path(type(module)), NOT_CALLED))
+                continue
             shape = _recorded_width(widths, path, module, where)
         if shape is None or spec.has_gain:
             shape = _normalized_shape(module, spec, weight, where, recorded=shape, how=how)
@@ -348,7 +380,7 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
     if unused:
         raise UserError(f"--norm-spec {table[unused[0]].text}: no module of the model has the class or path "
                         f"{unused[0]!r}")
-    return Detection(norms, others)
+    return Detection(norms, others, not_exported)
 
 
 def _probe_shape(module: torch.nn.Module) -> tuple[int, ...] | None:
@@ -394,13 +426,15 @@ def _record_inputs(model: torch.nn.Module, example: dict[str, Any] | None, where
     return calls
 
 
+def _not_called(widths: dict[str, Any], path: str, module: torch.nn.Module) -> bool:
+    """A leaf module the recorded run never calls (a container is seen through instead)."""
+    return path not in widths and not any(True for _ in module.children())
+
+
 def _recorded_width(widths: dict[str, Any], path: str, module: torch.nn.Module, where: str) -> tuple[int, ...] | None:
     tensors = widths.get(path)
-    if tensors is None:
-        if any(True for _ in module.children()):
-            return None
-        raise UnknownNormError(f"{where} has no weight and no normalized_shape, and the model's forward does not call "
-                               "it on the example input, so its width is unknown")
+    if tensors is None:  # a container not called (a leaf is :func:`_not_called`)
+        return None
     if len(tensors) != 1:
         if any(True for _ in module.children()):
             return None
@@ -410,6 +444,25 @@ def _recorded_width(widths: dict[str, Any], path: str, module: torch.nn.Module, 
     if not x.is_floating_point() or x.dim() < 1:
         return None
     return (int(x.shape[-1]),)
+
+
+@contextlib.contextmanager
+def refuse_calls_of_not_exported(model: torch.nn.Module, detection: Detection) -> Iterator[None]:
+    """Around the run whose forward the export traces: a module left out as not on the exported
+    path that this run calls is refused (it would be in the graph, unchecked)."""
+    called: list[NotExportedNorm] = []
+    handles = [model.get_submodule(n.path).register_forward_pre_hook(lambda *_, n=n: called.append(n))
+               for n in detection.not_exported]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+    if called:
+        first = called[0]
+        raise UnknownNormError(f"module {first.name!r} ({first.class_name}) is called by the forward the export "
+                               "traces but not by the example run that detected the norms, so it is unchecked; "
+                               "give it a normalized_shape attribute so that its spec can be confirmed")
 
 
 def confirm_norm(norm: DetectedNorm, *, seed: int = 0, rows: int = 16) -> None:

@@ -62,7 +62,13 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.errors import LoweringError, UserError, one_line
-from rmsnorm_deploy.exporter.detect import DetectedNorm, Detection, detect_norms, root_path
+from rmsnorm_deploy.exporter.detect import (
+    DetectedNorm,
+    Detection,
+    detect_norms,
+    refuse_calls_of_not_exported,
+    root_path,
+)
 from rmsnorm_deploy.exporter.fusions import (
     FusionCounts,
     FusionError,
@@ -158,7 +164,9 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                 raise LoweringError(f"cannot lower norm {norm.name!r} ({norm.class_name}) to {lowering!r}: {reason}")
         probed = sum(1 for n in detection.norms if n.how.startswith("confirmed by probing"))
         st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)"
-                + (f", {probed} confirmed by probing" if probed else ""))
+                + (f", {probed} confirmed by probing" if probed else "")
+                + (f", {len(detection.not_exported)} norm-like module(s) not on the exported path"
+                   if detection.not_exported else ""))
     timings["detect_s"] = st.seconds
 
     kv = None
@@ -174,7 +182,9 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
         try:
             # topk/sort calls are recorded for the parity check's routing diagnosis (routing.py)
-            with torch.no_grad(), TopKRecorder() as recorder:
+            # the same forward and input the export traces: a module detection left out as not
+            # called must not be called here either
+            with torch.no_grad(), TopKRecorder() as recorder, refuse_calls_of_not_exported(loaded.module, detection):
                 torch_out = module(**feed)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
@@ -230,6 +240,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         "norms": [{**n.to_dict(), "placement": source_placements.get(n.path, "")} for n in detection.norms],
         "placements": source_placements,
         "other_norms": [{"path": p, "class": c} for p, c in detection.other_norms],
+        "not_exported_norms": [n.to_dict() for n in detection.not_exported],
         "versions": tool_versions(),
     }
     meta = ModelMetadata(

@@ -261,3 +261,52 @@ def test_token_ids_are_seeded_and_in_range():
     assert a.dtype == np.int64 and np.array_equal(a, b) and a.min() >= 0 and a.max() < 17
     assert not np.array_equal(a, token_ids((3, 40), 17, seed=3))
     assert to_torch(a).dtype == torch.int64
+
+
+def _tiny_with_audio_norm():
+    """The tiny preset with a weightless norm-like module its forward never calls (an audio branch)."""
+    from tests.exporter.test_probing import MeanVarianceNormLayer
+
+    loaded = load_torch_model("tiny", "float32")
+    loaded.module.model.audio_norm = MeanVarianceNormLayer()
+    return loaded
+
+
+def test_a_norm_the_forward_never_calls_is_reported_not_exported_and_the_graph_audit_passes(tmp_path):
+    path = tmp_path / "model.onnx"
+    result = export_model(_tiny_with_audio_norm(), path, ExportOptions(batch=2, seq=7))
+    assert not result.parity_failed
+    assert [n.path for n in result.detection.norms] == TINY_NORMS
+    left = {"path": "model.audio_norm", "name": "audio_norm",
+            "class": "tests.exporter.test_probing.MeanVarianceNormLayer",
+            "reason": "has no weight and no normalized_shape, and the model's forward does not call it on the "
+                      "example input, so it is not on the exported path"}
+    assert result.report["not_exported_norms"] == [left]
+    assert json.loads((tmp_path / "report.json").read_text())["not_exported_norms"] == [left]
+    assert len(result.report["norms"]) == len(TINY_NORMS) and "model.audio_norm" not in result.report["placements"]
+    model = onnx.load(str(path))
+    assert sum(1 for n in model.graph.node if is_rmsnorm_node(n)) == len(TINY_NORMS)
+    assert len([r for r in audit_model(model) if r.kind == "RMSNorm"]) == len(TINY_NORMS)
+
+
+def test_a_not_exported_norm_that_the_traced_forward_calls_stops_the_export(tmp_path, monkeypatch):
+    loaded = _tiny_with_audio_norm()
+    inner = loaded.module.model
+    detected = []
+
+    def detect_then_mark(*args, **kwargs):  # the forward changes after detection (as a KV-cache trace may)
+        detected.append(export_mod.detect_norms.__wrapped__(*args, **kwargs))
+        return detected[-1]
+
+    detect_then_mark.__wrapped__ = export_mod.detect_norms
+    monkeypatch.setattr(export_mod, "detect_norms", detect_then_mark)
+
+    def audio_branch(*_):
+        if detected:
+            inner.audio_norm(torch.zeros(1, 8))
+
+    inner.register_forward_pre_hook(audio_branch)
+    with pytest.raises(UserError, match=r"^module 'audio_norm' \(.*MeanVarianceNormLayer\) is called by the forward "
+                                        r"the export traces but not by the example run"):
+        export_model(loaded, tmp_path / "model.onnx", ExportOptions(batch=2, seq=7))
+    assert detected and not any(tmp_path.iterdir())

@@ -12,10 +12,14 @@ from rmsnorm_deploy import RMSNormSpec
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.detect import (
+    NOT_CALLED,
     NormMismatchError,
+    NotExportedNorm,
     UnknownNormError,
+    class_path,
     detect_norms,
     parse_norm_spec,
+    refuse_calls_of_not_exported,
 )
 from rmsnorm_deploy.exporter.loaded_model import TokenLogits
 from rmsnorm_deploy.exporter.probing import normal_form
@@ -165,6 +169,69 @@ def test_a_weightless_norm_is_probed_at_the_width_it_sees_inside_the_model():
     with pytest.raises(UnknownNormError, match=r"module 'qk_norm' .* has no weight and no normalized_shape, so its "
                                                r"width is read from a run of the model"):
         detect_norms(model)
+
+
+class MeanVarianceNormLayer(torch.nn.Module):
+    """Phi-4-multimodal's audio input normalization: named like a norm, no weight, no normalized_shape."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.register_buffer("global_mean", torch.linspace(-1, 1, width))
+        self.register_buffer("global_invstd", torch.linspace(0.5, 2, width))
+
+    def forward(self, x):
+        return (x - self.global_mean) * self.global_invstd
+
+
+class DeclaredGainlessNorm(torch.nn.Module):
+    """A declared spec without a gain or a width: its width is read from the model's run too."""
+
+    rmsnorm_spec = RMSNormSpec(1e-6, gain="none")
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+
+
+class TextWithAudio(torch.nn.Module):
+    """A text model whose audio branch runs only when audio is given (the export's example has none)."""
+
+    def __init__(self, audio_norm):
+        super().__init__()
+        self.norm = _set_weight(RenamedLlamaNorm(16), 1, "float32")
+        self.audio_norm = audio_norm
+
+    def forward(self, x, audio=None):
+        h = self.norm(x)
+        if audio is not None:
+            h = h + self.audio_norm(audio).mean(-1, keepdim=True)
+        return h
+
+
+@pytest.mark.parametrize("audio_norm", [MeanVarianceNormLayer, DeclaredGainlessNorm])
+def test_a_weightless_norm_the_example_run_never_calls_is_listed_as_not_exported(audio_norm):
+    model = TextWithAudio(audio_norm())
+    detection = detect_norms(model, example={"x": torch.randn(2, 3, 16)})
+    assert [n.path for n in detection.norms] == ["norm"]
+    assert detection.not_exported == [NotExportedNorm("audio_norm", "audio_norm", class_path(audio_norm), NOT_CALLED)]
+    assert detection.not_exported[0].to_dict()["reason"].endswith("so it is not on the exported path")
+    with refuse_calls_of_not_exported(model, detection):  # the traced run on the example: not called
+        model(torch.randn(2, 3, 16))
+
+
+def test_a_weightless_norm_the_example_run_calls_is_still_refused_when_unconfirmable():
+    model = TextWithAudio(MeanVarianceNormLayer())
+    with pytest.raises(UnknownNormError, match=r"^module 'audio_norm' \(.*MeanVarianceNormLayer\) computes none of "
+                                               r"the \d+ candidate"):
+        detect_norms(model, example={"x": torch.randn(2, 3, 16), "audio": torch.randn(2, 3, 8)})
+
+
+def test_a_not_exported_norm_that_the_traced_run_calls_stops_the_export():
+    model = TextWithAudio(MeanVarianceNormLayer())
+    detection = detect_norms(model, example={"x": torch.randn(2, 3, 16)})
+    with pytest.raises(UnknownNormError, match=r"^module 'audio_norm' \(.*MeanVarianceNormLayer\) is called by the "
+                                               r"forward the export traces but not by the example run"):
+        with refuse_calls_of_not_exported(model, detection):
+            model(torch.randn(2, 3, 16), audio=torch.randn(2, 3, 8))
 
 
 def test_an_embedding_named_norm_is_not_a_norm_but_its_inner_norm_is_seen():
