@@ -263,8 +263,9 @@ EXPLAINED: dict[str, str] = {
     "gemma3": "the multimodal model with its vision tower: over 500 s at load 4-6; its decoder, gemma3_text, "
               "meets the target (3.6e-7, 370 s)",
     "gemma4_unified": "multimodal: over 900 s at load 6-9; its decoder, gemma4_text, meets the target",
-    "kimi_linear": "a linear-attention hybrid: like Qwen3-Next (about 800 s per row, torch.export's symbolic "
-                   "tracing), longer than the 360 s timeout of this pass; not rerun longer",
+    "kimi_linear": "a linear-attention hybrid: about 900 s per row (torch.export's symbolic tracing), run "
+                   "alone with a 1,500 s timeout",
+    "qwen3_5_moe_text": "a linear-attention MoE hybrid: about 670 s per row, run alone with a 1,500 s timeout",
     "longcat_flash": "its experts (with identity 'zero' experts) are not @use_experts_implementation, so no "
                      "batched_mm: the eager loop over nonzero() of the experts hit is data-dependent for "
                      "torch.export (unbind of an unbacked size)",
