@@ -102,6 +102,9 @@ class DetectedNorm:
 #: Why a module in :attr:`Detection.not_exported` is left out.
 NOT_CALLED = ("has no weight and no normalized_shape, and the model's forward does not call it on the example "
               "input, so it is not on the exported path")
+#: Why a detected norm is left out after the run the export traces (:func:`without_uncalled`).
+NOT_CALLED_BY_RUN = ("is not called by the forward the export traces, on its input, so it is not on the exported "
+                     "path")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,6 +447,30 @@ def _recorded_width(widths: dict[str, Any], path: str, module: torch.nn.Module, 
     if not x.is_floating_point() or x.dim() < 1:
         return None
     return (int(x.shape[-1]),)
+
+
+@contextlib.contextmanager
+def norm_calls(model: torch.nn.Module, detection: Detection) -> Iterator[set[str]]:
+    """The paths of the detected norms that the run inside this block calls."""
+    called: set[str] = set()
+    handles = [model.get_submodule(n.path).register_forward_pre_hook(lambda *_, p=n.path: called.add(p))
+               for n in detection.norms]
+    try:
+        yield called
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def without_uncalled(detection: Detection, called: set[str]) -> Detection:
+    """``detection`` with the norms the run the export traces never called moved to ``not_exported``:
+    a norm with a weight (a multimodal projector's on text input) that cannot be in the graph."""
+    uncalled = [n for n in detection.norms if n.path not in called]
+    if not uncalled:
+        return detection
+    return Detection([n for n in detection.norms if n.path in called], detection.other_norms,
+                     detection.not_exported + [NotExportedNorm(n.path, n.name, n.class_name, NOT_CALLED_BY_RUN)
+                                               for n in uncalled])
 
 
 @contextlib.contextmanager

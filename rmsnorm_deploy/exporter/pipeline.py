@@ -66,8 +66,10 @@ from rmsnorm_deploy.exporter.detect import (
     DetectedNorm,
     Detection,
     detect_norms,
+    norm_calls,
     refuse_calls_of_not_exported,
     root_path,
+    without_uncalled,
 )
 from rmsnorm_deploy.exporter.fusions import (
     FusionCounts,
@@ -184,11 +186,22 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             # topk/sort calls are recorded for the parity check's routing diagnosis (routing.py)
             # the same forward and input the export traces: a module detection left out as not
             # called must not be called here either
-            with torch.no_grad(), TopKRecorder() as recorder, refuse_calls_of_not_exported(loaded.module, detection):
+            with torch.no_grad(), TopKRecorder() as recorder, \
+                    refuse_calls_of_not_exported(loaded.module, detection), \
+                    norm_calls(loaded.module, detection) as called:
                 torch_out = module(**feed)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
                             "choose another --dtype") from None
+        # A detected norm this run never calls is not in the traced graph either: left out, listed.
+        left_before = len(detection.not_exported)
+        detection = without_uncalled(detection, called)
+        if not detection.norms:
+            raise ExportError(f"{loaded.name}: the forward the export traces calls none of its RMSNorms; nothing for "
+                              "this exporter to guarantee")
+        if len(detection.not_exported) > left_before:
+            st.note(f"{len(detection.not_exported) - left_before} detected norm(s) not called by this run: "
+                    "not on the exported path")
     timings["torch_run_s"] = st.seconds
 
     with progress.stage("placing each norm in the PyTorch model (pre, post, qk, final, ...)") as st:

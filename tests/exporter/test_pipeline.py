@@ -289,6 +289,26 @@ def test_a_norm_the_forward_never_calls_is_reported_not_exported_and_the_graph_a
     assert len([r for r in audit_model(model) if r.kind == "RMSNorm"]) == len(TINY_NORMS)
 
 
+def test_a_norm_with_a_weight_the_traced_forward_never_calls_is_reported_not_exported(tmp_path):
+    """A multimodal projector's norm on text input: detected (it has a weight), never called by the
+    run the export traces, so not in the graph; listed instead of refusing the export."""
+    import copy
+
+    loaded = load_torch_model("tiny", "float32")
+    loaded.module.model.projector_norm = copy.deepcopy(loaded.module.model.norm)
+    path = tmp_path / "model.onnx"
+    result = export_model(loaded, path, ExportOptions(batch=2, seq=7))
+    assert not result.parity_failed
+    assert [n.path for n in result.detection.norms] == TINY_NORMS
+    assert [(n["path"], n["reason"]) for n in result.report["not_exported_norms"]] == [
+        ("model.projector_norm", "is not called by the forward the export traces, on its input, so it is not on the "
+                                 "exported path")]
+    assert "model.projector_norm" not in result.report["placements"]
+    model = onnx.load(str(path))
+    assert sum(1 for n in model.graph.node if is_rmsnorm_node(n)) == len(TINY_NORMS)
+    assert len([r for r in audit_model(model) if r.kind == "RMSNorm"]) == len(TINY_NORMS)
+
+
 def test_a_not_exported_norm_that_the_traced_forward_calls_stops_the_export(tmp_path, monkeypatch):
     loaded = _tiny_with_audio_norm()
     inner = loaded.module.model
