@@ -260,10 +260,9 @@ EXPLAINED: dict[str, str] = {
                    "refused with the closest candidate; it needs a spec of its own",
     "hrm_text": "a recurrent model: its 10 norm modules run 4 times each, so 40 norm nodes (one per call, "
                 "each exact) is right; logits within 2.2e-7",
-    "gemma3": "the multimodal model: text input never calls its projector's mm_soft_emb_norm (a Gemma norm "
-              "with a weight), and the export refuses a detected norm missing from the graph (only weightless "
-              "ones are left out as not on the exported path); its decoder, gemma3_text, meets the target "
-              "(3.6e-7)",
+    "gemma3": "the multimodal model, its vision tower at its defaults (2.7B parameters): text input never "
+              "calls its projector's mm_soft_emb_norm, listed as not on the exported path; the float16 run is "
+              "refused by the memory budget; its decoder, gemma3_text, meets the target (3.6e-7)",
     "moss_transcribe_diarize": "its tiny config keeps the audio encoder's defaults (908M parameters): the "
                                "float16 run was refused by the memory budget while another row ran beside it",
     "gemma4_unified": "multimodal: over 900 s at load 6-9; its decoder, gemma4_text, meets the target",
