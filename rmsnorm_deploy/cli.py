@@ -13,7 +13,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from rmsnorm_deploy import __version__
+from rmsnorm_deploy.resources import __version__
 from rmsnorm_deploy.errors import UserError
 
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
