@@ -72,7 +72,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from rmsnorm_deploy.graph.audit import Reduction, _inline_for_analysis, audit_model
+from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.graph.onnx_reading import inline_for_analysis
+from rmsnorm_deploy.graph.reductions import Reduction
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 PLACEMENTS: tuple[str, ...] = ("pre", "post", "sublayer_output", "qk", "final", "other")
@@ -308,7 +310,7 @@ def onnx_op_graph(model: onnx.ModelProto, reductions: Iterable[Reduction],
     path, which survives every lowering as the output tensor's producer); by default the
     reduction's node label. Returns the graph and ``{norm name: reduction}``.
     """
-    inlined = _inline_for_analysis(model) if model.functions else model
+    inlined = inline_for_analysis(model) if model.functions else model
     nodes = list(inlined.graph.node)
     producers = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     consumers: dict[str, list[int]] = {}
