@@ -205,6 +205,30 @@ def test_the_order_check_fails_on_a_planted_violation(tmp_path):
     ]
 
 
+def _sizes() -> tuple[list[str], list[str]]:
+    """Modules over :data:`MAX_MODULE_LINES` whose docstring gives no ``Long: <reason>`` line, and
+    functions over :data:`MAX_FUNCTION_LINES` (a kernel may be, if its module says ``Kernel:``)."""
+    long_modules, long_functions = [], []
+    for module, path in sorted(_modules().items()):
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        doc = ast.get_docstring(tree) or ""
+        if len(text.splitlines()) > MAX_MODULE_LINES and not re.search(r"^Long: \S", doc, re.M):
+            long_modules.append(f"{module} ({len(text.splitlines())} lines)")
+        kernel = re.search(r"^Kernel: \S", doc, re.M)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not kernel:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{module}.{node.name} ({lines} lines)")
+    return long_modules, long_functions
+
+
+def test_no_module_over_500_lines_without_a_reason_and_no_function_over_100_lines():
+    long_modules, long_functions = _sizes()
+    assert long_modules == [] and long_functions == []
+
+
 def test_the_package_root_keeps_the_public_surface_only():
     root_modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(root_modules) <= MAX_ROOT_MODULES, root_modules

@@ -1,5 +1,7 @@
 """Where each norm stands in the computation: the placement half of the contract.
 
+Long: the placement rules and both readers of them (the op graph's rules, the ONNX side) must agree, so they sit together.
+
 A checkpoint trained with pre-norm blocks ``x + f(norm(x))`` is not a post-norm model
 ``norm(x + f(x))``: the formula of each norm is half of the contract, its position in the graph
 is the other half. This module classifies each norm's position on a small *op graph* (values,
