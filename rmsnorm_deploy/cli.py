@@ -13,8 +13,8 @@ import importlib
 import sys
 from typing import Sequence
 
-from rmsnorm_deploy.resources import __version__
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.resources import __version__
 
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.validate.lowering_sweep import (
         cases,
-        sweep_table,
         run_case,
         summary_table,
+        sweep_table,
     )
 
     if args.json:

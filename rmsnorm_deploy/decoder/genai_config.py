@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from rmsnorm_deploy.decoder.convention import KVCacheLayout
+from rmsnorm_deploy.decoder.convention import KVCacheError, KVCacheLayout
 from rmsnorm_deploy.graph.onnx_file import atomic_path
 
 GENAI_CONFIG = "genai_config.json"
@@ -176,7 +176,6 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
 
 def read_genai_config(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The folder's ``genai_config.json``, or ``None``; damaged files are a one-line error."""
-    from rmsnorm_deploy.decoder.convention import KVCacheError
 
     path = Path(folder) / GENAI_CONFIG
     if not path.is_file():

@@ -30,9 +30,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from rmsnorm_deploy.contract.dtypes import numpy_dtype
-from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
+from rmsnorm_deploy.decoder.genai_config import read_genai_config, special_tokens
 from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.errors import InputError, UserError, one_line
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "FROM_FOLDER", "GenerationResult", "KVCacheModel", "Sampling", "generate",
            "model_file"]
@@ -85,9 +90,6 @@ class KVCacheModel:
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] = ("cpu",), *,
                  intra_op_threads: int | None = None):
-        from rmsnorm_deploy.graph.metadata import ModelMetadata
-        from rmsnorm_deploy.graph.onnx_file import load_onnx
-        from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
         self.path = model_file(path)
         self.folder = self.path.parent
@@ -222,7 +224,6 @@ def stream(model: KVCacheModel, prompt: Sequence[int], *, max_new_tokens: int = 
 
 def _special_tokens(folder: Path) -> dict[str, Any]:
     """bos/eos/pad ids from ``genai_config.json`` (else ``config.json``); damaged files are an error."""
-    from rmsnorm_deploy.decoder.genai_config import read_genai_config, special_tokens
 
     genai = read_genai_config(folder)
     if genai is not None:
@@ -240,7 +241,6 @@ def _tokenizer(folder: Path) -> Any:
     path = folder / "tokenizer.json"
     if not path.is_file():
         return None
-    from rmsnorm_deploy.optional import require
 
     tokenizers = require("tokenizers", "reading the model folder's tokenizer.json")
     try:

@@ -23,10 +23,13 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
+from rmsnorm_deploy.exporter.probing import NOT_NORMS
 from rmsnorm_deploy.exporter.rebuild import source_builder
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.resources import check_memory
 
 #: The gain noise of random-weight models (see the module docstring).
 NORM_GAIN_NOISE = 0.1
@@ -111,7 +114,6 @@ def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = No
 
 def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None) -> None:
     """The model's weights against the memory budget, counted on the meta device (nothing allocated)."""
-    from rmsnorm_deploy.resources import check_memory
 
     try:
         with torch.device("meta"):
@@ -190,8 +192,6 @@ def _perturb_norm_gains(model: torch.nn.Module, seed: int) -> None:
     modules detection probes), embeddings and linear layers excepted."""
     import re
 
-    from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
-    from rmsnorm_deploy.exporter.probing import NOT_NORMS
 
     gen = torch.Generator().manual_seed(seed + 7919)
     for _, module in model.named_modules():

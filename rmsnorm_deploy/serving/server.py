@@ -32,7 +32,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, KVCacheModel, check_max_new_tokens, generate, stream
 from rmsnorm_deploy.errors import InputError, UserError, one_line
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
+from rmsnorm_deploy.serving.pytriton_env import prepare_process, refusal
 from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
 
 #: Triton's endpoints that only an operator should reach (PyTriton's token guards them).
@@ -257,8 +261,6 @@ class GenerationInference:
         return [self._one(request) for request in requests]
 
     def _one(self, request: Any) -> dict[str, np.ndarray]:
-        from rmsnorm_deploy.decoder.generate import generate
-        from rmsnorm_deploy.serving.pytriton_env import refusal
 
         try:
             prompt, max_new_tokens = self.parse(request)
@@ -270,7 +272,6 @@ class GenerationInference:
 
     def parse(self, request: Any) -> tuple[list[int], int]:
         """The prompt and ``max_new_tokens`` of one request, checked against the model (``InputError``)."""
-        from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, check_max_new_tokens
 
         if "input_ids" not in request.keys():
             raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
@@ -299,8 +300,6 @@ class StreamingGenerationInference(GenerationInference):
     """
 
     def __call__(self, requests: Sequence[Any]) -> Iterator[list[dict[str, np.ndarray]]]:  # type: ignore[override]
-        from rmsnorm_deploy.decoder.generate import stream
-        from rmsnorm_deploy.serving.pytriton_env import refusal
 
         if len(requests) != 1:  # Triton hands an unbatched model's requests over one by one
             raise RuntimeError(f"the streaming model got {len(requests)} requests at once; it answers one at a time")
@@ -329,7 +328,6 @@ def generation_endpoint(path: Path, signature: Signature, providers: Sequence[st
     """
     if not signature.is_kv_cache:
         return None
-    from rmsnorm_deploy.decoder.generate import KVCacheModel
 
     return KVCacheModel(path, providers)
 
@@ -348,7 +346,6 @@ class Server:
     """A running embedded Triton: ``start()``, ``wait()`` until a signal or the server dies, ``stop()``."""
 
     def __init__(self, model: str | Path, options: ServeOptions, *, say: Callable[[str], None] = print):
-        from rmsnorm_deploy.optional import require
 
         require("pytriton", "serve")
         self.options = options
@@ -369,8 +366,6 @@ class Server:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
-        from rmsnorm_deploy.serving.pytriton_env import prepare_process
 
         set_onnxruntime_log_level()
         # The runner first: a provider that cannot run is refused before any server starts.

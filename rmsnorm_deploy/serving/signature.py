@@ -25,6 +25,8 @@ from typing import Any
 import onnx
 
 from rmsnorm_deploy.errors import ModelFileError, UserError
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx
 
 #: ONNX element type -> (numpy dtype name, Triton config type, KServe v2 datatype)
 _TYPES: dict[int, tuple[str, str, str]] = {
@@ -116,8 +118,6 @@ def model_path(path: str | os.PathLike) -> Path:
 
 def read_signature(path: str | os.PathLike, *, max_batch: int | None = None) -> Signature:
     """The signature of the ONNX file (or export folder) at ``path``; external data is not loaded."""
-    from rmsnorm_deploy.graph.metadata import ModelMetadata
-    from rmsnorm_deploy.graph.onnx_file import load_onnx
 
     path = model_path(path)
     model = load_onnx(path, load_external=False)

@@ -15,6 +15,7 @@ from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.inputs import INPUT_KINDS, activations, gain_weights, token_ids
 from rmsnorm_deploy.errors import InputError, ModelFileError, UserError
 from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.resources import check_memory
 
 #: size given to a dynamic dim that neither the metadata nor ``--dim`` sizes: odd, and > 2 so that
 #: stress inputs get their all-zero row
@@ -137,7 +138,6 @@ _BYTES_PER_VALUE = 32
 
 def _check_feed_size(shapes: list[list[int]]) -> None:
     """The inputs about to be generated against the memory budget, before any is allocated."""
-    from rmsnorm_deploy.resources import check_memory
 
     values = sum(math.prod(shape) for shape in shapes)
     check_memory(values * _BYTES_PER_VALUE, f"generating inputs of shapes {shapes} ({values:,} values)",

@@ -32,6 +32,7 @@ from rmsnorm_deploy.errors import (
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.table import format_table
 
 
@@ -73,7 +74,6 @@ class SweepRow:
 
 def run_case(case: SweepCase) -> SweepRow:
     """Build, run, compare and audit one case; never raises for a refusal or a runtime's gap."""
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     try:
         model = rmsnorm_model(case.spec, dtype=case.dtype, shape=case.shape, lowering=case.lowering)
