@@ -31,6 +31,9 @@ from rmsnorm_deploy.serving.request_check import (Refused, ServedModel, check_in
 
 #: seconds a client may take to send its body (a client that trickles bytes holds a connection)
 BODY_TIMEOUT_S = 30
+#: a body over the limit is still read (and dropped) up to this many times the limit before the
+#: refusal, so that the client, still sending, reads the 413 instead of a connection reset
+DRAIN_FACTOR = 3
 #: bodies above this are checked in a worker thread, so small requests are not held up meanwhile
 THREAD_ABOVE_BYTES = 1 << 20
 #: request headers passed on to Triton; the body goes on decompressed, with its own length
@@ -63,9 +66,14 @@ async def read_body(request: Any, limit: int) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise Refused(f"the body is over this server's limit of {limit} bytes; send less "
-                              "(serve --max-request-bytes)", 413)
-            chunks.append(chunk)
+                chunks.clear()
+            if size > DRAIN_FACTOR * limit:
+                break
+            if size <= limit:
+                chunks.append(chunk)
+        if size > limit:
+            raise Refused(f"the body is over this server's limit of {limit} bytes; send less "
+                          "(serve --max-request-bytes)", 413)
 
     try:
         await asyncio.wait_for(collect(), BODY_TIMEOUT_S)
