@@ -86,7 +86,8 @@ class GrpcFront:
                     return grpc.unary_unary_rpc_method_handler(forward)
                 if method in NOT_EXPOSED:
                     async def refuse(request: bytes, context: Any) -> bytes:
-                        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} is not exposed by this server")
+                        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                            f"{method} is not exposed by this server")
 
                     return grpc.unary_unary_rpc_method_handler(refuse)
                 return None

@@ -36,6 +36,8 @@ BODY_TIMEOUT_S = 30
 DRAIN_FACTOR = 3
 #: bodies above this are checked in a worker thread, so small requests are not held up meanwhile
 THREAD_ABOVE_BYTES = 1 << 20
+#: how many requests with a body over THREAD_ABOVE_BYTES (or of unknown length) are read and checked at once
+LARGE_AT_ONCE = 4
 #: request headers passed on to Triton; the body goes on decompressed, with its own length
 _FORWARDED_REQUEST = ("content-type", "inference-header-content-length", "accept-encoding", "traceparent",
                       "tracestate")
@@ -131,6 +133,7 @@ class KServeProxy:
 
         self.models = {m.name: m for m in models}
         self.max_request_bytes = max_request_bytes
+        self.large: asyncio.Semaphore | None = None  # made in the front's event loop
         # no pool limit: Triton's own thread pool queues; Triton's answers are read raw, unchanged
         self.client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=5),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
@@ -141,6 +144,15 @@ class KServeProxy:
         if model is None:
             return error_response(f"unknown model {name!r}; this server serves {', '.join(map(repr, self.models))}",
                                   404)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) <= THREAD_ABOVE_BYTES:
+            return await self._infer(request, model)
+        if self.large is None:
+            self.large = asyncio.Semaphore(LARGE_AT_ONCE)
+        async with self.large:  # large (or chunked) bodies a few at a time: memory stays bounded
+            return await self._infer(request, model)
+
+    async def _infer(self, request: Any, model: ServedModel):
         try:
             body = await read_body(request, self.max_request_bytes)
             body = decode_body(body, request.headers.get("content-encoding"), self.max_request_bytes)

@@ -88,8 +88,8 @@ def _triton_folders() -> list[Path]:
     except OSError:
         return []
     uid = os.getuid()
-    return [Path(e.path) for e in entries
-            if _TRITON_FOLDER.match(e.name) and e.is_dir(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == uid]
+    return [Path(e.path) for e in entries if _TRITON_FOLDER.match(e.name) and e.is_dir(follow_symlinks=False)
+            and e.stat(follow_symlinks=False).st_uid == uid]
 
 
 def _named_workspace(folder: Path) -> Path | None:

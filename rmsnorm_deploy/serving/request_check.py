@@ -29,6 +29,9 @@ import numpy as np
 
 from rmsnorm_deploy.serving.signature import numpy_dtype_of_kserve
 
+#: the largest JSON part of a request: parsing it builds Python objects (about 50 bytes a number), so
+#: a large tensor comes as binary data (``Inference-Header-Content-Length``) instead
+MAX_JSON_BYTES = 8 << 20
 #: JSON nesting allowed outside ``data`` (an object of inputs, each with ``parameters``)
 MAX_JSON_DEPTH = 8
 #: parameters that point at shared memory, which this server never registers
@@ -168,6 +171,9 @@ def parse_http_request(body: bytes, header_length: str | None) -> tuple[dict[str
             raise Refused(f"Inference-Header-Content-Length {header_length[:40]!r} is not a byte count within the "
                           f"{size}-byte body")
         size = int(header_length)
+    if size > MAX_JSON_BYTES:
+        raise Refused(f"the request's JSON is {size} bytes, over {MAX_JSON_BYTES}; send large tensors as binary data "
+                      "(the binary data extension: Inference-Header-Content-Length)", 413)
     try:
         request = json.loads(body[:size])
     except RecursionError:

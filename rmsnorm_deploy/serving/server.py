@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.serving.process import (DEFAULT_MAX_REQUEST_BYTES, ServeOptions, ServeProcess,  # noqa: F401
+from rmsnorm_deploy.serving.process import (DEFAULT_MAX_REQUEST_BYTES, ServeOptions, ServeProcess,
                                             check_model_name, check_options, check_port_free, free_ports,
                                             start_serve_process)
 from rmsnorm_deploy.serving.request_check import ExpectedInput, Refused, ServedModel, numpy_check
@@ -446,4 +446,6 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
 
 __all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference",
            "StreamingGenerationInference", "check_options", "free_ports",
-           "generation_endpoint", "InputError"]
+           "generation_endpoint", "InputError", "served_models",
+           # kept importable from here (serving.process holds them)
+           "DEFAULT_MAX_REQUEST_BYTES", "ServeProcess", "check_model_name", "check_port_free", "start_serve_process"]

@@ -23,7 +23,8 @@ FIXED = ServedModel("fixed", (ExpectedInput("x", "FP32", (4, 3)),))
      "input 'x' claims shape [4, 3] (12 elements) but carries 1; give a shape that matches the data"),
     (FIXED, [ClaimedInput("x", "FP32", (4, 3), data_bytes=0)],
      "input 'x' claims shape [4, 3] (48 bytes of FP32) but carries 0 bytes; give a shape that matches the data"),
-    (FIXED, [ClaimedInput("x", "FP32", (4, 4), elements=16)], "input 'x' has shape [4, 4] but model 'fixed' takes [4, 3]"),
+    (FIXED, [ClaimedInput("x", "FP32", (4, 4), elements=16)],
+     "input 'x' has shape [4, 4] but model 'fixed' takes [4, 3]"),
     (FIXED, [ClaimedInput("x", "FP32", (4, 3))], "input 'x' carries no data; give 'data' or binary data"),
     (PLAIN, [], "the request has no inputs; model 'model' takes input_ids INT64 [batch, seq]"),
     (PLAIN, [ClaimedInput("input_ids", "INT64", (2, 3), elements=6), ClaimedInput("input_ids", "INT64", (2, 3),
@@ -55,11 +56,14 @@ def test_data_is_counted_flat_or_nested(data, rank, count):
     (b"[" * 50000, None, "the request's JSON is nested too deeply"),
     (b"{}", "3", "Inference-Header-Content-Length '3' is not a byte count within the 2-byte body"),
     (b"1", None, "the request must be a JSON object with 'inputs'"),
-], ids=["truncated", "deep", "header-over-body", "not-object"])
+    (b" " * (8 << 20) + b"{}", None, "the request's JSON is 8388610 bytes, over 8388608; send large tensors as binary "
+                                     "data (the binary data extension: Inference-Header-Content-Length)"),
+], ids=["truncated", "deep", "header-over-body", "not-object", "json-over-8-mib"])
 def test_bodies_are_refused_in_one_line(body, header, message):
     with pytest.raises(Refused) as info:
         parse_http_request(body, header)
     assert info.value.message == message
+    assert info.value.status == (413 if "over 8388608" in message else 400)
 
 
 def test_binary_sizes_must_add_up_to_the_bytes_after_the_json():
