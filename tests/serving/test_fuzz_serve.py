@@ -397,3 +397,15 @@ def test_grpc_server_ready_and_the_endpoints_that_change_the_server(plain):
             stub.RepositoryModelUnload(service_pb2.RepositoryModelUnloadRequest(model_name="model"), timeout=10)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert info.value.details() == "RepositoryModelUnload is not exposed by this server"
+
+
+def test_a_compressed_grpc_message_is_held_to_the_limit_by_its_decompressed_size(plain):
+    proc, want = plain
+    zeros = np.zeros((1, 2 * LIMIT // 8), np.int64)  # 2 MiB of zeros, a few KiB gzipped
+    with grpc.insecure_channel(f"127.0.0.1:{proc.grpc}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(_grpc_request(shape=zeros.shape, raw=zeros.tobytes()), timeout=30,
+                            compression=grpc.Compression.Gzip)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        _grpc_good(stub, want)
