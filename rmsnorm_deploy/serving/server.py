@@ -1,6 +1,8 @@
 """``serve``: a real Triton Inference Server (embedded through PyTriton) behind our checking fronts,
 in front of our ONNX Runtime runner.
 
+Long: one server process: its ports, its Triton models and its stop, which share their state.
+
 The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
 batcher. Clients reach it through ``serving.front``: our HTTP (Starlette on uvicorn) and gRPC
 fronts on the public ports check every inference request against the served models
