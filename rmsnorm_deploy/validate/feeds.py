@@ -225,7 +225,13 @@ def check_feed(feed: dict[str, np.ndarray], model: onnx.ModelProto, meta: ModelM
                 if d in seen and seen[d][1] != size:
                     raise InputError(f"dim {d!r} is {seen[d][1]} in input {seen[d][0]!r} but {size} in {name!r}")
                 seen[d] = (name, size)
-    for name, high in token_bounds(model, meta).items():
+    check_token_ids(feed, token_bounds(model, meta))
+
+
+def check_token_ids(feed: dict[str, np.ndarray], bounds: dict[str, int]) -> None:
+    """Token ids inside ``[0, bound)`` for each input in ``bounds`` (:func:`token_bounds`): a
+    ``Gather`` would read past the table's end, or wrap a negative id round to it; one-line error."""
+    for name, high in bounds.items():
         array = feed.get(name)
         if array is None or array.size == 0 or array.dtype.kind not in "iu":
             continue
