@@ -24,7 +24,7 @@ from rmsnorm_deploy.errors import UserError
 
 #: 64 MiB: a [8, 256, 4096] float32 batch of hidden states (32 MiB) fits as binary data
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ServeOptions:
 
 
 def check_model_name(name: str) -> None:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise UserError(f"--model-name {name!r}: use letters, digits, '_', '.', '-' (at most 128)")
 
 
