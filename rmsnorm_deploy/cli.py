@@ -24,8 +24,8 @@ import sys
 import threading
 from typing import Iterator, Sequence
 
-from rmsnorm_deploy import __version__
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.resources import __version__
 
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

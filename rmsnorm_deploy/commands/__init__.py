@@ -7,7 +7,7 @@ audit        every norm reduction, its dtype and placement, as written and after
 parity       the standalone model of each lowering in ONNX Runtime CPU
 build        a strongly typed TensorRT engine
 check_trt    what a TensorRT version's parser imports, without TensorRT
-generate     tokens from a KV-cache model (``serving.generate``), with its timings
+generate     tokens from a KV-cache model (``decoder.generate``), with its timings
 serve        Triton Inference Server (embedded through PyTriton) in front of ONNX Runtime
 triton_repo  a model repository for the standalone Triton Inference Server
 env          versions, GPU, providers, TensorRT and the plugin

@@ -41,10 +41,10 @@ Steps (each one a line of progress on stderr):
    never over an existing file without ``force``; steps 6-8 hold a lock on the target, and
    the leftovers of a killed export are removed first.
 
-With ``kv_cache`` (``export --kv-cache``) the module run, traced and compared is
-``kv_model.KVCacheLM`` and ``kv_export.KVExport`` supplies the feeds (a prefill and a decode
-step for parity), the ``torch.onnx.export`` call and the metadata; ``genai_config.json`` and
-the Hugging Face config and tokenizer files are staged and published with the model.
+A caller may hand :func:`run_export` another graph to trace (``kv``): the portable KV-cache
+decoder (``decoder.portable.KVExport``, ``export --kv-cache``) supplies the module run, traced
+and compared, its feeds (a prefill and a decode step for parity), the ``torch.onnx.export``
+call, the metadata and the serving files staged and published with the model.
 """
 
 from __future__ import annotations
@@ -131,14 +131,16 @@ class ExportResult:
 def export_model(loaded: LoadedModel, path: str | os.PathLike, options: ExportOptions,
                  *, progress: Progress | None = None) -> ExportResult:
     """The Python API: plan the export of ``loaded`` to ``path``, then run it (:func:`run_export`)."""
-    return run_export(loaded, plan_export(options, target=path), progress=progress)
+    return run_export(loaded, plan_export(options, model_path=path), progress=progress)
 
 
-def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | None = None) -> ExportResult:
+def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | None = None,
+               graph: Any = None) -> ExportResult:
     """Export ``loaded`` to ``path`` (see the module docstring); raises :class:`UserError` on bad input.
 
     Nothing is written unless every check before the save passes. The parity check's
-    failure is not an exception: see ``ExportResult.parity_failed``.
+    failure is not an exception: see ``ExportResult.parity_failed``. ``graph``: a factory
+    ``graph(loaded, options)`` of another graph to trace (``decoder.portable.KVExport.of``).
     """
     from rmsnorm_deploy.exporter.torch_op import ExportRMSNorm
 
@@ -150,7 +152,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     if options.seq > loaded.max_seq_len:
         raise UserError(f"--seq {options.seq} is longer than the model's {loaded.max_seq_len} positions")
     _check_example_size(loaded, options)
-    target, report_path = plan.target, plan.report_path
+    target, report_path = plan.model_path, plan.report_path
     timings: dict[str, float] = {}
     module = loaded.module
 
@@ -172,10 +174,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     timings["detect_s"] = st.seconds
 
     kv = None
-    if options.kv_cache:
-        from rmsnorm_deploy.exporter.kv_export import KVExport
-
-        kv = KVExport.of(loaded, options)
+    if graph is not None:
+        kv = graph(loaded, options)
         module = kv.module
         feed = kv.trace_feed
     else:
@@ -331,7 +331,7 @@ _BYTES_PER_LOGIT = 32
 
 def _check_example_size(loaded: LoadedModel, options: ExportOptions) -> None:
     """The logits of both parity shapes against the memory budget, before the model runs."""
-    from rmsnorm_deploy.environment import check_memory
+    from rmsnorm_deploy.resources import check_memory
 
     batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
     logits = (options.batch * options.seq + batch2 * seq2) * loaded.vocab_size

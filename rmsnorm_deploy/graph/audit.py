@@ -426,7 +426,7 @@ def _label(node: onnx.NodeProto) -> str:
 
 
 def _ort_version() -> tuple[int, ...] | None:
-    from rmsnorm_deploy.environment import package_version
+    from rmsnorm_deploy.resources import package_version
 
     for dist in ("onnxruntime", "onnxruntime-gpu"):
         version = package_version(dist)

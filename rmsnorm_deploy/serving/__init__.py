@@ -17,12 +17,5 @@ pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpyth
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
 parity_client   a served model's answers over HTTP and gRPC against the same model run here
-generate        ``KVCacheModel`` and ``generate``: greedy or seeded sampling over a KV-cache graph
-                (``export --kv-cache``) in ONNX Runtime, the prompts checked against the model
-                and the special tokens from its folder, run by ``runners.kv_decoder``'s one
-                loop; timings (prefill ms, decode ms per token, tokens/s)
-                ``stream``: one prompt's tokens as they come (the same loop, token by token)
-genai_client    ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
-                (optional dependency, loaded lazily)
 ==============  =============================================================================
 """

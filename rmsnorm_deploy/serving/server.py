@@ -238,7 +238,7 @@ class GenerationInference:
     """PyTriton's infer function for a KV-cache graph: one prompt per request, through ``generate``.
 
     ``input_ids`` INT64 [n] is one prompt; ``max_new_tokens`` INT64 [1] is optional (default
-    :data:`~rmsnorm_deploy.serving.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
+    :data:`~rmsnorm_deploy.decoder.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
     the new tokens, greedy, ending at the folder's end-of-sequence token if one comes. Requests run
     one after the other (the session and its cache are not shared between them), so an answer is
     the same as ``generate(model, [prompt])`` called directly. A bad request (no ``input_ids``, ids
@@ -255,7 +255,7 @@ class GenerationInference:
         return [self._one(request) for request in requests]
 
     def _one(self, request: Any) -> dict[str, np.ndarray]:
-        from rmsnorm_deploy.serving.generate import generate
+        from rmsnorm_deploy.decoder.generate import generate
         from rmsnorm_deploy.serving.pytriton_env import refusal
 
         try:
@@ -268,7 +268,7 @@ class GenerationInference:
 
     def parse(self, request: Any) -> tuple[list[int], int]:
         """The prompt and ``max_new_tokens`` of one request, checked against the model (``InputError``)."""
-        from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS, check_max_new_tokens
+        from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, check_max_new_tokens
 
         if "input_ids" not in request.keys():
             raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
@@ -297,7 +297,7 @@ class StreamingGenerationInference(GenerationInference):
     """
 
     def __call__(self, requests: Sequence[Any]) -> Iterator[list[dict[str, np.ndarray]]]:  # type: ignore[override]
-        from rmsnorm_deploy.serving.generate import stream
+        from rmsnorm_deploy.decoder.generate import stream
         from rmsnorm_deploy.serving.pytriton_env import refusal
 
         if len(requests) != 1:  # Triton hands an unbatched model's requests over one by one
@@ -327,7 +327,7 @@ def generation_endpoint(path: Path, signature: Signature, providers: Sequence[st
     """
     if not signature.is_kv_cache:
         return None
-    from rmsnorm_deploy.serving.generate import KVCacheModel
+    from rmsnorm_deploy.decoder.generate import KVCacheModel
 
     return KVCacheModel(path, providers)
 

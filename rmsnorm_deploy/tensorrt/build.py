@@ -263,7 +263,7 @@ def build_engine(
 
 
 def _built_by() -> str:
-    from rmsnorm_deploy import __version__
+    from rmsnorm_deploy.resources import __version__
 
     return f"rmsnorm-deploy {__version__}"
 

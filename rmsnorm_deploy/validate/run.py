@@ -180,11 +180,12 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
                             "PyTorch source); this graph has none: use --reference float64 (each norm against its "
                             "float64 oracle, backends against each other)")
         return None, "", "backends"
+    from rmsnorm_deploy.decoder.kv_model import kv_source
     from rmsnorm_deploy.exporter.rebuild import rebuild_source
 
     kind = meta.source.get("kind", "unknown")
     try:
-        module = rebuild_source(meta, model_dir=model_dir, source_path=source)
+        module = kv_source(rebuild_source(meta, model_dir=model_dir, source_path=source), meta)
     except (UserError, ImportError) as exc:
         why = f"cannot rebuild the PyTorch source of kind {kind!r}: {exc}"
         if reference != "auto":

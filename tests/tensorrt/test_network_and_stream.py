@@ -157,7 +157,7 @@ class _Context:
 
 
 def test_the_runner_runs_the_engine_on_its_own_stream(monkeypatch, tmp_path):
-    from rmsnorm_deploy.runners import tensorrt as runner_module
+    from rmsnorm_deploy.tensorrt import runner as runner_module
 
     events: list = []
     stream = _Stream(events)

@@ -21,7 +21,7 @@ from rmsnorm_deploy.contract.reference import oracle  # noqa: E402
 from rmsnorm_deploy.contract.spec import RMSNormSpec  # noqa: E402
 from rmsnorm_deploy.contract.tolerances import tolerance_for  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
-from rmsnorm_deploy.exporter.ort_decoder import (  # noqa: E402
+from rmsnorm_deploy.decoder.ort_graph import (  # noqa: E402
     MS_DOMAIN,
     SKIP_NORM_OP,
     audit_norms,
@@ -32,8 +32,8 @@ from rmsnorm_deploy.exporter.ort_decoder import (  # noqa: E402
 )
 from rmsnorm_deploy.graph.audit import audit_model, optimized_by_onnxruntime  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
-from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner  # noqa: E402
-from rmsnorm_deploy.runners.transformers_step import transformers_generate  # noqa: E402
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
 LAYERS = hf.TINY_CONFIGS["llama"].get("num_hidden_layers", 2)
