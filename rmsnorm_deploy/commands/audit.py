@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rmsnorm_deploy.commands import add_result_options
+from rmsnorm_deploy.commands import add_result_options, check_result_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +41,11 @@ def run(args: argparse.Namespace) -> int:
         optimized_by_onnxruntime,
     )
     from rmsnorm_deploy.graph.metadata import ModelMetadata
-    from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable, load_onnx
+    from rmsnorm_deploy.graph.onnx_file import atomic_path, load_onnx
     from rmsnorm_deploy.graph.placement import assign_placements, contract_findings
     from rmsnorm_deploy.table import format_table
 
-    if args.output:
-        ensure_writable(args.output, force=args.force)
+    check_result_output(args, args.model, args.model + ".data")
     levels = [lvl for lvl in (args.optimization or ["all"]) if lvl != "none"]
     if args.optimization and "none" in args.optimization and levels:
         from rmsnorm_deploy.errors import UserError

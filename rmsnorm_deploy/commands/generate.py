@@ -45,10 +45,10 @@ def parse_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate
+    from rmsnorm_deploy.runners.onnxruntime import check_threads
 
     sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k)
-    if args.threads is not None and args.threads < 1:
-        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    check_threads(args.threads)  # before the model is read
     providers = [p for p in args.providers.split(",") if p.strip()]
     ids = parse_ids(args.input_ids) if args.input_ids is not None else None
     model = KVCacheModel(args.model, providers, intra_op_threads=args.threads)

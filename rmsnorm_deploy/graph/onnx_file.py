@@ -31,6 +31,8 @@ def _read_umask() -> int:
 #: not ``tempfile.mkstemp``'s 0600.
 UMASK = _read_umask()
 FILE_MODE = 0o666 & ~UMASK
+#: The mode of a folder we publish (``tempfile.mkdtemp`` makes them 0700).
+DIR_MODE = 0o777 & ~UMASK
 
 #: Protobuf cannot serialize a message of 2 GB or more: past this, weights go to a side file.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
