@@ -94,7 +94,8 @@ def _sigterm_unwinds() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # None: the previous handler was not set from Python; the default is the nearest to it
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _escape_unprintable() -> None:

@@ -169,8 +169,9 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
         write_json(folder / "config.json", hf_config, force=force)
         written.append("config.json")
     model_type = (hf_config or {}).get("model_type")
-    data = genai_config(layout, model_file=model_path.name, model_type=model_type if isinstance(model_type, str) else None,
-                        hf_config=hf_config, generation=generation)
+    model_type = model_type if isinstance(model_type, str) else None
+    data = genai_config(layout, model_file=model_path.name, model_type=model_type, hf_config=hf_config,
+                        generation=generation)
     write_json(folder / GENAI_CONFIG, data, force=force)
     written.append(GENAI_CONFIG)
     return written

@@ -166,8 +166,8 @@ def token_ids(value: Any, where: str) -> int | list[int] | None:
         return value
     if isinstance(value, list) and all(one(v) for v in value):
         return list(value)
-    raise SideFileError(f"{where} is {_shown(value)}: a token id is an integer from 0 to 2^63-1, or a list of them (null for "
-                        "none); fix the file")
+    raise SideFileError(f"{where} is {_shown(value)}: a token id is an integer from 0 to 2^63-1, or a list of "
+                        "them (null for none); fix the file")
 
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -208,19 +208,20 @@ def check_config_fields(config: Mapping[str, Any], where: str) -> None:
                 raise SideFileError(f"{where}: {scope}{key} is {_shown(cfg[key])}; it must be an integer >= 1")
         size = cfg.get("intermediate_size")
         if size is not None and not (_positive_int(size) or isinstance(size, list) and all(map(_positive_int, size))):
-            raise SideFileError(f"{where}: {scope}intermediate_size is {_shown(size)}; it must be an integer >= 1 (or a "
-                                "list of them)")
+            raise SideFileError(f"{where}: {scope}intermediate_size is {_shown(size)}; it must be an integer >= 1 "
+                                "(or a list of them)")
         for key in _EPS_FIELDS:
             eps = cfg.get(key)
             if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool)
                                         and math.isfinite(eps) and eps > 0):
-                raise SideFileError(f"{where}: {scope}{key} is {_shown(eps)}; it must be a finite number > 0, e.g. 1e-6")
+                raise SideFileError(f"{where}: {scope}{key} is {_shown(eps)}; it must be a finite number > 0, "
+                                    "e.g. 1e-6")
         for key in _DTYPE_FIELDS:
             name = cfg.get(key)
             if name is not None and name != "auto" and not (
                     isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)):
-                raise SideFileError(f"{where}: {scope}{key} is {_shown(name)}, not a torch dtype; write e.g. \"float32\" or "
-                                    "\"bfloat16\"")
+                raise SideFileError(f"{where}: {scope}{key} is {_shown(name)}, not a torch dtype; write e.g. "
+                                    "\"float32\" or \"bfloat16\"")
         hidden, heads, kv = cfg.get("hidden_size"), cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
         if hidden and heads and cfg.get("head_dim") is None and hidden % heads:
             raise SideFileError(f"{where}: {scope}hidden_size {hidden} is not a multiple of {scope}num_attention_heads "

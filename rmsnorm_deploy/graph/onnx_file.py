@@ -2,8 +2,9 @@
 
 Reading: a path that is not a file, a file that is not ONNX or is truncated, a node with
 fewer or more inputs or outputs than its op takes, and external data that points outside the
-model's folder are one-line errors, checked before any runtime opens the file. Writing: atomically (a temporary file in the same folder, then a
-rename), never over an existing file unless ``force``, with external data past 2 GB.
+model's folder are one-line errors, checked before any runtime opens the file. Writing:
+atomically (a temporary file in the same folder, then a rename), never over an existing file
+unless ``force``, with external data past 2 GB.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ def _model(tmp_path, name="m.onnx"):
 # -- 7. graphs whose nodes lack inputs ---------------------------------------------------------------
 def _graph_without_inputs(op, opset):
     """A graph with no inputs and one ``op`` node that has none either (readers take ``input[0]``)."""
-    g = helper.make_graph([helper.make_node(op, [], ["y"])], "g", [], [helper.make_tensor_value_info("y", TP.FLOAT, [2, H])])
+    g = helper.make_graph([helper.make_node(op, [], ["y"])], "g", [],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [2, H])])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 9
     return model
@@ -70,7 +71,8 @@ def test_a_node_without_its_inputs_is_one_line(tmp_path, capsys, op, opset, take
 
 
 def test_a_node_without_outputs_is_one_line(tmp_path, capsys):
-    g = helper.make_graph([helper.make_node("Relu", ["x"], [])], "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+    g = helper.make_graph([helper.make_node("Relu", ["x"], [])], "g",
+                          [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
                           [helper.make_tensor_value_info("y", TP.FLOAT, [2])])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
     path = tmp_path / "g.onnx"

@@ -157,12 +157,14 @@ def _indexed(folders, tmp_path, shard_name) -> Path:
     with safe_open(str(folder / "decoy.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     shard = str(tmp_path / "a" / "outside" / "model.safetensors") if shard_name == "ABSOLUTE" else shard_name
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(keys, shard)}))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(keys, shard)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return folder
 
 
 @pytest.mark.parametrize("shard, message", [
-    ("../../outside/model.safetensors", "its weight_map names '../../outside/model.safetensors', not a file name inside"),
+    ("../../outside/model.safetensors",
+     "its weight_map names '../../outside/model.safetensors', not a file name inside"),
     ("ABSOLUTE", "outside/model.safetensors', not a file name inside the folder; refusing to read it"),
     ("gone.safetensors", "names the shard 'gone.safetensors', which is missing from"),
 ])
@@ -181,7 +183,8 @@ def test_shards_resolve_inside_the_folder_or_its_cache_repository(folders, tmp_p
     assert weight_files(snapshot) == [blob] and blob.parent.name == "blobs"
     copy = shutil.copytree(snapshot, snapshot.parent / f"indexed-{tmp_path.name[-20:]}", symlinks=True)
     (copy / "model.safetensors").rename(copy / "model-00001-of-00001.safetensors")
-    (copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    index = {"weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
     assert weight_files(copy) == [blob]
 
 
@@ -237,7 +240,8 @@ SIDE_FILES = {
                        "genai_config.json: model: eos_token_id is 18446744073709551616: a token id is an integer"),
     "genai pad 2^63": ("genai_config.json", lambda d: d["model"].update(pad_token_id=2**63),
                        "pad_token_id is 9223372036854775808: a token id"),
-    "genai pad -1": ("genai_config.json", lambda d: d["model"].update(pad_token_id=-1), "pad_token_id is -1: a token id"),
+    "genai pad -1": ("genai_config.json", lambda d: d["model"].update(pad_token_id=-1),
+                     "pad_token_id is -1: a token id"),
     "genai bos true": ("genai_config.json", lambda d: d["model"].update(bos_token_id=True), "bos_token_id is true"),
     "genai eos list with a string": ("genai_config.json", lambda d: d["model"].update(eos_token_id=[2, "3"]),
                                      'eos_token_id is [2, "3"]: a token id'),

@@ -154,7 +154,8 @@ def test_genai_config_names_every_tensor_and_shares_no_buffer():
 
 @pytest.mark.parametrize("config, generation, expected", [
     ({"eos_token_id": 2, "pad_token_id": None}, None, {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": None}),
-    ({"text_config": {"eos_token_id": [3, 4]}}, None, {"bos_token_id": None, "eos_token_id": [3, 4], "pad_token_id": None}),
+    ({"text_config": {"eos_token_id": [3, 4]}}, None,
+     {"bos_token_id": None, "eos_token_id": [3, 4], "pad_token_id": None}),
     ({"eos_token_id": 2, "bos_token_id": 1}, {"eos_token_id": [2, 5], "bos_token_id": None},
      {"bos_token_id": 1, "eos_token_id": [2, 5], "pad_token_id": None}),  # generation_config's ids where it has them
 ])
