@@ -16,6 +16,6 @@ pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpyth
                 a request refused as INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT)
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
-parity_client   a served model's answers over HTTP and gRPC against the same model run here
+served_answers  a served model's answers over HTTP and gRPC against the same model run here
 ==============  =============================================================================
 """

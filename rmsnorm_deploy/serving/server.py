@@ -1,5 +1,7 @@
 """``serve``: a real Triton Inference Server (embedded through PyTriton) in front of our ONNX Runtime runner.
 
+Long: one server process: its ports, its Triton models and its stop, which share their state.
+
 The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
 batcher. Triton checks each request against the model's config (input names, datatypes, ranks,
 fixed dims, batch size) and answers a bad one with HTTP 400 / gRPC INVALID_ARGUMENT and a

@@ -118,8 +118,8 @@ def test_triton_repo_output_that_cannot_be_a_folder(tmp_path, capsys, where, mes
     assert message in _one_line(capsys, main(["triton-repo", str(model), "-o", str(where(tmp_path))]))
 
 
-def test_parity_checks_the_memory_of_a_shape_before_allocating(capsys):
-    line = _one_line(capsys, main(["parity", "--spec", "llama", "--dtype", "float32", "--lowering", "function",
+def test_sweep_checks_the_memory_of_a_shape_before_allocating(capsys):
+    line = _one_line(capsys, main(["sweep", "--spec", "llama", "--dtype", "float32", "--lowering", "function",
                                    "--shape", "1099511627776x8"]))
     assert "--shape 1099511627776x8 (8,796,093,022,208 elements) needs about" in line and "give a smaller shape" in line
 
@@ -132,7 +132,7 @@ def test_ctrl_c_anywhere_in_main_is_one_line(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_parser", interrupted)
-    assert _one_line(capsys, main(["parity"]), 130) == "rmsnorm-deploy: interrupted"
+    assert _one_line(capsys, main(["sweep"]), 130) == "rmsnorm-deploy: interrupted"
 
 
 def test_ctrl_c_during_start_up(tmp_path):
