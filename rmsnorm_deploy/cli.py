@@ -14,6 +14,7 @@ a folder under ``/proc``) exits 2 naming the path; a closed pipe (``| head``) en
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import errno
@@ -22,7 +23,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.resources import __version__
@@ -88,6 +89,19 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _signal_again(unraisable: Any, previous: Callable[[Any], None]) -> None:
+    """``sys.unraisablehook`` while a command runs: a Ctrl-C or SIGTERM raised inside a finalizer
+    (a weakref callback, a ``__del__``), where Python can only print and drop it, is raised again a
+    moment later in the program's own code, so the command still stops and cleans up."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        previous(unraisable)
+        return
+    signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+    timer = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
+    timer.daemon = True
+    timer.start()
+
+
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     """SIGTERM raises :class:`Terminated` while the command runs (in the main thread only: signal
@@ -96,9 +110,12 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: _signal_again(unraisable, previous_hook)
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         # None: the previous handler was not set from Python; the default is the nearest to it
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 

@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
-    parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)")
+    parser.add_argument("--threads", type=int,
+                        help="ONNX Runtime intra-op threads, at most the CPUs this process may use (default: ONNX "
+                        "Runtime's)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
