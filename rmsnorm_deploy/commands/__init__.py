@@ -1,5 +1,8 @@
 """One module per ``rmsnorm-deploy`` subcommand: ``add_arguments(parser)`` and ``run(args) -> int``.
 
+A command imports what it runs inside ``run``, not at the top: the parser imports every command
+module, and ``rmsnorm-deploy --help`` must not load torch, onnxruntime or transformers (start-up time).
+
 ===========  ==================================================================================
 export       a preset or Hugging Face folder to ONNX, with parity (``exporter.plan`` checks first)
 validate     a model on each backend against its source or float64 oracle

@@ -33,7 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here, not at the top: `rmsnorm-deploy --help` must not load onnx and onnxruntime
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.graph.onnx_file import atomic_path
     from rmsnorm_deploy.validate.audit import audit_file

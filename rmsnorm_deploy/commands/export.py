@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
 from rmsnorm_deploy.decoder.convention import TARGETS
-from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ
+from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ, ExportOptions, load_torch_model, plan_export
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
@@ -53,15 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here, not at the top: `rmsnorm-deploy --help` must not load torch
     from rmsnorm_deploy.decoder.export import DecoderOptions, plan_decoder_export, run_decoder_export
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.exporter.pipeline import run_export
-    from rmsnorm_deploy.exporter.plan import (
-        ExportOptions,
-        load_torch_model,
-        plan_export,
-    )
     from rmsnorm_deploy.progress import Progress
     from rmsnorm_deploy.table import format_table
 

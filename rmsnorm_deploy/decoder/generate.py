@@ -32,11 +32,15 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from rmsnorm_deploy.contract.dtypes import numpy_dtype
-from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
 from rmsnorm_deploy.decoder.genai_config import folder_tokens
 from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.exporter.hf_files import side_file
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "FROM_FOLDER", "GenerationResult", "KVCacheModel", "Sampling", "generate",
            "model_file"]
@@ -89,9 +93,6 @@ class KVCacheModel:
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] = ("cpu",), *,
                  intra_op_threads: int | None = None):
-        from rmsnorm_deploy.graph.metadata import ModelMetadata
-        from rmsnorm_deploy.graph.onnx_file import load_onnx
-        from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
         self.path = model_file(path)
         self.folder = self.path.parent
@@ -239,7 +240,6 @@ def _tokenizer(folder: Path) -> Any:
     path = side_file(folder, "tokenizer.json")
     if path is None:
         return None
-    from rmsnorm_deploy.optional import require
 
     tokenizers = require("tokenizers", "reading the model folder's tokenizer.json")
     try:

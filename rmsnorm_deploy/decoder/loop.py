@@ -40,9 +40,10 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
-from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, position_ids_for
+from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
 
 
 # -- picking the next token --------------------------------------------------------------------
@@ -307,7 +308,6 @@ class OrtStep:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: _OrtCache) -> tuple[np.ndarray, _OrtCache]:
-        from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
 
         lay, binding = self.layout, cache.binding
         if lay.share_buffer and attention_mask.shape[1] > lay.max_length:

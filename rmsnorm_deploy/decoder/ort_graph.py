@@ -58,16 +58,25 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from rmsnorm_deploy.contract.compare import compare
 from rmsnorm_deploy.contract.dtypes import dtype_name, numpy_dtype, onnx_type
+from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.spec import RMSNormSpec
-from rmsnorm_deploy.decoder.convention import CONVENTION, ORT_DTYPES
+from rmsnorm_deploy.contract.tolerances import tolerance_for
+from rmsnorm_deploy.decoder.convention import CONVENTION, ORT_DTYPES, KVCacheLayout
+from rmsnorm_deploy.decoder.genai_config import write_serving_files
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+from rmsnorm_deploy.decoder.transformers_step import transformers_steps
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.function import rmsnorm_node
 from rmsnorm_deploy.graph.lowerings import lower_model, refusal
 from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
+from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
 from rmsnorm_deploy.graph.standalone import ir_version_for
+from rmsnorm_deploy.progress import Progress
 
 #: The graph's opset: 21 has every op used here (GroupQueryAttention is com.microsoft 1).
 OPSET = 21
@@ -564,7 +573,6 @@ def _inputs_meta(dims: DecoderDims, dtype: str, share_buffer: bool, vocab: int) 
 # -- audit, parity and the export ---------------------------------------------------------
 def audit_norms(model: onnx.ModelProto, norm_nodes: int) -> int:
     """As many RMSNorm reductions as norm nodes, every one accumulating in float32 or wider."""
-    from rmsnorm_deploy.graph.audit import audit_model
 
     reductions = [r for r in audit_model(model) if r.kind in ("RMSNorm", "RMSNorm (skip)")]
     if len(reductions) != norm_nodes:
@@ -603,11 +611,6 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
     """Prefill and ``steps`` greedy decode steps of ``model`` (a ModelProto or path) in ONNX Runtime
     CPU against transformers eager with its cache, rows left-padded by different amounts; per
     step, the last position's logits are compared (tolerance ``("model", "onnxruntime", dtype)``)."""
-    from rmsnorm_deploy.contract.compare import compare
-    from rmsnorm_deploy.contract.inputs import token_ids
-    from rmsnorm_deploy.contract.tolerances import tolerance_for
-    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
-    from rmsnorm_deploy.decoder.transformers_step import transformers_steps
 
     dtype = dtype_name(loaded.dtype)
     lm = _causal_lm(loaded)
@@ -647,10 +650,6 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
     """
     import json
 
-    from rmsnorm_deploy.decoder.genai_config import write_serving_files
-    from rmsnorm_deploy.decoder.convention import KVCacheLayout
-    from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
-    from rmsnorm_deploy.progress import Progress
 
     options = plan.options
     progress = progress or Progress(enabled=False)

@@ -33,7 +33,9 @@ from rmsnorm_deploy.exporter.hf_files import (
     side_file,
     special_token_fields,
 )
+from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
+from rmsnorm_deploy.exporter.probing import NOT_NORMS
 from rmsnorm_deploy.exporter.rebuild import source_builder
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.optional import require
@@ -236,8 +238,6 @@ def _perturb_norm_gains(model: torch.nn.Module, seed: int) -> None:
     modules detection probes), embeddings and linear layers excepted."""
     import re
 
-    from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
-    from rmsnorm_deploy.exporter.probing import NOT_NORMS
 
     gen = torch.Generator().manual_seed(seed + 7919)
     for _, module in model.named_modules():

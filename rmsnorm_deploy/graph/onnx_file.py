@@ -21,6 +21,7 @@ from onnx import external_data_helper
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, one_line
 
+
 def _read_umask() -> int:
     # os.umask can only be read by setting it; done once, at import, before any thread writes files.
     mask = os.umask(0o022)

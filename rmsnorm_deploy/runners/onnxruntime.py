@@ -37,6 +37,7 @@ import onnx
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.errors import InputError, ProviderError, UserError, one_line
+from rmsnorm_deploy.graph.onnx_file import check_model_file
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.base import Runner
 
@@ -405,7 +406,6 @@ def _session_source(model: str | os.PathLike | bytes | onnx.ModelProto) -> str |
         return model.SerializeToString()
     if isinstance(model, bytes):
         return model
-    from rmsnorm_deploy.graph.onnx_file import check_model_file
 
     return str(check_model_file(Path(model)))
 

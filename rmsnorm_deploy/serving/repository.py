@@ -34,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, UserError, one_line
-from rmsnorm_deploy.graph.onnx_file import DIR_MODE, check_folder_writable
-from rmsnorm_deploy.serving.signature import Signature, TensorSpec, read_signature
+from rmsnorm_deploy.graph.onnx_file import DIR_MODE, check_folder_writable, load_onnx
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.serving.server import check_model_name
+from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
+from rmsnorm_deploy.tensorrt.sidecar import check_engine_hash, read_sidecar, sidecar_path
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 #: the dynamic batcher may hold a request this long to fill a batch
@@ -134,7 +137,6 @@ def _sequence_batching(sig: Signature) -> str:
 
 def parse_config(text: str) -> Any:
     """Parse ``text`` into Triton's ``ModelConfig`` message; a one-line error naming the problem."""
-    from rmsnorm_deploy.optional import require
 
     pb2 = require("tritonclient.grpc.model_config_pb2", "checking a Triton model config")
     text_format = require("google.protobuf.text_format", "checking a Triton model config")
@@ -167,8 +169,6 @@ def model_source(path: str | os.PathLike, options: RepoOptions) -> ModelSource:
     p = Path(path)
     if p.is_file() and p.suffix in (".engine", ".plan"):
         return _engine_source(p, options)
-    from rmsnorm_deploy.graph.onnx_file import load_onnx
-    from rmsnorm_deploy.serving.signature import model_path
 
     onnx_path = model_path(p)
     signature = read_signature(onnx_path, max_batch=options.max_batch)
@@ -191,7 +191,6 @@ def _external_locations(model: Any) -> set[str]:
 
 
 def _engine_source(engine: Path, options: RepoOptions) -> ModelSource:
-    from rmsnorm_deploy.tensorrt.sidecar import check_engine_hash, read_sidecar, sidecar_path
 
     sidecar = read_sidecar(engine)
     check_engine_hash(sidecar, engine)
@@ -220,7 +219,6 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: 
                      force: bool = False) -> Path:
     """Write ``out/<name>/`` (config and ``1/``) in one rename; an existing one (or a link of that
     name: the link is replaced, not what it points to) only with ``force``."""
-    from rmsnorm_deploy.serving.server import check_model_name
 
     check_model_name(options.model_name)
     source = model_source(model, options)

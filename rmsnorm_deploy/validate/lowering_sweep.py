@@ -34,6 +34,7 @@ from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
 from rmsnorm_deploy.resources import check_memory
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.table import format_table
 
 
@@ -86,7 +87,6 @@ def check_case_memory(shape: Sequence[int], what: str) -> None:
 
 def run_case(case: SweepCase) -> SweepRow:
     """Build, run, compare and audit one case; never raises for a refusal or a runtime's gap."""
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     try:
         model = rmsnorm_model(case.spec, dtype=case.dtype, shape=case.shape, lowering=case.lowering)
