@@ -240,7 +240,6 @@ def _tokenizer(folder: Path) -> Any:
     path = side_file(folder, "tokenizer.json")
     if path is None:
         return None
-
     tokenizers = require("tokenizers", "reading the model folder's tokenizer.json")
     try:
         return tokenizers.Tokenizer.from_file(str(path))

@@ -23,6 +23,7 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
 from rmsnorm_deploy.exporter.hf_files import (
     HF_FILES,
     SHARD_INDEX,
@@ -33,7 +34,6 @@ from rmsnorm_deploy.exporter.hf_files import (
     side_file,
     special_token_fields,
 )
-from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
 from rmsnorm_deploy.exporter.probing import NOT_NORMS
 from rmsnorm_deploy.exporter.rebuild import source_builder
