@@ -78,11 +78,17 @@ def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.
     rng = np.random.default_rng(sampling.seed)
 
     def sample(logits: np.ndarray) -> np.ndarray:
-        scaled = logits.astype(np.float64) / sampling.temperature
+        # The largest logit is subtracted before dividing: a tiny temperature then sends the others to
+        # -inf (probability 0) instead of every logit to +-inf (inf - inf: NaN probabilities).
+        shifted = logits.astype(np.float64)
+        shifted -= shifted.max(axis=-1, keepdims=True)
+        if not np.isfinite(shifted).any(axis=-1).all():
+            raise InputError("the model's logits are not finite (NaN or infinite); no token can be sampled")
+        with np.errstate(over="ignore"):  # -inf for every token far below the best: probability 0
+            scaled = shifted / sampling.temperature
         if sampling.top_k and sampling.top_k < scaled.shape[-1]:
             kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k][:, None]
             scaled = np.where(scaled < kth, -np.inf, scaled)
-        scaled -= scaled.max(axis=-1, keepdims=True)
         probs = np.exp(scaled)
         probs /= probs.sum(axis=-1, keepdims=True)
         return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)

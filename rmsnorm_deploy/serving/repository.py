@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, UserError, one_line
-from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.graph.onnx_file import DIR_MODE, check_folder_writable, load_onnx
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.serving.server import check_model_name
 from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
@@ -217,22 +217,27 @@ def _profile_batch_max(profiles: dict[str, Any]) -> int | None:
 
 def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: RepoOptions, *,
                      force: bool = False) -> Path:
-    """Write ``out/<name>/`` (config and ``1/``) in one rename; an existing one only with ``force``."""
+    """Write ``out/<name>/`` (config and ``1/``) in one rename; an existing one (or a link of that
+    name: the link is replaced, not what it points to) only with ``force``."""
 
     check_model_name(options.model_name)
     source = model_source(model, options)
     text = config_text(source, options)
     check_config(parse_config(text), source)
     repo = Path(out)
-    if repo.exists() and not repo.is_dir():
-        raise OutputExistsError(f"{repo} is a file; -o names the repository folder")
+    check_folder_writable(repo)
     target = repo / options.model_name
-    if target.exists() and not force:
+    if (target.exists() or target.is_symlink()) and not force:
         raise OutputExistsError(f"{target} exists; pass --force to replace it or choose another -o/--model-name")
-    repo.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{options.model_name}.", dir=repo))
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{options.model_name}.", dir=repo))
+    except OSError as exc:
+        raise OutputExistsError(f"cannot create the repository folder {repo}: {exc.strerror or one_line(exc)}; "
+                                "choose another -o") from None
     old: Path | None = None
     try:
+        os.chmod(staging, DIR_MODE)  # the user's umask, as any folder of theirs (mkdtemp makes it 0700)
         version = staging / "1"
         version.mkdir()
         shutil.copyfile(source.path, version / source.filename)
@@ -240,7 +245,7 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: 
             (version / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, version / name)
         (staging / "config.pbtxt").write_text(text)
-        if target.exists():
+        if target.exists() or target.is_symlink():
             old = Path(tempfile.mkdtemp(prefix=f".{options.model_name}.old.", dir=repo))
             os.rmdir(old)
             os.replace(target, old)
@@ -253,6 +258,14 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: 
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-        if old is not None and old.exists():
-            shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            _remove(old)
     return target
+
+
+def _remove(path: Path) -> None:
+    """Remove a replaced model: a link itself (never what it points to), or a folder tree."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)

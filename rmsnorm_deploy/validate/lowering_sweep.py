@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -32,6 +33,7 @@ from rmsnorm_deploy.errors import (
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
+from rmsnorm_deploy.resources import check_memory
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.table import format_table
 
@@ -70,6 +72,17 @@ class SweepRow:
             "detail": self.detail, "ulp_vs_oracle": self.ulp_vs_oracle, "ulp_vs_reference": self.ulp_vs_reference,
             "ort_op": self.ort_op, "ort_accumulation": self.ort_accumulation,
         }
+
+
+#: float64 arrays of the input's size one case holds at its peak: the generated activations (and
+#: gate), the oracle's input, square and result, and the comparison's copies.
+PEAK_FLOAT64_COPIES = 6
+
+
+def check_case_memory(shape: Sequence[int], what: str) -> None:
+    """Refuse (one line) a shape whose case would not fit the memory budget, before anything is allocated."""
+    check_memory(math.prod(int(d) for d in shape) * 8 * PEAK_FLOAT64_COPIES,
+                 f"{what} ({math.prod(int(d) for d in shape):,} elements)", "give a smaller shape")
 
 
 def run_case(case: SweepCase) -> SweepRow:
