@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands.test_hostile import _error_after_progress
+
 from rmsnorm_deploy.cli import main
 
 pytest.importorskip("onnxruntime", reason="export and generate run ONNX Runtime")
@@ -29,14 +31,6 @@ pytest.importorskip("tokenizers", reason="the folder's tokenizer needs tokenizer
 EOS = [2, 3]
 
 
-def _one_line(capsys, code, expected_code=2):
-    """The single error line (after any progress lines) of a command that failed with ``expected_code``."""
-    err = capsys.readouterr().err
-    assert code == expected_code, err
-    lines = err.splitlines()
-    assert "Traceback" not in err and lines and lines[-1].startswith("rmsnorm-deploy "), err
-    assert sum(": error: " in line for line in lines) == 1, err
-    return lines[-1]
 
 
 def _save_plain(folder: Path) -> None:
@@ -102,7 +96,7 @@ def test_generate_with_hostile_options(folders, capsys):
     """An invalid UTF-8 prompt, a vanishing temperature (NaN probabilities before), a closed pipe."""
     folder = folders["exported"]
     capsys.readouterr()
-    line = _one_line(capsys, main(["generate", str(folder), "--prompt", "t5 \udcff\udcfe"]))
+    line = _error_after_progress(capsys, main(["generate", str(folder), "--prompt", "t5 \udcff\udcfe"]))
     assert "the prompt is not UTF-8 text (bytes ff fe at character 3); give UTF-8 text" in line
     assert main(["generate", str(folder), "--prompt", "t5 t6", "--sample", "--temperature", "1e-310",
                  "--max-new-tokens", "3"]) == 0
@@ -132,14 +126,14 @@ def test_a_link_out_of_the_cache_repository_is_refused(folders, tmp_path, capsys
     outside.parent.mkdir()
     shutil.copyfile(folders["plain"] / name, outside)  # a file that would load: the link alone is wrong
     copy = _snapshot_copy(folders, tmp_path, name, outside)
-    line = _one_line(capsys, main(["export", str(copy), "--kv-cache", "-o", str(tmp_path / "out")]))
+    line = _error_after_progress(capsys, main(["export", str(copy), "--kv-cache", "-o", str(tmp_path / "out")]))
     assert f"{copy / name} leads to {outside}, outside the model's folder and its hub-cache repository" in line
     assert not (tmp_path / "out").exists()
 
 
 def test_a_link_to_etc_passwd_is_refused(folders, tmp_path, capsys):
     copy = _snapshot_copy(folders, tmp_path, "tokenizer.json", "/etc/passwd")
-    line = _one_line(capsys, main(["export", str(copy), "--kv-cache", "-o", str(tmp_path / "out")]))
+    line = _error_after_progress(capsys, main(["export", str(copy), "--kv-cache", "-o", str(tmp_path / "out")]))
     assert "tokenizer.json leads to /etc/passwd, outside the model's folder" in line
 
 
@@ -170,7 +164,7 @@ def _indexed(folders, tmp_path, shard_name) -> Path:
 ])
 def test_a_shard_index_cannot_steer_reads_outside(folders, tmp_path, capsys, shard, message):
     folder = _indexed(folders, tmp_path, shard)
-    line = _one_line(capsys, main(["export", str(folder), "-o", str(tmp_path / "out")]))
+    line = _error_after_progress(capsys, main(["export", str(folder), "-o", str(tmp_path / "out")]))
     assert message in line and "model.safetensors.index.json" in line
     assert not (tmp_path / "out").exists()
 
@@ -208,13 +202,13 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
-def test_a_config_of_the_wrong_types_is_one_line(folders, tmp_path, capsys, case):
+def test_a_config_of_the_wrong_types_is_error_after_progress(folders, tmp_path, capsys, case):
     changes, message = CONFIGS[case]
     folder = shutil.copytree(folders["plain"], tmp_path / "model")
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)
     (folder / "config.json").write_text(json.dumps(config))
-    line = _one_line(capsys, main(["export", str(folder), "-o", str(tmp_path / "out")]))
+    line = _error_after_progress(capsys, main(["export", str(folder), "-o", str(tmp_path / "out")]))
     assert message in line, line
     assert not (tmp_path / "out").exists()
 
@@ -224,10 +218,10 @@ def test_a_config_of_the_wrong_types_is_one_line(folders, tmp_path, capsys, case
     ('{"eos_token_id": 18446744073709551616}', "generation_config.json: eos_token_id is 18446744073709551616"),
     ("[" * 100000 + "]" * 100000, "generation_config.json: nested deeper than 32 levels"),
 ])
-def test_a_damaged_generation_config_is_one_line(folders, tmp_path, capsys, content, message):
+def test_a_damaged_generation_config_is_error_after_progress(folders, tmp_path, capsys, content, message):
     folder = shutil.copytree(folders["plain"], tmp_path / "model")
     (folder / "generation_config.json").write_text(content)
-    assert message in _one_line(capsys, main(["export", str(folder), "-o", str(tmp_path / "out")]))
+    assert message in _error_after_progress(capsys, main(["export", str(folder), "-o", str(tmp_path / "out")]))
 
 
 # -- 5. hostile side files of an exported folder: generate, and serve's loader -----------------------
@@ -275,7 +269,7 @@ def _damaged_copy(folders, tmp_path, case) -> Path:
 @pytest.mark.parametrize("case", sorted(SIDE_FILES))
 def test_hostile_side_files_are_refused_when_the_folder_is_opened(folders, tmp_path, capsys, case):
     folder = _damaged_copy(folders, tmp_path, case)
-    line = _one_line(capsys, main(["generate", str(folder), "--input-ids", "5,6", "--max-new-tokens", "2"]))
+    line = _error_after_progress(capsys, main(["generate", str(folder), "--input-ids", "5,6", "--max-new-tokens", "2"]))
     assert SIDE_FILES[case][2] in line, line
 
 
