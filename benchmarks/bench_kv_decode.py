@@ -4,8 +4,8 @@ Not a test: it measures, in one run, for a tiny Hugging Face Llama (hidden 256, 
 Llama-shaped ~125M model (hidden 768, 12 layers, vocabulary 32000), float32, prompt 128, 64 new
 greedy tokens, batch 1 and 4:
 
-* ``ours onnxruntime``: ``export --kv-cache --target onnxruntime`` (``exporter/ort_decoder.py``),
-  separate past/present, decoded by ``runners/kv_decoder.py`` (IOBinding, caches stay OrtValues);
+* ``ours onnxruntime``: ``export --kv-cache --target onnxruntime`` (``decoder/ort_graph.py``),
+  separate past/present, decoded by ``decoder/loop.py`` (IOBinding, caches stay OrtValues);
 * ``ours onnxruntime shared``: the same graph with ``--share-buffer`` (one max-length buffer);
 * ``ours onnxruntime shared, ort lowering``: ``--share-buffer --lowering ort``: the norms are ONNX
   Runtime's ops, the residual ``Add`` folded into ``SkipSimplifiedLayerNormalization``;
@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from rmsnorm_deploy.environment import package_version  # noqa: E402
+from rmsnorm_deploy.resources import package_version  # noqa: E402
 
 THREADS = 2
 PROMPT, NEW_TOKENS = 128, 64
@@ -206,14 +206,14 @@ class GenaiRuntime:
 
 def torch_greedy(lm: torch.nn.Module, ids: np.ndarray) -> Timed:
     """transformers with its own cache, through the decode loop every ONNX contender runs (same clock)."""
-    from rmsnorm_deploy.runners.transformers_step import transformers_steps
+    from rmsnorm_deploy.decoder.transformers_step import transformers_steps
 
     run = transformers_steps(lm, ids, new_tokens=NEW_TOKENS, keep_logits=False)
     return run.tokens, run.prefill_s, run.step_s
 
 
 def ours_runner(path: Path, layout: Any = None, profile_prefix: str | None = None) -> Any:
-    from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner
+    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
 
     return KVDecoderRunner(str(path), layout, threads=THREADS, session_options=ort_options(profile_prefix))
 
@@ -266,7 +266,7 @@ class OptimumWorker:
 
 
 def genai_layout(dims: Any, max_length: int) -> Any:
-    from rmsnorm_deploy.runners.kv_decoder import CacheLayout
+    from rmsnorm_deploy.decoder.loop import CacheLayout
 
     return CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim, share_buffer=True,
                        max_length=max_length)
@@ -304,7 +304,7 @@ def graph_ops(path: Path) -> dict[str, Any]:
 def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None],
                 workers: list[OptimumWorker]) -> dict[str, Any]:
     from rmsnorm_deploy.exporter import hf
-    from rmsnorm_deploy.exporter.ort_decoder import audit_norms, build_decoder
+    from rmsnorm_deploy.decoder.ort_graph import audit_norms, build_decoder
     from rmsnorm_deploy.graph.onnx_file import save_onnx
 
     log(f"{key}: {LABELS[key]}")
@@ -329,7 +329,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
                                    "--lowering", "ort")
     genai_session_options(ours_genai_dir)
     shared_layout = genai_layout(dims, max_length)
-    from rmsnorm_deploy.runners.kv_decoder import CacheLayout
+    from rmsnorm_deploy.decoder.loop import CacheLayout
 
     ours_shared_layout = CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                                      share_buffer=True, max_length=max_length)

@@ -36,7 +36,7 @@ from rmsnorm_deploy.contract.dtypes import to_torch  # noqa: E402
 from rmsnorm_deploy.contract.inputs import activations, gain_weights  # noqa: E402
 from rmsnorm_deploy.contract.reference import reference  # noqa: E402
 from rmsnorm_deploy.contract.spec import named_specs  # noqa: E402
-from rmsnorm_deploy.environment import package_version  # noqa: E402
+from rmsnorm_deploy.resources import package_version  # noqa: E402
 from rmsnorm_deploy.errors import LoweringError  # noqa: E402
 from rmsnorm_deploy.graph.lowerings import LOWERINGS  # noqa: E402
 from rmsnorm_deploy.graph.standalone import rmsnorm_model  # noqa: E402

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from rmsnorm_deploy.contract.inputs import token_ids  # noqa: E402
-from rmsnorm_deploy.environment import package_version  # noqa: E402
+from rmsnorm_deploy.resources import package_version  # noqa: E402
 from rmsnorm_deploy.exporter.surgery import quiet_exporter  # noqa: E402
 from rmsnorm_deploy.table import format_table  # noqa: E402
 

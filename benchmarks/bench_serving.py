@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rmsnorm_deploy.environment import package_version  # noqa: E402
+from rmsnorm_deploy.resources import package_version  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
 from rmsnorm_deploy.errors import UserError  # noqa: E402
 from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench_serving import _start_server  # noqa: E402  (benchmarks/, the folder this script runs from)
 
-from rmsnorm_deploy.environment import package_version  # noqa: E402
-from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
+from rmsnorm_deploy.resources import package_version  # noqa: E402
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 
 CONTENDERS = ("generate in process", "whole answer, http", "whole answer, grpc", "stream, grpc")
 RESULTS = ROOT / "benchmarks" / "results"

@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rmsnorm_deploy.exporter.hf import TINY_CONFIGS, from_config  # noqa: E402
-from rmsnorm_deploy.exporter.kv_cache import left_padded  # noqa: E402
-from rmsnorm_deploy.exporter.pipeline import export_model  # noqa: E402
+from rmsnorm_deploy.decoder.convention import left_padded  # noqa: E402
+from rmsnorm_deploy.decoder.export import export_decoder  # noqa: E402
 from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
-from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps  # noqa: E402
-from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate, transformers_steps  # noqa: E402
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 
 NEW = 32
 PROMPTS = {1: [[5, 17, 99, 3, 250, 41, 7]], 3: [[5, 17, 99, 3, 250, 41, 7], [11, 12, 13], [200, 1, 64, 64, 9]]}
@@ -42,7 +42,7 @@ CASES = [("llama", "float32", False), ("llama", "float32", True), ("qwen3", "flo
 def genai_tokens(folder, prompt):
     """onnxruntime-genai's greedy tokens from the folder, or None where it is not installed."""
     from rmsnorm_deploy.errors import MissingDependencyError
-    from rmsnorm_deploy.serving.genai_client import genai_greedy
+    from rmsnorm_deploy.decoder.genai_client import genai_greedy
 
     try:
         return genai_greedy(folder, prompt, NEW)
@@ -59,8 +59,8 @@ def main() -> int:
         for family, dtype, fuse in CASES:
             folder = Path(tmp) / f"{family}-{dtype}-{fuse}"
             clock = time.perf_counter()
-            result = export_model(from_config(TINY_CONFIGS[family], dtype), folder / "model.onnx",
-                                  ExportOptions(dtype=dtype, kv_cache=True, fuse_attention=fuse))
+            result = export_decoder(from_config(TINY_CONFIGS[family], dtype), folder / "model.onnx",
+                                  ExportOptions(dtype=dtype, fuse_attention=fuse))
             export_s = time.perf_counter() - clock
             model = from_config(TINY_CONFIGS[family], dtype).module.model
             full = from_config(TINY_CONFIGS[family], "float32").module.model if dtype != "float32" else None

@@ -7,8 +7,7 @@ triton and transformers are loaded when a feature that needs them is used.
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
-
-__version__ = "0.1.0"
+from rmsnorm_deploy.resources import __version__
 
 __all__ = ["RMSNormSpec", "UserError", "rmsnorm_model", "reference", "oracle", "__version__"]
 

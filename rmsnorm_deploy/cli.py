@@ -13,12 +13,13 @@ import importlib
 import sys
 from typing import Sequence
 
-from rmsnorm_deploy import __version__
+from rmsnorm_deploy.resources import __version__
 from rmsnorm_deploy.errors import UserError
 
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "parity": ("parity", "build the standalone RMSNorm model of each lowering, run it in ONNX Runtime CPU, print parity"),
+    "sweep": ("sweep", "build the standalone RMSNorm model of each lowering, run it in ONNX Runtime CPU against the "
+              "float64 oracle, print the table"),
     "validate": ("validate", "run a model on each backend (ONNX Runtime CPU/CUDA/TensorRT, TensorRT) and compare it with "
                  "its PyTorch source or float64 oracle; exit 1 on a parity failure"),
     "audit": ("audit", "list every RMSNorm/LayerNorm reduction and the dtype it accumulates in, as written and after "
@@ -34,6 +35,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "triton-repo": ("triton_repo", "write a model repository for the standalone Triton Inference Server "
                     "(onnxruntime or tensorrt backend) from an exported model or engine"),
 }
+
+#: old command name -> its name now; the old one still works, with a note on stderr
+RENAMED: dict[str, str] = {"parity": "sweep"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(f"rmsnorm_deploy.commands.{module_name}")
-        cmd = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        aliases = [old for old, new in RENAMED.items() if new == name]
+        cmd = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(), aliases=aliases)
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
     return parser
@@ -64,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    if args.command in RENAMED:
+        print(f"rmsnorm-deploy: note: `{args.command}` is now `{RENAMED[args.command]}`; the old name still works "
+              "but will be removed", file=sys.stderr)
     try:
         return int(args._run(args) or 0)
     except UserError as exc:

@@ -1,7 +1,7 @@
-"""What this machine has: versions, GPU, driver, CUDA, ONNX Runtime providers, TensorRT, Triton
-and our plugin; and the memory budget that sizes read from untrusted input (metadata, configs,
-declared dims) are checked against before anything is allocated. Optional pieces are imported inside the functions that report on them, never
-when this module is imported, and a missing or broken piece is reported, not raised.
+"""What this machine has, for ``rmsnorm-deploy env``: versions, GPU, driver, CUDA, ONNX Runtime
+providers, TensorRT, Triton and our plugin. Optional pieces are imported inside the functions that
+report on them, never when this module is imported, and a missing or broken piece is reported,
+not raised. (Package versions and the memory budget every package may ask for are in ``resources``.)
 
 ONNX Runtime lists a provider as *available* when its library is in the package, which says
 nothing about whether it loads here: the CUDA and TensorRT providers are therefore probed with
@@ -23,25 +23,15 @@ import subprocess
 from typing import Any
 
 from rmsnorm_deploy.errors import UserError, one_line
-
-NOT_INSTALLED = "not installed"
+from rmsnorm_deploy.resources import NOT_INSTALLED, __version__, package_version
 
 #: ONNX Runtime providers that are probed with a session (the CPU provider always loads).
 PROBED_PROVIDERS = {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
-def package_version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return NOT_INSTALLED
-
-
 def collect() -> dict[str, Any]:
     """Everything ``rmsnorm-deploy env`` prints, in the order it prints it."""
     import torch
-
-    from rmsnorm_deploy import __version__
 
     info: dict[str, Any] = {
         "rmsnorm-deploy": __version__,
@@ -206,9 +196,9 @@ def plugin_status(tensorrt_importable: bool) -> str:
     if not tensorrt_importable:
         return "absent (needs tensorrt, which is not importable here)"
     try:
-        module = importlib.import_module("rmsnorm_deploy.tensorrt.plugin")
+        module = importlib.import_module("rmsnorm_deploy.tensorrt.plugin_loader")
     except ModuleNotFoundError as exc:
-        if exc.name == "rmsnorm_deploy.tensorrt.plugin":
+        if exc.name in ("rmsnorm_deploy.tensorrt.plugin", "rmsnorm_deploy.tensorrt.plugin_loader"):
             return "absent (this build of rmsnorm-deploy has no rmsnorm_deploy.tensorrt.plugin)"
         return f"error: {one_line(exc)}"
     except Exception as exc:
@@ -233,44 +223,3 @@ def require_gpu(info: dict[str, Any]) -> None:
             "no CUDA GPU is visible" + (f" ({reason})" if reason else "") + "; run the container with "
             "`docker run --gpus all ...` on a machine with the NVIDIA driver and the NVIDIA Container Toolkit"
         )
-
-
-# -- the memory budget: sizes from untrusted input are checked before anything is allocated -------
-#: The share of the available memory one allocation plan may take.
-MEMORY_MARGIN = 0.8
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux ``MemAvailable``, else ``os.sysconf`` free pages), or ``None``."""
-    import os
-
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def memory_budget() -> int | None:
-    """Bytes one command may plan to allocate: :data:`MEMORY_MARGIN` of :func:`available_memory`."""
-    available = available_memory()
-    return None if available is None else int(available * MEMORY_MARGIN)
-
-
-def check_memory(nbytes: float, what: str, fix: str) -> None:
-    """Refuse, in one line naming the size and the budget, to allocate ``nbytes`` for ``what``
-    when it exceeds :func:`memory_budget`."""
-    budget = memory_budget()
-    if budget is not None and nbytes > budget:
-        raise UserError(f"{what} needs about {_gib(nbytes)} of memory but this machine has a budget of "
-                        f"{_gib(budget)} ({MEMORY_MARGIN:.0%} of the available {_gib(budget / MEMORY_MARGIN)}); {fix}")
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:,.1f} GiB"

@@ -27,13 +27,13 @@ atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 def exported_kv(family: str, dtype: str = "float32", fuse_attention: bool = False):
     """``(folder, ExportResult)`` of the tiny ``family`` model exported with ``--kv-cache``."""
     from rmsnorm_deploy.exporter.hf import TINY_CONFIGS, from_config
-    from rmsnorm_deploy.exporter.pipeline import export_model
+    from rmsnorm_deploy.decoder.export import export_decoder
     from rmsnorm_deploy.exporter.plan import ExportOptions
 
     folder = _ROOT / f"{family}-{dtype}{'-fused' if fuse_attention else ''}"
     loaded = from_config(TINY_CONFIGS[family], dtype)
-    result = export_model(loaded, folder / "model.onnx",
-                          ExportOptions(dtype=dtype, kv_cache=True, fuse_attention=fuse_attention))
+    result = export_decoder(loaded, folder / "model.onnx",
+                          ExportOptions(dtype=dtype, fuse_attention=fuse_attention))
     return folder, result
 
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
-from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ, TARGETS
+from rmsnorm_deploy.decoder.convention import TARGETS
+from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="one graph for prefill and decode with past/present key-value tensors (the convention "
                              "optimum and onnxruntime-genai read), genai_config.json and the Hugging Face config and "
                              "tokenizer files beside it; run it with `rmsnorm-deploy generate`")
-    parser.add_argument("--target", default="portable", choices=TARGETS,
+    parser.add_argument("--target", default=None, choices=TARGETS,
                         help="the --kv-cache graph: portable (plain ops; TensorRT and every runtime) or onnxruntime "
                              "(GroupQueryAttention and fused projections, written from the module tree; fastest in "
                              "ONNX Runtime). Default portable")
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported here, not at the top: `rmsnorm-deploy --help` must not load torch
+    from rmsnorm_deploy.decoder.export import DecoderOptions, plan_decoder_export, run_decoder_export
+    from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.exporter.pipeline import run_export
     from rmsnorm_deploy.exporter.plan import (
         ExportOptions,
@@ -63,18 +67,28 @@ def run(args: argparse.Namespace) -> int:
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
                             seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention,
-                            norm_specs=tuple(args.norm_spec), kv_cache=args.kv_cache, target=args.target,
-                            share_buffer=args.share_buffer)
-    plan = plan_export(options, model_ref=args.model, output=args.output)
-    target = plan.target
+                            norm_specs=tuple(args.norm_spec))
+    if not args.kv_cache and (args.target is not None or args.share_buffer):
+        flag = f"--target {args.target}" if args.target is not None else "--share-buffer"
+        raise UserError(f"{flag} is an option of the KV-cache decoder graph; add --kv-cache")
+    if args.kv_cache:
+        decoder = DecoderOptions(target=args.target or "portable", share_buffer=args.share_buffer)
+        decoder_plan = plan_decoder_export(options, decoder, model_ref=args.model, output=args.output)
+        plan = decoder_plan.export
+    else:
+        plan = plan_export(options, model_ref=args.model, output=args.output)
+    target = plan.model_path
 
     progress = Progress(prefix="export ")
     with progress.stage(f"loading {args.model} in {options.dtype}") as st:
         loaded = load_torch_model(args.model, options.dtype)
         st.note(f"{loaded.parameter_count() / 1e6:.1f}M parameters")
-    if options.kv_cache and options.target == "onnxruntime":
-        return _run_ort_decoder(loaded, plan, progress)
-    result = run_export(loaded, plan, progress=progress)
+    if args.kv_cache and decoder.target == "onnxruntime":
+        return _run_ort_decoder(loaded, decoder_plan, progress)
+    if args.kv_cache:
+        result = run_decoder_export(loaded, decoder_plan, progress=progress)
+    else:
+        result = run_export(loaded, plan, progress=progress)
 
     size = target.stat().st_size + _size(target.parent / (target.name + ".data"))
     print(f"exported {target} ({size / 2**20:.1f} MiB, opset {result.report['opset']}, {options.dtype}, "
@@ -106,17 +120,18 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result.parity_failed else 0
 
 
-def _run_ort_decoder(loaded, plan, progress) -> int:
-    from rmsnorm_deploy.exporter.ort_decoder import export_ort_decoder
+def _run_ort_decoder(loaded, decoder_plan, progress) -> int:
+    from rmsnorm_deploy.decoder.export import run_decoder_export  # start-up time, as in run()
 
+    plan, share_buffer = decoder_plan.export, decoder_plan.decoder.share_buffer
     options = plan.options
-    result = export_ort_decoder(loaded, plan, progress=progress, share_buffer=options.share_buffer)
+    result = run_decoder_export(loaded, decoder_plan, progress=progress)
     dec = result.decoder
-    size = plan.target.stat().st_size + _size(plan.target.parent / (plan.target.name + ".data"))
-    print(f"exported {plan.target} ({size / 2**20:.1f} MiB, {options.dtype}, target onnxruntime, "
+    size = plan.model_path.stat().st_size + _size(plan.model_path.parent / (plan.model_path.name + ".data"))
+    print(f"exported {plan.model_path} ({size / 2**20:.1f} MiB, {options.dtype}, target onnxruntime, "
           f"{len(dec.model.graph.node)} nodes, {dec.norm_nodes} norm nodes ({options.lowering}), "
-          f"LM head {dec.lm_head}, {'shared' if options.share_buffer else 'separate'} past/present); beside it: "
-          f"{', '.join(result.serving_files)} (run it: rmsnorm-deploy generate {plan.target.parent})")
+          f"LM head {dec.lm_head}, {'shared' if share_buffer else 'separate'} past/present); beside it: "
+          f"{', '.join(result.serving_files)} (run it: rmsnorm-deploy generate {plan.model_path.parent})")
     if result.parity is not None:
         print()
         print(result.parity.table())

@@ -15,7 +15,7 @@ from rmsnorm_deploy.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS
+    from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS
 
     parser.add_argument("model", metavar="MODEL_DIR", help="folder written by `export --kv-cache` (or its model.onnx)")
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -44,7 +44,7 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.serving.generate import KVCacheModel, Sampling, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate
 
     sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k)
     if args.threads is not None and args.threads < 1:

@@ -1,5 +1,10 @@
 """From a PyTorch model to an ONNX graph whose every norm is its exact spec.
 
+Model sources (``loaded_model``, ``blocks``, ``presets``, ``hf``, ``rebuild``), norm detection
+(``detect``, ``probing``, ``gated``, ``placement``), tracing (``torch_op``, ``surgery``, ``fusions``,
+``upcast``) and the export run (``plan``, ``pipeline``, ``parity``, ``routing``). The KV-cache decoder
+built on it is ``rmsnorm_deploy.decoder``.
+
 =============  ==============================================================================
 plan           ``plan_export``: options, model name and output paths checked once; defaults
 pipeline       ``run_export``: detect, run, export, canonicalize, check, save, parity
@@ -20,11 +25,5 @@ blocks         the pre-norm LLaMA-style block and stack
 presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)
 hf             Hugging Face folders (config.json + safetensors), no Hub access
 rebuild        the PyTorch source of an exported model, rebuilt from its metadata
-kv_cache       the KV-cache I/O convention (names, shapes, dtypes), its metadata and checks
-kv_model       ``KVCacheLM``: a causal LM over the flat past/present tensors of the convention
-kv_export      the ``--kv-cache`` steps of the pipeline: feeds, export call, metadata
-genai_config   ``genai_config.json`` and the Hugging Face config/tokenizer files beside a model
-ort_decoder    ``--kv-cache --target onnxruntime``: the decoder graph written from the module
-               tree (fused QKV, GroupQueryAttention, exact norm nodes), its per-step parity
 =============  ==============================================================================
 """

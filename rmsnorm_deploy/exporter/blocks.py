@@ -14,7 +14,7 @@ The norms compute ``reference(spec, x, w)``, so the spec in the preset *is* the 
 numerics: there is no second RMSNorm formula here.
 
 ``Transformer.forward_cached`` is the same stack with a key/value cache (the ``--kv-cache``
-export, ``exporter/kv_model.py``): explicit positions (left padding), past keys and values
+export, ``decoder/kv_model.py``): explicit positions (left padding), past keys and values
 concatenated before attention, and a mask from the attention mask and causality. A query
 whose every key is padding (a padded slot of a left-padded prompt) still sees itself, so no
 row of the softmax is empty; those positions' outputs are never used.
@@ -314,7 +314,7 @@ def build_model(args: ModelArgs, dtype: Any = "float32", *, seed: int = 0) -> Tr
     Built on the meta device and materialized once in ``dtype``, so a 1B-parameter model never
     holds a float32 copy or a default initialization it would overwrite.
     """
-    from rmsnorm_deploy.environment import check_memory
+    from rmsnorm_deploy.resources import check_memory
 
     with torch.device("meta"):
         model = Transformer(args, dtype)

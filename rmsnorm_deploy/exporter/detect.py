@@ -1,5 +1,7 @@
 """Find every norm of an ``nn.Module``, map it to its :class:`RMSNormSpec`, and prove the mapping.
 
+Long: the known classes' spec readers and the search that proves each mapping read as one table and one walk.
+
 Known classes (matched by their exact class, never by a name pattern):
 
 * ``torch.nn.RMSNorm`` (``eps=None`` means float32's machine epsilon, also for half inputs:
@@ -219,7 +221,7 @@ class NormSpecOverride:
     attribute is read (it must have exactly one), without ``normalized_dims`` its weight's.
     """
 
-    target: str  # class name (short or full) or module path
+    selector: str  # class name (short or full) or module path
     fields: tuple[tuple[str, Any], ...]
     text: str  # as the user wrote it
 
@@ -250,9 +252,9 @@ def parse_norm_spec(text: str) -> NormSpecOverride:
              ") or fields (e.g. eps=1e-6,gain=offset,order=scale_then_cast)")
     if not isinstance(text, str) or "=" not in text:
         raise UserError(f"--norm-spec {text!r}: {usage}")
-    target, _, spec_text = text.partition("=")
-    target, spec_text = target.strip(), spec_text.strip()
-    if not target or not spec_text:
+    selector, _, spec_text = text.partition("=")
+    selector, spec_text = selector.strip(), spec_text.strip()
+    if not selector or not spec_text:
         raise UserError(f"--norm-spec {text!r}: {usage}")
     try:
         named, given = spec_fields(spec_text)
@@ -260,7 +262,7 @@ def parse_norm_spec(text: str) -> NormSpecOverride:
         RMSNormSpec(**{"epsilon": 1e-6, **fields})  # every field checked now, before any work
     except SpecError as exc:
         raise UserError(f"--norm-spec {text!r}: {exc}") from None
-    return NormSpecOverride(target, tuple(sorted(fields.items())), text)
+    return NormSpecOverride(selector, tuple(sorted(fields.items())), text)
 
 
 def _override_for(overrides: dict[str, NormSpecOverride], path: str, name: str, module: torch.nn.Module,
@@ -306,7 +308,7 @@ def detect_norms(model: torch.nn.Module, *, dtype: Any = None, confirm: bool = T
     be found, and :class:`NormMismatchError` for a spec that does not reproduce its module.
     """
     default_dtype = torch_dtype(dtype) if dtype is not None else _first_float_dtype(model)
-    table = {o.target: o for o in overrides}
+    table = {o.selector: o for o in overrides}
     used: set[str] = set()
     cache = ProbeCache()
     widths: dict[str, Any] | None = None

@@ -111,7 +111,7 @@ def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = No
 
 def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None) -> None:
     """The model's weights against the memory budget, counted on the meta device (nothing allocated)."""
-    from rmsnorm_deploy.environment import check_memory
+    from rmsnorm_deploy.resources import check_memory
 
     try:
         with torch.device("meta"):

@@ -27,8 +27,6 @@ MAX_BATCH = 8
 MAX_SEQ = 4096
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
 REPORT_NAME = "report.json"
-#: KV-cache graph targets (``--target``).
-TARGETS = ("portable", "onnxruntime")
 
 
 class ExportError(UserError):
@@ -48,15 +46,6 @@ class ExportOptions:
     seed: int = 0  # parity inputs
     force: bool = False
     parity: bool = True
-    #: One graph for prefill and decode in the KV-cache convention (``kv_cache.py``), with
-    #: ``genai_config.json`` and the Hugging Face config and tokenizer files beside it.
-    kv_cache: bool = False
-    #: Which KV-cache graph: ``portable`` (plain ops, for TensorRT and every runtime) or
-    #: ``onnxruntime`` (``ort_decoder.py``: GroupQueryAttention, fused projections; ONNX Runtime only).
-    target: str = "portable"
-    #: ``onnxruntime`` target: past and present as one [batch, kv_heads, max_length, head_dim]
-    #: buffer (onnxruntime-genai's ``past_present_share_buffer: true``).
-    share_buffer: bool = False
     #: Free the PyTorch module (``loaded.module`` and the detected norms' references) once its
     #: outputs are computed, so ONNX Runtime's copy of the weights does not sit beside it.
     release_model: bool = False
@@ -120,23 +109,6 @@ def check_options(options: ExportOptions) -> None:
     if options.lowering not in LOWERINGS:
         raise UserError(f"unknown lowering {options.lowering!r}; choose one of {', '.join(LOWERINGS)}")
     check_opset(options.resolved_opset())
-    if options.target not in TARGETS:
-        raise UserError(f"unknown --target {options.target!r}; choose one of {', '.join(TARGETS)}")
-    if options.target == "onnxruntime":
-        from rmsnorm_deploy.exporter.ort_decoder import DTYPES
-
-        if not options.kv_cache:
-            raise UserError("--target onnxruntime writes a KV-cache decoder graph; add --kv-cache")
-        if options.fuse_attention:
-            raise UserError("--fuse-attention is for the portable graph; --target onnxruntime already uses ONNX "
-                            "Runtime's fused attention (GroupQueryAttention)")
-        if options.opset is not None:
-            raise UserError("--opset is for the portable graph; the --target onnxruntime graph is written at one opset")
-        if options.dtype not in DTYPES:
-            raise UserError(f"--target onnxruntime writes {', '.join(DTYPES)} graphs (GroupQueryAttention has no "
-                            f"{options.dtype} CPU kernel); use --target portable for {options.dtype}")
-    if options.share_buffer and options.target != "onnxruntime":
-        raise UserError("--share-buffer is a mode of the --target onnxruntime graph")
     if options.fuse_attention:
         check_fusion_opset(options.resolved_opset())
     for name in ("batch", "seq"):
@@ -147,12 +119,12 @@ def check_options(options: ExportOptions) -> None:
 
 
 def norm_overrides(options: ExportOptions) -> tuple[NormSpecOverride, ...]:
-    """The parsed ``--norm-spec`` declarations; one line for a bad one or a target declared twice."""
+    """The parsed ``--norm-spec`` declarations; one line for a bad one or a class or path declared twice."""
     if isinstance(options.norm_specs, str):
         raise UserError("norm_specs must be a sequence of CLASS_OR_PATH=SPEC strings, not one string")
     parsed = tuple(parse_norm_spec(text) for text in options.norm_specs)
-    targets = [o.target for o in parsed]
-    twice = sorted({t for t in targets if targets.count(t) > 1})
+    selectors = [o.selector for o in parsed]
+    twice = sorted({t for t in selectors if selectors.count(t) > 1})
     if twice:
         raise UserError(f"--norm-spec declares {twice[0]!r} more than once; give one spec per class or path")
     return parsed
@@ -173,28 +145,26 @@ class ExportPlan:
     """A checked export: the options, the model file to write and the report beside it."""
 
     options: ExportOptions
-    target: Path
+    model_path: Path
     name: str = ""
 
     @property
     def report_path(self) -> Path:
-        return self.target.parent / REPORT_NAME
+        return self.model_path.parent / REPORT_NAME
 
 
-def plan_export(options: ExportOptions, *, target: str | os.PathLike | None = None, model_ref: str | None = None,
-                output: str | os.PathLike | None = None) -> ExportPlan:
-    """Check ``options`` and the output paths once. Give ``target`` (a model file path), or
-    ``model_ref`` and the CLI's ``output`` (a file, a folder or None for the default)."""
+def plan_export(options: ExportOptions, *, model_path: str | os.PathLike | None = None, model_ref: str | None = None,
+                output: str | os.PathLike | None = None, extra_files: tuple[str, ...] = ()) -> ExportPlan:
+    """Check ``options`` and the output paths once. Give ``model_path`` (a model file path), or
+    ``model_ref`` and the CLI's ``output`` (a file, a folder or None for the default).
+    ``extra_files``: other files published beside the model (a decoder's serving files)."""
     check_options(options)
     name = model_name(model_ref) if model_ref is not None else ""
-    path = Path(target) if target is not None else output_path(output, name, options.dtype, options.lowering)
+    path = Path(model_path) if model_path is not None else output_path(output, name, options.dtype, options.lowering)
     ensure_writable(path, force=options.force)
     check_folder_writable(path.parent)  # now, not after the whole export has run
     if options.parity:
         ensure_writable(path.parent / REPORT_NAME, force=options.force)
-    if options.kv_cache:
-        from rmsnorm_deploy.exporter.genai_config import GENAI_CONFIG, HF_FILES
-
-        for name in (GENAI_CONFIG, *HF_FILES):
-            ensure_writable(path.parent / name, force=options.force)
+    for extra in extra_files:
+        ensure_writable(path.parent / extra, force=options.force)
     return ExportPlan(options, path, name)

@@ -7,8 +7,8 @@ when a model of that kind is validated.
 
 A rebuilt source is an ``nn.Module`` in the model's dtype, in eval mode, whose ``forward``
 takes the ONNX inputs as keyword arguments (torch tensors) and returns a dict of torch
-tensors keyed by the ONNX output names. For a KV-cache graph (metadata ``kv_cache``) that is
-the model wrapped in ``kv_model.KVCacheLM``.
+tensors keyed by the ONNX output names. A KV-cache graph's source (metadata ``kv_cache``) is
+that model wrapped by ``decoder.kv_model.kv_source``.
 """
 
 from __future__ import annotations
@@ -58,13 +58,7 @@ def rebuild_source(meta: ModelMetadata, *, model_dir: str | os.PathLike | None =
         importlib.import_module(_KIND_MODULES[kind])
     if kind not in _BUILDERS:
         raise UserError(f"cannot rebuild a source of kind {kind!r}; known kinds: {', '.join(sorted(_KIND_MODULES))}")
-    module = _BUILDERS[kind](meta)
-    if meta.kv_cache:  # a KV-cache graph: the same model over the flat past/present tensors
-        from rmsnorm_deploy.exporter.kv_cache import layout_of
-        from rmsnorm_deploy.exporter.kv_model import KVCacheLM
-
-        module = KVCacheLM(module.model, layout_of(meta))
-    return module.eval()
+    return _BUILDERS[kind](meta).eval()
 
 
 def _trusted_source(meta: ModelMetadata, model_dir: str | os.PathLike | None,

@@ -34,7 +34,7 @@ placements         ``{norm call name: {"placement": str, "output": str}}``: wher
                    names the norm in every lowering; the second call of a norm is
                    ``path#2``. Exported models only; the audit checks the graph against it
 kv_cache           only in KV-cache graphs (``export --kv-cache``): the I/O convention,
-                   ``exporter.kv_cache.KVCacheLayout.to_dict()`` (layers, heads, head_dim,
+                   ``decoder.convention.KVCacheLayout.to_dict()`` (layers, heads, head_dim,
                    vocabulary, maximum length, dtype, graph ``target``: portable or onnxruntime,
                    ``past_present_share_buffer``); read back through
                    ``KVCacheLayout.from_dict``, which checks every field
@@ -69,7 +69,7 @@ class ModelMetadata:
     dims: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     placements: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    #: KV-cache graphs only: the I/O convention (``exporter.kv_cache``); ``None`` otherwise.
+    #: KV-cache graphs only: the I/O convention (``decoder.convention``); ``None`` otherwise.
     kv_cache: dict[str, Any] | None = None
 
     def to_props(self) -> dict[str, str]:
@@ -173,8 +173,8 @@ def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> tuple[tuple[str, str], ...]:
-    from rmsnorm_deploy import __version__
-    from rmsnorm_deploy.environment import package_version
+    from rmsnorm_deploy.resources import __version__
+    from rmsnorm_deploy.resources import package_version
 
     versions = {"rmsnorm-deploy": __version__}
     for dist in ("torch", "onnx", "onnxscript", "transformers"):

@@ -4,25 +4,28 @@ Server, embedded or standalone.
 ==============  =============================================================================
 signature       ``Signature``: a graph's inputs, outputs, batch dim and KV-cache pairs, read from
                 the ONNX file, with their Triton datatypes
+engine          ``Engine``: the generation engine every front end submits to; one thread owns
+                the session; ``Stream`` handles (thread-safe, iterable, ``async for``, cancel);
+                a bounded queue (``EngineBusy``), warm-up and drain (``EngineUnavailable``),
+                a failed run failing only its streams (``StreamFailed``)
+slots           how the engine runs its streams: ``SlotBatch``, continuous batching in the slots
+                of one preallocated KV cache (the ``--target onnxruntime`` graph, rows at their
+                own positions in one run, chunked prefill); ``TurnBatch``, batch-1 turns
 server          ``serve``: Triton embedded through PyTriton, inference through the ONNX Runtime
-                runner; ports checked, 127.0.0.1 by default, clean stop on SIGINT/SIGTERM;
-                a KV-cache export served as a generation model (``GenerationInference``:
-                ``input_ids`` in, ``output_ids`` out, through ``generate``) and its streaming
-                twin ``<name>_stream`` (``StreamingGenerationInference``: one response per
-                token, through ``stream``); bad requests refused with HTTP 400; ``free_ports``;
-                ``start_serve_process``: ``serve`` as a child process, handed back once ready
+                runner; ports checked, 127.0.0.1 by default, clean stop on SIGINT/SIGTERM (a
+                drain of the generations in flight first); a KV-cache export served as a
+                generation model (``GenerationInference``: ``input_ids`` in, ``output_ids`` out)
+                and its streaming twin ``<name>_stream`` (``StreamingGenerationInference``: one
+                response per token), both submitting to the engine; bad requests refused with
+                HTTP 400, a full queue with 503; ``free_ports``; ``start_serve_process``:
+                ``serve`` as a child process, handed back once ready
 pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpython on
-                ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2, and ``refusal``:
-                a request refused as INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT)
+                ``LD_LIBRARY_PATH``, tensors through DLPack under numpy 2, ``refusal``: a
+                request refused with the code it names (INVALID_ARG, UNAVAILABLE, INTERNAL),
+                and for the generation models answers through each request's sender and
+                notices of requests Triton cancelled
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
-parity_client   a served model's answers over HTTP and gRPC against the same model run here
-generate        ``KVCacheModel`` and ``generate``: greedy or seeded sampling over a KV-cache graph
-                (``export --kv-cache``) in ONNX Runtime, the prompts checked against the model
-                and the special tokens from its folder, run by ``runners.kv_decoder``'s one
-                loop; timings (prefill ms, decode ms per token, tokens/s)
-                ``stream``: one prompt's tokens as they come (the same loop, token by token)
-genai_client    ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
-                (optional dependency, loaded lazily)
+served_answers  a served model's answers over HTTP and gRPC against the same model run here
 ==============  =============================================================================
 """

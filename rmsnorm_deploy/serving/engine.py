@@ -37,8 +37,9 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 import numpy as np
 
 from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.runners.kv_decoder import Sampling, token_picker
-from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS, FROM_FOLDER, check_max_new_tokens
+from rmsnorm_deploy.resources import check_memory
+from rmsnorm_deploy.decoder.loop import Sampling, token_picker
+from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, FROM_FOLDER, check_max_new_tokens
 from rmsnorm_deploy.serving.slots import SlotBatch, TurnBatch, slots_refusal
 
 __all__ = ["Engine", "EngineBusy", "EngineOptions", "EngineUnavailable", "Stream", "StreamCancelled", "StreamFailed"]
@@ -227,6 +228,9 @@ class Engine:
         budget = options.max_tokens_in_flight or options.max_batch * lay.max_length
         self.slot_length = min(lay.max_length, budget // options.max_batch)
         if self.refusal is None:
+            check_memory(SlotBatch.cache_bytes(lay, options.max_batch, self.slot_length),
+                         f"a KV cache of {options.max_batch} slots of {self.slot_length} tokens",
+                         "lower --max-batch or --max-tokens-in-flight")
             self.batch: SlotBatch | TurnBatch = SlotBatch(model, slots=options.max_batch, slot_length=self.slot_length,
                                                           prefill_chunk=options.prefill_chunk)
         else:
@@ -247,7 +251,7 @@ class Engine:
         if self.refusal is None:
             mib = SlotBatch.cache_bytes(self.model.layout, o.max_batch, self.slot_length) / 2**20
             return (f"continuous batching: up to {o.max_batch} streams decoded together in slots of "
-                    f"{self.slot_length} tokens (KV cache {mib:,.0f} MiB), prompts prefilled "
+                    f"{self.slot_length} tokens (KV cache {mib:,.1f} MiB), prompts prefilled "
                     f"{o.prefill_chunk} tokens per step, {o.max_queue} more requests queued")
         return (f"one stream at a time: up to {o.max_batch} streams take turns, one batch-1 step each "
                 f"({self.refusal}); {o.max_queue} more requests queued")

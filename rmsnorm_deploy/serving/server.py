@@ -1,5 +1,7 @@
 """``serve``: a real Triton Inference Server (embedded through PyTriton) in front of our ONNX Runtime runner.
 
+Long: one server process: its ports, its Triton models and its stop, which share their state.
+
 The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
 batcher. Triton checks each request against the model's config (input names, datatypes, ranks,
 fixed dims, batch size) and answers a bad one with HTTP 400 / gRPC INVALID_ARGUMENT and a
@@ -253,7 +255,7 @@ class GenerationInference:
     generation engine (``serving.engine``) and is answered when its stream ends.
 
     ``input_ids`` INT64 [n] is one prompt; ``max_new_tokens`` INT64 [1] is optional (default
-    :data:`~rmsnorm_deploy.serving.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
+    :data:`~rmsnorm_deploy.decoder.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
     the new tokens, greedy, ending at the folder's end-of-sequence token if one comes: the tokens
     ``generate(model, [prompt])`` returns, whatever else the engine runs meanwhile. Nothing is
     locked across a generation: the function awaits its stream in PyTriton's event loop, so the
@@ -362,7 +364,7 @@ class StreamingGenerationInference(GenerationInference):
 def parse_generation_request(request: Any) -> tuple[list[int], int]:
     """The prompt and ``max_new_tokens`` of one KServe request (``InputError`` when malformed);
     the engine checks them against the model."""
-    from rmsnorm_deploy.serving.generate import DEFAULT_MAX_NEW_TOKENS
+    from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS
 
     if "input_ids" not in request.keys():
         raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
@@ -407,7 +409,7 @@ def generation_endpoint(path: Path, signature: Signature, providers: Sequence[st
     """
     if not signature.is_kv_cache:
         return None
-    from rmsnorm_deploy.serving.generate import KVCacheModel
+    from rmsnorm_deploy.decoder.generate import KVCacheModel
 
     return KVCacheModel(path, providers)
 

@@ -216,24 +216,7 @@ def build_engine(
     cache = _load_timing_cache(config, cache_path)
     for each in profile_list:  # a KV-cache graph: prefill (index 0) and decode (index 1)
         _add_profile(trt, builder, config, network, each)
-    bar = None
-    if progress:
-        from rmsnorm_deploy.tensorrt.progress import BuildProgress, progress_monitor
-
-        bar = BuildProgress()
-        config.progress_monitor = progress_monitor(trt, bar)
-    start = time.perf_counter()
-    try:
-        serialized = builder.build_serialized_network(network, config)
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - start
-    if bar is not None and bar.cancelled:
-        raise BuildError("the build was cancelled")
-    if serialized is None:
-        raise BuildError(f"TensorRT could not build an engine from {onnx_path}: {logger.last_errors()}")
-    plan = bytes(memoryview(serialized))
+    plan, seconds = _serialize(trt, builder, network, config, logger, onnx_path, progress)
     if cache_path is not None:
         _save_timing_cache(config, cache, cache_path)
 
@@ -262,8 +245,31 @@ def build_engine(
                        resolved, plugin_info, norms, prepared.notes, seconds, cache_path, len(plan))
 
 
+def _serialize(trt: Any, builder: Any, network: Any, config: Any, logger: Any, onnx_path: Path,
+               progress: bool) -> tuple[bytes, float]:
+    """The engine's bytes and the build's seconds, with the progress bar fed by ``IProgressMonitor``."""
+    bar = None
+    if progress:
+        from rmsnorm_deploy.tensorrt.progress import BuildProgress, progress_monitor
+
+        bar = BuildProgress()
+        config.progress_monitor = progress_monitor(trt, bar)
+    start = time.perf_counter()
+    try:
+        serialized = builder.build_serialized_network(network, config)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    if bar is not None and bar.cancelled:
+        raise BuildError("the build was cancelled")
+    if serialized is None:
+        raise BuildError(f"TensorRT could not build an engine from {onnx_path}: {logger.last_errors()}")
+    return bytes(memoryview(serialized)), seconds
+
+
 def _built_by() -> str:
-    from rmsnorm_deploy import __version__
+    from rmsnorm_deploy.resources import __version__
 
     return f"rmsnorm-deploy {__version__}"
 

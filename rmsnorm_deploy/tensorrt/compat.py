@@ -211,7 +211,7 @@ def _kv_cache_findings(model: onnx.ModelProto, facts: ParserFacts) -> list[Findi
     """A KV-cache graph (``export --kv-cache``): its I/O must follow the convention its metadata
     records, since ``build`` makes its prefill and decode profiles from them; an ``Attention``
     taking the cache as ``past_key``/``past_value`` (``--fuse-attention``) is flagged as unverified."""
-    from rmsnorm_deploy.exporter.kv_cache import check_io, graph_io, layout_of
+    from rmsnorm_deploy.decoder.convention import check_io, graph_io, layout_of
     from rmsnorm_deploy.graph.metadata import ModelMetadata
 
     try:

@@ -243,12 +243,12 @@ def kv_cache_profiles(
     profiles: Mapping[str, Sequence[int]] | Iterable[str] | None = None,
     metadata_dims: Mapping[str, Sequence[int]] | None = None,
 ) -> list[Profiles]:
-    """The prefill and decode profiles of a KV-cache graph (``exporter.kv_cache.KVCacheLayout``).
+    """The prefill and decode profiles of a KV-cache graph (``decoder.convention.KVCacheLayout``).
 
     ``--profile`` may give ``batch`` and ``sequence`` (its max is the longest past + sequence);
     ``past`` and ``total`` follow from them and cannot be given.
     """
-    from rmsnorm_deploy.exporter.kv_cache import BATCH, PAST, SEQUENCE, TOTAL
+    from rmsnorm_deploy.decoder.convention import BATCH, PAST, SEQUENCE, TOTAL
 
     inputs = model_input_dims(model)
     dynamic = {d for dims in inputs.values() for d in dims if isinstance(d, str)}
@@ -308,7 +308,7 @@ def engine_profiles(model: onnx.ModelProto, meta: Any,
     (its metadata says so), else the one profile of :func:`resolve_profiles`."""
     dims = meta.dims if meta is not None else None
     if meta is not None and getattr(meta, "kv_cache", None):
-        from rmsnorm_deploy.exporter.kv_cache import layout_of
+        from rmsnorm_deploy.decoder.convention import layout_of
 
         return kv_cache_profiles(model, layout_of(meta), profiles, dims)
     return [resolve_profiles(model, profiles, dims)]

@@ -90,7 +90,7 @@ def _tensorrt_runner(model_path: Path, workdir: Path, *, plugin: bool) -> Runner
     flag = "trt-plugin" if plugin else "trt"
     require("tensorrt", f"validate --providers {flag}")
     try:
-        from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+        from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
         from rmsnorm_deploy.tensorrt.build import build_engine
     except ImportError as exc:
         raise MissingDependencyError(

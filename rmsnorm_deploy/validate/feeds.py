@@ -137,7 +137,7 @@ _BYTES_PER_VALUE = 32
 
 def _check_feed_size(shapes: list[list[int]]) -> None:
     """The inputs about to be generated against the memory budget, before any is allocated."""
-    from rmsnorm_deploy.environment import check_memory
+    from rmsnorm_deploy.resources import check_memory
 
     values = sum(math.prod(shape) for shape in shapes)
     check_memory(values * _BYTES_PER_VALUE, f"generating inputs of shapes {shapes} ({values:,} values)",

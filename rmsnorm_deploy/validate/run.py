@@ -102,7 +102,7 @@ def validate_model(
         if exposed:
             run_path = save_onnx(with_exposed_tensors(model, exposed), workdir / "model-with-norm-outputs.onnx")
         results: dict[str, dict[str, np.ndarray]] = {}
-        placement: dict[str, dict[str, int]] = {}
+        node_assignment: dict[str, dict[str, int]] = {}
         for key, label in zip(keys, labels):
             runner = BACKENDS[key].runner(
                 run_path, workdir, optimization=optimization, provider_options=provider_options,
@@ -110,8 +110,8 @@ def validate_model(
             try:
                 with runner:
                     results[label] = runner.infer(feed)
-                    if getattr(runner, "placement", None) is not None:
-                        placement[label] = runner.placement.counts
+                    if getattr(runner, "node_assignment", None) is not None:
+                        node_assignment[label] = runner.node_assignment.counts
             except UserError as exc:
                 raise type(exc)(f"{label}: {exc}") from None
             optimized = workdir / f"optimized-{key}.onnx"
@@ -139,7 +139,7 @@ def validate_model(
               f"{meta.lowering})" if meta else "third-party graph (no rmsnorm_deploy metadata)")
     reference_text = {"torch": f"{source_label}, run in the model's dtype", "float64": f"{source_label} in float64",
                       "backends": f"outputs: the first backend ({labels[0]}); norms: their float64 oracle"}[ref_label]
-    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, placement)
+    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, node_assignment)
 
 
 def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
@@ -180,11 +180,12 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
                             "PyTorch source); this graph has none: use --reference float64 (each norm against its "
                             "float64 oracle, backends against each other)")
         return None, "", "backends"
+    from rmsnorm_deploy.decoder.kv_model import kv_source
     from rmsnorm_deploy.exporter.rebuild import rebuild_source
 
     kind = meta.source.get("kind", "unknown")
     try:
-        module = rebuild_source(meta, model_dir=model_dir, source_path=source)
+        module = kv_source(rebuild_source(meta, model_dir=model_dir, source_path=source), meta)
     except (UserError, ImportError) as exc:
         why = f"cannot rebuild the PyTorch source of kind {kind!r}: {exc}"
         if reference != "auto":

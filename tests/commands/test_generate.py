@@ -49,7 +49,7 @@ def test_a_folder_without_a_model_is_refused(capsys, tmp_path):
 def test_generate_prints_tokens_and_timings_and_refuses_what_does_not_fit(capsys, tmp_path):
     from tests.kv_models import exported_kv
 
-    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
 
     folder, _ = exported_kv("llama")
     with KVCacheModel(folder) as kv:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rmsnorm_deploy.errors import InputError, UserError
-from rmsnorm_deploy.serving.generate import KVCacheModel, generate, stream
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate, stream
 from rmsnorm_deploy.serving.pytriton_env import REFUSED, refusal
 from rmsnorm_deploy.serving.server import (
     GENERATION_OUTPUT,

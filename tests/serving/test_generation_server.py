@@ -20,7 +20,7 @@ tritonclient_http = pytest.importorskip("tritonclient.http", reason="serving tes
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tests need tritonclient[http,grpc]")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from rmsnorm_deploy.serving.generate import KVCacheModel, generate  # noqa: E402
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from tests.serving._serve import post_infer, running_server  # noqa: E402
 
 VOCAB = 512  # the tiny preset's

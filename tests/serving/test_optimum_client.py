@@ -50,7 +50,7 @@ def _preset_folder(tmp_path: Path) -> Path:
 def test_optimum_generates_our_greedy_tokens(tmp_path, target):
     from tests.kv_models import exported_kv
 
-    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
 
     if target == "portable":
         folder = exported_kv("llama")[0]

@@ -197,17 +197,17 @@ def test_statistics_are_readable_but_the_repository_api_is_guarded(served):
         assert response.status == 200
 
 
-def test_parity_client_passes_against_the_server_over_both_protocols(served, tiny_export):
-    from rmsnorm_deploy.serving.parity_client import main as parity_main
+def test_served_answers_pass_against_the_server_over_both_protocols(served, tiny_export):
+    from rmsnorm_deploy.serving.served_answers import main as served_answers_main
 
-    assert parity_main([str(tiny_export), "--http", f"127.0.0.1:{served.http}", "--grpc",
+    assert served_answers_main([str(tiny_export), "--http", f"127.0.0.1:{served.http}", "--grpc",
                         f"127.0.0.1:{served.grpc}", "--exact"]) == 0
 
 
-def test_parity_client_reports_other_weights_as_a_failure(served, tiny_export, tmp_path, capsys):
+def test_served_answers_reports_other_weights_as_a_failure(served, tiny_export, tmp_path, capsys):
     import onnx
 
-    from rmsnorm_deploy.serving.parity_client import main as parity_main
+    from rmsnorm_deploy.serving.served_answers import main as served_answers_main
 
     model = onnx.load(str(tiny_export / "model.onnx"))
     weight = next(t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2)
@@ -215,9 +215,9 @@ def test_parity_client_reports_other_weights_as_a_failure(served, tiny_export, t
     weight.CopyFrom(onnx.numpy_helper.from_array(array, weight.name))
     (tmp_path / "other").mkdir()
     onnx.save(model, str(tmp_path / "other" / "model.onnx"))
-    assert parity_main([str(tmp_path / "other"), "--http", f"127.0.0.1:{served.http}"]) == 1
+    assert served_answers_main([str(tmp_path / "other"), "--http", f"127.0.0.1:{served.http}"]) == 1
     assert "parity over KServe v2: FAIL" in capsys.readouterr().out
-    assert parity_main([str(tmp_path / "missing"), "--http", f"127.0.0.1:{served.http}"]) == 2
+    assert served_answers_main([str(tmp_path / "missing"), "--http", f"127.0.0.1:{served.http}"]) == 2
     assert "no such file or folder" in capsys.readouterr().err
 
 

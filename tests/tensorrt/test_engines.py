@@ -95,7 +95,7 @@ def assert_float32_reductions(report, plugin: bool) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("lowering", LOWERINGS)
 def test_every_lowering_dtype_and_plugin(lowering, dtype, plugin, tmp_path, timing_cache, trt_version):
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import ParseError, build_engine
 
     need_bf16(dtype)
@@ -131,7 +131,7 @@ def test_every_lowering_dtype_and_plugin(lowering, dtype, plugin, tmp_path, timi
 def test_the_plugin_implementation_asked_for_is_the_one_built(impl, tmp_path, timing_cache):
     """``build --plugin-impl``: the implementation asked for is loaded, recorded in the sidecar and
     run by the runner (which loads the plugin with it)."""
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import build_engine
 
     need_plugin(True)
@@ -150,7 +150,7 @@ def test_the_plugin_implementation_asked_for_is_the_one_built(impl, tmp_path, ti
 @pytest.mark.parametrize("plugin", [False, True], ids=["no-plugin", "plugin"])
 @pytest.mark.parametrize("hidden", [1, 7, 4096])
 def test_odd_hidden_sizes(hidden, plugin, tmp_path, timing_cache):
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import build_engine
 
     need_plugin(plugin)
@@ -166,7 +166,7 @@ def test_odd_hidden_sizes(hidden, plugin, tmp_path, timing_cache):
 @pytest.mark.parametrize("plugin", [False, True], ids=["no-plugin", "plugin"])
 @pytest.mark.parametrize("name", sorted(named_specs()))
 def test_every_named_spec(name, plugin, tmp_path, timing_cache):
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import build_engine
 
     need_plugin(plugin)
@@ -181,7 +181,7 @@ def test_every_named_spec(name, plugin, tmp_path, timing_cache):
 
 @pytest.mark.parametrize("plugin", [False, True], ids=["no-plugin", "plugin"])
 def test_two_overloads_in_one_model_each_run_their_own_spec(plugin, tmp_path, timing_cache):
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import build_engine
 
     need_plugin(plugin)
@@ -254,7 +254,7 @@ def _bf16_ok() -> bool:
 
 
 def test_runner_refuses_shapes_outside_the_profile_and_foreign_engines(tmp_path, timing_cache):
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import build_engine
     from rmsnorm_deploy.tensorrt.sidecar import EngineMismatchError
 
@@ -292,7 +292,7 @@ def test_a_missing_plugin_library_is_a_one_line_error(tmp_path):
 def test_bfloat16_feeds_and_fetches_through_ml_dtypes(tmp_path, timing_cache):
     import ml_dtypes
 
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
     from rmsnorm_deploy.tensorrt.build import build_engine
 
     need_bf16("bfloat16")

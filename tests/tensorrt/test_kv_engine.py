@@ -13,11 +13,11 @@ pytestmark = needs_trt
 def test_kv_engine_decode_loop_generates_onnxruntime_tokens(tmp_path):
     from tests.kv_models import exported_kv
 
-    from rmsnorm_deploy.exporter.kv_cache import layout_of
+    from rmsnorm_deploy.decoder.convention import layout_of
     from rmsnorm_deploy.graph.metadata import ModelMetadata
     from rmsnorm_deploy.graph.onnx_file import load_onnx
-    from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
-    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+    from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
     from rmsnorm_deploy.tensorrt.build import build_engine
 
     folder, _ = exported_kv("llama")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from tests.exporter.test_kv_cache import _layout, kv_graph
+from tests.decoder.test_convention import _layout, kv_graph
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import InputError, UserError
-from rmsnorm_deploy.exporter.kv_cache import KVCacheError
+from rmsnorm_deploy.decoder.convention import KVCacheError
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.tensorrt.profiles import (
     engine_profiles,

@@ -17,6 +17,7 @@ from rmsnorm_deploy.cli import main
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.onnx_file import save_onnx
 from rmsnorm_deploy.tensorrt import build as build_module
+from rmsnorm_deploy.graph.function import PLUGIN_VERSION
 from rmsnorm_deploy.tensorrt import plugin as plugin_module
 from rmsnorm_deploy.tensorrt import runtime
 from rmsnorm_deploy.tensorrt.build import build_engine, network_flags
@@ -38,7 +39,7 @@ def _trt(version: str, *, strongly_typed: bool = True, prefer: bool = True):
 def _described(implementation: str) -> dict:
     """What ``runtime.register_plugin`` returns for this package's plugin with ``implementation``."""
     info = plugin_module.PluginInfo(
-        plugin_module.PLUGIN_NAME, plugin_module.PLUGIN_VERSION, tuple(plugin_module.REGISTRATIONS), implementation,
+        plugin_module.PLUGIN_NAME, PLUGIN_VERSION, tuple(plugin_module.REGISTRATIONS), implementation,
         plugin_module._NETWORK_FLAGS[implementation], None, "10.9.0.34", "3.6.0")
     return describe_plugin(info)
 
@@ -157,7 +158,7 @@ class _Context:
 
 
 def test_the_runner_runs_the_engine_on_its_own_stream(monkeypatch, tmp_path):
-    from rmsnorm_deploy.runners import tensorrt as runner_module
+    from rmsnorm_deploy.tensorrt import runner as runner_module
 
     events: list = []
     stream = _Stream(events)

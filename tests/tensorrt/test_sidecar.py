@@ -8,7 +8,7 @@ import pytest
 
 from rmsnorm_deploy import RMSNormSpec, rmsnorm_model
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.runners.tensorrt import TensorRTRunner
+from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
 from rmsnorm_deploy.tensorrt.profiles import resolve_profiles
 from rmsnorm_deploy.tensorrt.runtime import PluginError
 from rmsnorm_deploy.tensorrt.sidecar import (

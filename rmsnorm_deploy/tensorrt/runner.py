@@ -12,7 +12,7 @@ every other stream of the device (and TensorRT warns that it costs extra synchro
 The plugin is loaded with the implementation (``aot``/``jit``) the engine was built with.
 
 A KV-cache engine (``export --kv-cache``, built with a prefill and a decode profile) also runs
-the decode loop, :meth:`TensorRTRunner.generate`: the one loop of ``runners.kv_decoder``
+the decode loop, :meth:`TensorRTRunner.generate`: the one loop of ``decoder.loop``
 (``decode_loop``: mask, positions, token choice, stopping) over :class:`TensorRTStep`, which
 holds one execution context per profile: a step with an empty past runs on profile 0 (prefill),
 every other on profile 1 (decode), each step's ``present`` tensors (torch CUDA tensors) bound as
@@ -182,7 +182,7 @@ class TensorRTRunner(Runner):
                  pad_token_id: int = 0) -> list[list[int]]:
         """Greedy decoding on a KV-cache engine (see the module docstring): the new tokens of each prompt.
 
-        ``layout``: the model's ``exporter.kv_cache.KVCacheLayout``; ``prompts``: token-id lists,
+        ``layout``: the model's ``decoder.convention.KVCacheLayout``; ``prompts``: token-id lists,
         left-padded here with ``pad_token_id``.
         """
         if not self.is_active:
@@ -273,7 +273,7 @@ class _Step:
 
 
 class TensorRTStep:
-    """TensorRT's step of ``runners.kv_decoder.decode_loop`` on a KV-cache engine (see the module docstring)."""
+    """TensorRT's step of ``decoder.loop.decode_loop`` on a KV-cache engine (see the module docstring)."""
 
     def __init__(self, runner: TensorRTRunner, layout: Any):
         if len(runner.profile_set) < 2 or runner.engine.num_optimization_profiles < 2:
@@ -296,7 +296,7 @@ class TensorRTStep:
             cache: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
         import torch
 
-        from rmsnorm_deploy.exporter.kv_cache import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
+        from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
 
         lay = self.layout
         first = next(iter(cache.values()), None)
@@ -312,8 +312,8 @@ class TensorRTStep:
 
 def _generate(runner: TensorRTRunner, layout: Any, prompts: Any, *, max_new_tokens: int,
               eos_token_id: Any = None, pad_token_id: int = 0) -> list[list[int]]:
-    from rmsnorm_deploy.exporter.kv_cache import left_padded
-    from rmsnorm_deploy.runners.kv_decoder import decode_loop
+    from rmsnorm_deploy.decoder.convention import left_padded
+    from rmsnorm_deploy.decoder.loop import decode_loop
 
     step = TensorRTStep(runner, layout)
     ids, mask = left_padded(prompts, pad_token_id)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from rmsnorm_deploy.errors import OutputExistsError, UserError
-from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout, check_io, graph_io, layout_of
-from rmsnorm_deploy.exporter.kv_export import layout_for
+from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of
+from rmsnorm_deploy.decoder.portable import layout_for
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
+from rmsnorm_deploy.decoder.export import plan_decoder_export
 from rmsnorm_deploy.exporter.plan import ExportOptions, plan_export
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import load_onnx
@@ -25,14 +26,14 @@ def test_a_model_without_a_cache_is_refused_before_export():
 def test_the_files_beside_the_model_are_never_clobbered_without_force(tmp_path):
     (tmp_path / "genai_config.json").write_text("{}")
     with pytest.raises(OutputExistsError, match="genai_config.json"):
-        plan_export(ExportOptions(kv_cache=True), target=tmp_path / "model.onnx")
-    plan_export(ExportOptions(kv_cache=True, force=True), target=tmp_path / "model.onnx")
-    plan_export(ExportOptions(kv_cache=False), target=tmp_path / "model.onnx")  # only KV exports write it
+        plan_decoder_export(ExportOptions(), model_path=tmp_path / "model.onnx")
+    plan_decoder_export(ExportOptions(force=True), model_path=tmp_path / "model.onnx")
+    plan_export(ExportOptions(), model_path=tmp_path / "model.onnx")  # only KV exports write it
 
 
 def test_the_preset_cache_path_equals_the_full_forward():
     from rmsnorm_deploy.exporter import presets
-    from rmsnorm_deploy.exporter.kv_cache import left_padded, position_ids_for
+    from rmsnorm_deploy.decoder.convention import left_padded, position_ids_for
 
     loaded = presets.build_preset(presets.load_preset("tiny"), "float32")
     inner, lay = layout_for(loaded, "float32")
@@ -93,7 +94,7 @@ def test_kv_export_follows_the_convention_with_exact_norms(family):
 @pytest.mark.slow  # a torch.onnx export of the tiny preset through the CLI
 def test_export_kv_cache_of_a_preset_through_the_cli(tmp_path, capsys):
     from rmsnorm_deploy.cli import main
-    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
 
     out = tmp_path / "tiny-kv"
     assert main(["export", "tiny", "--kv-cache", "-o", str(out), "--seq", "8"]) == 0
@@ -175,7 +176,7 @@ def test_fused_kv_export_generates_the_tokens_of_the_plain_graph():
     import onnx
     from tests.kv_models import exported_kv
 
-    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
 
     fused, result = exported_kv("llama", fuse_attention=True)
     plain, _ = exported_kv("llama")

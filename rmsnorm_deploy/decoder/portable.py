@@ -27,8 +27,8 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
-from rmsnorm_deploy.exporter.kv_model import KVCacheLM, PositionalKVCacheLM, example_feed, export_args
+from rmsnorm_deploy.decoder.convention import KVCacheLayout
+from rmsnorm_deploy.decoder.kv_model import KVCacheLM, PositionalKVCacheLM, example_feed, export_args
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 
 #: The past length of the traced example (0 and 1 would be specialized by torch.export).
@@ -101,6 +101,6 @@ class KVExport:
         report["kv_cache"] = self.layout.to_dict()
 
     def write_serving_files(self, target: Path) -> list[str]:
-        from rmsnorm_deploy.exporter.genai_config import write_serving_files
+        from rmsnorm_deploy.decoder.genai_config import write_serving_files
 
         return write_serving_files(target, self.layout, self.loaded.source, force=self.force)

@@ -21,7 +21,7 @@ from rmsnorm_deploy.contract.reference import oracle  # noqa: E402
 from rmsnorm_deploy.contract.spec import RMSNormSpec  # noqa: E402
 from rmsnorm_deploy.contract.tolerances import tolerance_for  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
-from rmsnorm_deploy.exporter.ort_decoder import (  # noqa: E402
+from rmsnorm_deploy.decoder.ort_graph import (  # noqa: E402
     MS_DOMAIN,
     SKIP_NORM_OP,
     audit_norms,
@@ -30,10 +30,11 @@ from rmsnorm_deploy.exporter.ort_decoder import (  # noqa: E402
     skip_norm_node,
     skip_refusal,
 )
-from rmsnorm_deploy.graph.audit import audit_model, optimized_by_onnxruntime  # noqa: E402
+from rmsnorm_deploy.graph.audit import audit_model  # noqa: E402
+from rmsnorm_deploy.runners.onnxruntime import optimized_graph  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
-from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner  # noqa: E402
-from rmsnorm_deploy.runners.transformers_step import transformers_generate  # noqa: E402
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
 LAYERS = hf.TINY_CONFIGS["llama"].get("num_hidden_layers", 2)
@@ -66,7 +67,7 @@ def test_ort_lowering_folds_every_residual_add_into_the_skip_norm(llama):
     assert written[SKIP_NORM_OP] == 2 * LAYERS
     assert written["SimplifiedLayerNormalization"] == 1  # layer 0's input norm has no residual before it
     assert not any(n.op_type == "Add" and "residual" in n.name for n in dec.model.graph.node)
-    optimized = _ops(optimized_by_onnxruntime(dec.model))
+    optimized = _ops(optimized_graph(dec.model))
     assert optimized[SKIP_NORM_OP] == 2 * LAYERS
     assert optimized["Add"] <= 1  # the prelude's index arithmetic only
     # The audit finds every norm, as a float32 reduction, and ties none to a wrong epsilon.
@@ -81,7 +82,7 @@ def test_function_lowering_keeps_our_nodes_and_onnxruntime_does_not_fuse_their_a
     matches LayerNormalization only), which is why the ort lowering writes the fused op itself."""
     dec = build_decoder(llama)
     assert sum(is_rmsnorm_node(n) for n in dec.model.graph.node) == 2 * LAYERS + 1
-    optimized = _ops(optimized_by_onnxruntime(dec.model))
+    optimized = _ops(optimized_graph(dec.model))
     assert optimized["SimplifiedLayerNormalization"] == 2 * LAYERS + 1
     assert optimized[SKIP_NORM_OP] == 0, "ONNX Runtime now fuses the residual Add itself: revisit skip_refusal"
 

@@ -60,6 +60,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rmsnorm_deploy.contract.dtypes import dtype_name, numpy_dtype, onnx_type
 from rmsnorm_deploy.contract.spec import RMSNormSpec
+from rmsnorm_deploy.decoder.convention import CONVENTION, ORT_DTYPES
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -78,10 +79,6 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text")
 POST_SUBLAYER_TYPES = ("olmo2",)
 #: Activation names (config.hidden_act) the MLP is written for.
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-#: The dtypes GroupQueryAttention runs in on ONNX Runtime CPU.
-DTYPES = ("float32", "float16")
-#: The convention's version (``exporter.kv_cache.CONVENTION``).
-CONVENTION = "past_key_values/1"
 
 
 class OrtDecoderError(UserError):
@@ -296,8 +293,8 @@ def build_decoder(loaded: LoadedModel, *, lowering: str = "function", share_buff
     Raises :class:`OrtDecoderError` for a model or option it cannot write exactly.
     """
     dtype = dtype_name(loaded.dtype)
-    if dtype not in DTYPES:
-        raise OrtDecoderError(f"--target onnxruntime writes {', '.join(DTYPES)} graphs (GroupQueryAttention has no "
+    if dtype not in ORT_DTYPES:
+        raise OrtDecoderError(f"--target onnxruntime writes {', '.join(ORT_DTYPES)} graphs (GroupQueryAttention has no "
                               f"{dtype} CPU kernel); export {dtype} with --target portable")
     lm = _causal_lm(loaded)
     dims = decoder_dims(lm)
@@ -530,7 +527,7 @@ def _head_norm(w: _Writer, norm: Any, module: torch.nn.Module | None, x: str, he
 def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_length: int,
                       head: str) -> dict[str, Any]:
     """The ``kv_cache`` entry of the metadata: the convention's fields (the keys of
-    ``exporter.kv_cache.KVCacheLayout``), the target, its buffer mode and the LM head used."""
+    ``decoder.convention.KVCacheLayout``), the target, its buffer mode and the LM head used."""
     return {
         "convention": CONVENTION,
         "target": TARGET,
@@ -609,8 +606,8 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
     from rmsnorm_deploy.contract.compare import compare
     from rmsnorm_deploy.contract.inputs import token_ids
     from rmsnorm_deploy.contract.tolerances import tolerance_for
-    from rmsnorm_deploy.runners.kv_decoder import KVDecoderRunner
-    from rmsnorm_deploy.runners.transformers_step import transformers_steps
+    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+    from rmsnorm_deploy.decoder.transformers_step import transformers_steps
 
     dtype = dtype_name(loaded.dtype)
     lm = _causal_lm(loaded)
@@ -650,8 +647,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
     """
     import json
 
-    from rmsnorm_deploy.exporter.genai_config import write_serving_files
-    from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
+    from rmsnorm_deploy.decoder.genai_config import write_serving_files
+    from rmsnorm_deploy.decoder.convention import KVCacheLayout
     from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
     from rmsnorm_deploy.progress import Progress
 
@@ -663,22 +660,22 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Any = None, 
         decoder = build_decoder(loaded, lowering=options.lowering, share_buffer=share_buffer, max_length=max_length)
         audited = audit_norms(decoder.model, decoder.norm_nodes)
         st.note(f"{len(decoder.model.graph.node)} nodes, {audited} norm nodes audited in float32")
-    with progress.stage(f"saving {plan.target}") as st:
-        save_onnx(decoder.model, plan.target, force=options.force)
+    with progress.stage(f"saving {plan.model_path}") as st:
+        save_onnx(decoder.model, plan.model_path, force=options.force)
     max_len = int(max_length or decoder.dims.max_positions)
     layout = KVCacheLayout.from_dict(kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
                                                        max_length=max_len, head=decoder.lm_head))
     with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
-        serving_files = write_serving_files(plan.target, layout, loaded.source, force=options.force)
+        serving_files = write_serving_files(plan.model_path, layout, loaded.source, force=options.force)
         st.note(", ".join(serving_files))
-    result = OrtDecoderExport(plan.target, decoder, None, serving_files=serving_files)
+    result = OrtDecoderExport(plan.model_path, decoder, None, serving_files=serving_files)
     if options.parity:
         with progress.stage("parity: ONNX Runtime CPU vs transformers with its cache (prefill + 4 steps)") as st:
-            result.parity = decode_parity(loaded, str(plan.target), batch=options.batch, prompt=options.seq,
+            result.parity = decode_parity(loaded, str(plan.model_path), batch=options.batch, prompt=options.seq,
                                           seed=options.seed)
             st.note(result.parity.status)
         report = {
-            "model": str(plan.target), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
+            "model": str(plan.model_path), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
             "kv_cache": kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer,
                                           max_length=max_len, head=decoder.lm_head),
             "serving_files": serving_files,

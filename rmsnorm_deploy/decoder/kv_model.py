@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.exporter.kv_cache import (
+from rmsnorm_deploy.decoder.convention import (
     ATTENTION_MASK,
     BATCH,
     INPUT_IDS,
@@ -36,6 +36,7 @@ from rmsnorm_deploy.exporter.kv_cache import (
     SEQUENCE,
     TOTAL,
     KVCacheLayout,
+    layout_of,
 )
 
 
@@ -105,7 +106,7 @@ def example_feed(layout: KVCacheLayout, *, batch: int, sequence: int, past: int,
     import numpy as np
 
     from rmsnorm_deploy.contract.inputs import token_ids
-    from rmsnorm_deploy.exporter.kv_cache import position_ids_for
+    from rmsnorm_deploy.decoder.convention import position_ids_for
 
     total = past + sequence
     mask = np.ones((batch, total), dtype=np.int64)
@@ -118,3 +119,11 @@ def example_feed(layout: KVCacheLayout, *, batch: int, sequence: int, past: int,
     for name in layout.past_names():
         feed[name] = torch.randn((batch, layout.kv_heads, past, layout.head_dim), generator=gen).to(dtype)
     return feed
+
+
+def kv_source(module: torch.nn.Module, meta: Any) -> torch.nn.Module:
+    """The PyTorch source of a graph: for a KV-cache graph (metadata ``kv_cache``), the rebuilt
+    model over the flat past/present tensors of its convention; any other module as it is."""
+    if not getattr(meta, "kv_cache", None):
+        return module
+    return KVCacheLM(module.model, layout_of(meta)).eval()

@@ -25,7 +25,7 @@ transformers' ``generate`` writes them. ``head_dim`` comes from the model's conf
 (``rmsnorm_deploy.kv_cache``), read back with every field checked (metadata is untrusted), and
 :func:`check_io` checks a graph's real inputs and outputs against it. The exporters of both
 graph targets (``portable``: plain ops or opset-23 ``Attention``; ``onnxruntime``: ONNX
-Runtime's fused attention) write it; ``genai_config``, ``serving.generate`` and TensorRT's
+Runtime's fused attention) write it; ``genai_config``, ``decoder.generate`` and TensorRT's
 profiles read it.
 """
 
@@ -50,6 +50,8 @@ BATCH, SEQUENCE, PAST, TOTAL = "batch", "sequence", "past", "total"
 CONVENTION = "past_key_values/1"
 #: Graph targets: the portable graph (plain ops, or opset-23 Attention) and ONNX Runtime's.
 TARGETS = ("portable", "onnxruntime")
+#: The dtypes the ``onnxruntime`` target writes (GroupQueryAttention's CPU kernels).
+ORT_DTYPES = ("float32", "float16")
 _MODEL_DTYPES = ("float32", "float16", "bfloat16")
 #: Largest dims read from untrusted metadata (a sanity bound, far above any real model).
 _LIMITS = {"num_layers": 1024, "kv_heads": 4096, "num_heads": 4096, "head_dim": 65536, "vocab_size": 1 << 24,

@@ -6,7 +6,7 @@ token with ``sequence = 1``. It owns everything but the run itself:
 
 - the attention mask, grown by one slot per step (left padding kept: zeros stay at the front);
 - the positions, ``cumsum(mask) - 1`` with padded slots 1
-  (``exporter.kv_cache.position_ids_for``, computed once for the whole run);
+  (``decoder.convention.position_ids_for``, computed once for the whole run);
 - picking the next token (:func:`token_picker`: greedy ``argmax``, the first index on ties as
   torch, or seeded sampling with a temperature and top-k);
 - stopping: a row that emits an end-of-sequence token gets the pad token afterwards, and the
@@ -23,13 +23,13 @@ object (``OrtValue``\\ s, torch CUDA tensors), never copied through numpy by the
   kv_heads, max_length, head_dim] ``OrtValue`` per cache tensor bound as both past input and
   present output, written in place by GroupQueryAttention). ``position_ids`` is fed when the
   graph takes it (onnxruntime-genai's graphs derive positions from the mask themselves).
-- TensorRT's step is ``runners.tensorrt.TensorRTStep`` (prefill and decode profiles).
+- TensorRT's step is ``tensorrt.runner.TensorRTStep`` (prefill and decode profiles).
 - transformers' own forward and cache, the reference the graphs are compared with, is
-  ``runners.transformers_step.TransformersStep``; :func:`forced` feeds it the tokens a graph chose.
+  ``decoder.transformers_step.TransformersStep``; :func:`forced` feeds it the tokens a graph chose.
 
 :class:`KVDecoderRunner` is a KV-cache graph in an ONNX Runtime CPU session with greedy
 decoding that ignores end-of-sequence tokens (the benchmarks' and the export-time parity's
-loop); ``serving.generate`` is the user-facing API over the same loop.
+loop); ``decoder.generate`` is the user-facing API over the same loop.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 import numpy as np
 
 from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.exporter.kv_cache import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, position_ids_for
+from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, position_ids_for
 from rmsnorm_deploy.optional import require
 
 
@@ -238,7 +238,7 @@ class CacheLayout:
 
     @classmethod
     def of(cls, layout: Any) -> CacheLayout:
-        """From an ``exporter.kv_cache.KVCacheLayout`` (already checked)."""
+        """From an ``decoder.convention.KVCacheLayout`` (already checked)."""
         return cls(layers=layout.num_layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
                    share_buffer=layout.past_present_share_buffer, max_length=layout.max_length)
 

@@ -11,7 +11,7 @@ its KV-cache layout (:func:`layout_config`: the dims a client sizes the cache an
 ``model_type`` ``llama`` as in the genai config), so optimum's loader finds one too.
 
 The genai config names every input and output of the KV-cache convention
-(``exporter.kv_cache``), and says ``past_present_share_buffer: false``: the portable graph
+(``decoder.convention``), and says ``past_present_share_buffer: false``: the portable graph
 returns a new ``present`` one step longer than its ``past`` (no shared buffer). Its
 ``model.type`` is the transformers ``model_type`` where onnxruntime-genai knows it, else
 ``llama`` (a plain decoder: the graph itself carries everything family-specific).
@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
+from rmsnorm_deploy.decoder.convention import KVCacheLayout
 from rmsnorm_deploy.graph.onnx_file import atomic_path
 
 GENAI_CONFIG = "genai_config.json"
@@ -176,7 +176,7 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
 
 def read_genai_config(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The folder's ``genai_config.json``, or ``None``; damaged files are a one-line error."""
-    from rmsnorm_deploy.exporter.kv_cache import KVCacheError
+    from rmsnorm_deploy.decoder.convention import KVCacheError
 
     path = Path(folder) / GENAI_CONFIG
     if not path.is_file():

@@ -2,8 +2,8 @@
 step by step, and its ``generate``.
 
 :class:`TransformersStep` is the model as a step of the one decode loop
-(``runners.kv_decoder.decode_loop``), so transformers gets the same mask, positions
-(``exporter.kv_cache.position_ids_for``), token choice and timings as every graph it is compared
+(``decoder.loop.decode_loop``), so transformers gets the same mask, positions
+(``decoder.convention.position_ids_for``), token choice and timings as every graph it is compared
 with. The cache is the one the model would make itself, ``DynamicCache(config=...)``, passed as
 ``cache=`` (transformers 5 deprecates ``past_key_values=`` with a warning).
 """
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rmsnorm_deploy.errors import InputError
-from rmsnorm_deploy.runners.kv_decoder import Generation, decode_loop, forced, greedy
+from rmsnorm_deploy.decoder.loop import Generation, decode_loop, forced, greedy
 
 
 class TransformersStep:

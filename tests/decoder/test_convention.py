@@ -1,4 +1,4 @@
-"""The KV-cache convention (exporter/kv_cache.py) and the files beside a model (genai_config.py): fast, no export."""
+"""The KV-cache convention (decoder/convention.py) and the files beside a model (genai_config.py): fast, no export."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from onnx import TensorProto, helper
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.exporter.genai_config import genai_config, special_tokens, write_serving_files
-from rmsnorm_deploy.exporter.kv_cache import (
+from rmsnorm_deploy.decoder.genai_config import genai_config, special_tokens, write_serving_files
+from rmsnorm_deploy.decoder.convention import (
     KVCacheError,
     KVCacheLayout,
     check_io,

@@ -16,18 +16,19 @@ torch = pytest.importorskip("torch")
 
 from rmsnorm_deploy.errors import InputError, UserError  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
-from rmsnorm_deploy.exporter.ort_decoder import (  # noqa: E402
+from rmsnorm_deploy.decoder.ort_graph import (  # noqa: E402
     OrtDecoderError,
     audit_norms,
     build_decoder,
     decode_parity,
     lm_head_of,
 )
-from rmsnorm_deploy.exporter.plan import ExportOptions, check_options  # noqa: E402
+from rmsnorm_deploy.decoder.export import DecoderOptions, check_decoder_options  # noqa: E402
+from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
-from rmsnorm_deploy.runners.kv_decoder import CacheLayout, KVDecoderRunner  # noqa: E402
-from rmsnorm_deploy.runners.transformers_step import transformers_generate  # noqa: E402
+from rmsnorm_deploy.decoder.loop import CacheLayout, KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
 #: Families written by --target onnxruntime (Qwen3: per-head q/k norms; Qwen2: q/k/v biases; OLMo2:
@@ -191,18 +192,17 @@ def test_refusals(models):
         build_decoder(models("llama"), max_length=4096)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(target="onnxruntime"), "add --kv-cache"),
-    (dict(target="onnxruntime", kv_cache=True, fuse_attention=True), "already uses ONNX Runtime's fused attention"),
-    (dict(target="onnxruntime", kv_cache=True, dtype="bfloat16"), "use --target portable for bfloat16"),
-    (dict(target="tensorrt", kv_cache=True), "unknown --target 'tensorrt'"),
-    (dict(target="onnxruntime", kv_cache=True, opset=23), "--opset is for the portable graph"),
-    (dict(kv_cache=True, share_buffer=True), "--share-buffer is a mode of the --target onnxruntime graph"),
+@pytest.mark.parametrize("options, decoder, message", [
+    (dict(fuse_attention=True), dict(target="onnxruntime"), "already uses ONNX Runtime's fused attention"),
+    (dict(dtype="bfloat16"), dict(target="onnxruntime"), "use --target portable for bfloat16"),
+    (dict(), dict(target="tensorrt"), "unknown --target 'tensorrt'"),
+    (dict(opset=23), dict(target="onnxruntime"), "--opset is for the portable graph"),
+    (dict(), dict(share_buffer=True), "--share-buffer is a mode of the --target onnxruntime graph"),
 ])
-def test_plan_checks_target_options(options, message):
+def test_plan_checks_target_options(options, decoder, message):
     with pytest.raises(UserError, match=message):
-        check_options(ExportOptions(**options))
-    check_options(ExportOptions(target="onnxruntime", kv_cache=True))  # the valid combination passes
+        check_decoder_options(ExportOptions(**options), DecoderOptions(**decoder))
+    check_decoder_options(ExportOptions(), DecoderOptions(target="onnxruntime"))  # the valid combination passes
 
 
 def test_runner_refuses_other_graphs_and_damaged_metadata(models, tmp_path):
@@ -233,7 +233,7 @@ def test_export_command(tmp_path, models):
     meta = ModelMetadata.read(onnx.load(str(out / "model.onnx")))
     assert meta.kv_cache["past_present_share_buffer"] is False
     # Beside it, what optimum's ORTModelForCausalLM and onnxruntime-genai read, as for the portable graph.
-    from rmsnorm_deploy.exporter.genai_config import HF_FILES
+    from rmsnorm_deploy.decoder.genai_config import HF_FILES
 
     copied = {name for name in HF_FILES if (folder / name).is_file()}
     assert "config.json" in copied and set(report["serving_files"]) == copied | {"genai_config.json"}
@@ -248,7 +248,7 @@ def test_export_command(tmp_path, models):
     assert genai["model"]["decoder"]["head_size"] == meta.kv_cache["head_dim"]
     assert genai["search"]["past_present_share_buffer"] is False
     # ... and `rmsnorm-deploy generate` runs the folder as it is: transformers' greedy tokens.
-    from rmsnorm_deploy.serving.generate import KVCacheModel, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
 
     ids, mask = random_left_padded(2, 6, config["vocab_size"], seed=3)
     with KVCacheModel(out) as kv:
@@ -292,7 +292,7 @@ def test_long_uneven_left_padding_keeps_transformers_logits(models, share_buffer
     99 slots (one valid token), every step's logits stay transformers' and the tokens its own."""
     from rmsnorm_deploy.contract.compare import compare
     from rmsnorm_deploy.contract.tolerances import tolerance_for
-    from rmsnorm_deploy.runners.transformers_step import transformers_steps
+    from rmsnorm_deploy.decoder.transformers_step import transformers_steps
 
     loaded = models("llama")
     dec = build_decoder(loaded, share_buffer=share_buffer, max_length=110)

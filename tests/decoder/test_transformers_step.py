@@ -1,4 +1,4 @@
-"""transformers with its own cache through the decode loop (``runners.transformers_step``): the
+"""transformers with its own cache through the decode loop (``decoder.transformers_step``): the
 greedy tokens are the argmax of its logits, feeding them back gives the same logits, each step
 matches a forward over the whole sequence without a cache, and the refusals. Tiny random Llama."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from rmsnorm_deploy.errors import InputError
-from rmsnorm_deploy.exporter.kv_cache import left_padded, position_ids_for
-from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps
+from rmsnorm_deploy.decoder.convention import left_padded, position_ids_for
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate, transformers_steps
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers", reason="transformers builds the reference model")

@@ -13,10 +13,10 @@ from tests.kv_models import KV_FAMILIES, exported_kv, hf_model
 
 from rmsnorm_deploy.contract.compare import compare
 from rmsnorm_deploy.contract.tolerances import tolerance_for
-from rmsnorm_deploy.exporter.kv_cache import left_padded
-from rmsnorm_deploy.runners.transformers_step import transformers_generate, transformers_steps
-from rmsnorm_deploy.serving.generate import KVCacheModel, generate
-from rmsnorm_deploy.serving.genai_client import genai_greedy
+from rmsnorm_deploy.decoder.convention import left_padded
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate, transformers_steps
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
+from rmsnorm_deploy.decoder.genai_client import genai_greedy
 
 pytest.importorskip("transformers", reason="transformers builds the reference models")
 pytest.importorskip("onnxruntime", reason="the generation loop runs in ONNX Runtime")
@@ -81,7 +81,7 @@ def test_onnxruntime_genai_generates_our_tokens_from_the_folder_unmodified(famil
 
 
 def test_sampling_is_seeded_and_stays_in_the_top_k():
-    from rmsnorm_deploy.serving.generate import Sampling
+    from rmsnorm_deploy.decoder.generate import Sampling
 
     folder, _ = exported_kv("llama")
     with KVCacheModel(folder) as kv:

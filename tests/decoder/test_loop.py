@@ -1,4 +1,4 @@
-"""The one decode loop (``runners.kv_decoder.decode_loop``) over a scripted step: what each step is
+"""The one decode loop (``decoder.loop.decode_loop``) over a scripted step: what each step is
 fed (left-padded prompt, grown mask, positions from the mask), token choice, end-of-sequence and
 pad handling, logits kept, the per-token hook; and the refusals. No model: each test runs in ms."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from rmsnorm_deploy.errors import InputError, UserError
-from rmsnorm_deploy.exporter.kv_cache import left_padded
-from rmsnorm_deploy.runners.kv_decoder import Sampling, decode_loop, forced, greedy, token_picker
+from rmsnorm_deploy.decoder.convention import left_padded
+from rmsnorm_deploy.decoder.loop import Sampling, decode_loop, forced, greedy, token_picker
 
 VOCAB = 11
 
@@ -133,7 +133,7 @@ def test_bad_sampling_is_refused(kwargs, message):
 
 
 class _ScriptedContext:
-    """Stands in for TensorRT's per-profile execution context (``runners.tensorrt._Step``) so
+    """Stands in for TensorRT's per-profile execution context (``tensorrt.runner._Step``) so
     that the wiring of ``TensorRTStep`` into the loop runs on CPU: which profile each step uses,
     what it is fed, and that presents come back as the next past. Nothing of TensorRT runs."""
 
@@ -162,8 +162,8 @@ def test_tensorrt_step_runs_the_loop_on_its_prefill_then_decode_profile(monkeypa
     import types
 
     torch = pytest.importorskip("torch")
-    from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout
-    from rmsnorm_deploy.runners import tensorrt as trt_runner
+    from rmsnorm_deploy.decoder.convention import KVCacheLayout
+    from rmsnorm_deploy.tensorrt import runner as trt_runner
 
     monkeypatch.setattr(trt_runner, "_Step", _ScriptedContext)
     monkeypatch.setattr(trt_runner, "_cuda_device", lambda: torch.device("cpu"))

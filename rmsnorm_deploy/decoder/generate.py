@@ -1,7 +1,7 @@
 """Generation over a KV-cache graph (``export --kv-cache``) in ONNX Runtime.
 
 :class:`KVCacheModel` opens a model folder (or ``.onnx`` file): it reads the KV-cache layout
-from the metadata (``exporter.kv_cache``; a model without it is refused), checks the graph's
+from the metadata (``decoder.convention``; a model without it is refused), checks the graph's
 real inputs and outputs against it, and creates the session through
 :class:`~rmsnorm_deploy.runners.onnxruntime.OnnxRuntimeRunner` (the requested provider or a
 one-line error, never a silent fallback). Special tokens come from the folder's
@@ -10,9 +10,9 @@ one-line error, never a silent fallback). Special tokens come from the folder's
 
 :func:`generate` is the entry point of generation: it checks the prompts against the model,
 takes the special tokens from the folder, and runs the one decode loop,
-``runners.kv_decoder.decode_loop`` (prefill, then one step per new token; positions from the
+``decoder.loop.decode_loop`` (prefill, then one step per new token; positions from the
 mask, left padding, end-of-sequence handling, greedy or seeded sampling with a temperature and
-top-k), with ONNX Runtime's step (``runners.kv_decoder.OrtStep``): each step's ``present``
+top-k), with ONNX Runtime's step (``decoder.loop.OrtStep``): each step's ``present``
 tensors stay ``OrtValue``\\ s on the provider's device and are bound as the next step's
 ``past`` through IOBinding (or written in place in a shared past/present buffer); only the last
 position's logits come back to numpy. :func:`stream` hands out one prompt's new tokens as that
@@ -31,8 +31,8 @@ import numpy as np
 
 from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.exporter.kv_cache import KVCacheLayout, check_io, graph_io, layout_of, left_padded
-from rmsnorm_deploy.runners.kv_decoder import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
+from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "FROM_FOLDER", "GenerationResult", "KVCacheModel", "Sampling", "generate",
            "model_file"]
@@ -222,7 +222,7 @@ def stream(model: KVCacheModel, prompt: Sequence[int], *, max_new_tokens: int = 
 
 def _special_tokens(folder: Path) -> dict[str, Any]:
     """bos/eos/pad ids from ``genai_config.json`` (else ``config.json``); damaged files are an error."""
-    from rmsnorm_deploy.exporter.genai_config import read_genai_config, special_tokens
+    from rmsnorm_deploy.decoder.genai_config import read_genai_config, special_tokens
 
     genai = read_genai_config(folder)
     if genai is not None:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.validate.lowering_sweep import (
         cases,
-        parity_table,
+        sweep_table,
         run_case,
         summary_table,
     )
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             args.inputs or ["normal", "stress"],
         )
     ]
-    print(parity_table(rows))
+    print(sweep_table(rows))
     print("\nSummary per lowering and dtype (worst case over specs and inputs):\n" + summary_table(rows))
     failed = [r for r in rows if r.failed]
     counts = {s: sum(r.status == s for r in rows) for s in ("pass", "FAIL", "refused", "unsupported")}

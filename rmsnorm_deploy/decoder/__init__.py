@@ -1,0 +1,29 @@
+"""The KV-cache decoder: one graph for prefill and decode, its files, and the loop that runs it.
+
+From ``export MODEL --kv-cache`` to ``generate``, in the order the data flows:
+
+==================  ===========================================================================
+convention          the KV-cache I/O convention (names, shapes, dtypes, ``CONVENTION``), the graph
+                    targets, ``KVCacheLayout`` in the metadata and its checks
+export              ``DecoderOptions`` and ``plan_decoder_export``: which graph, checked once;
+                    ``run_decoder_export`` / ``export_decoder`` write it
+kv_model            ``KVCacheLM``: a causal LM over the flat past/present tensors (what the portable
+                    graph traces, and a KV-cache graph's rebuilt source)
+portable            ``KVExport``: the portable graph through the norm export pipeline (feeds, export
+                    call, metadata, serving files)
+ort_graph           ``--target onnxruntime``: the graph written from the module tree (fused QKV,
+                    GroupQueryAttention, exact norm nodes), its norm audit and per-step parity
+genai_config        ``genai_config.json`` and the Hugging Face config and tokenizer files beside a model
+loop                ``decode_loop``: the one decode loop (mask, positions, token choice, end of
+                    sequence, timings) over a backend's step; ``OrtStep``: ONNX Runtime's step through
+                    IOBinding; ``KVDecoderRunner``: greedy decoding in an ONNX Runtime CPU session
+transformers_step   ``TransformersStep``: transformers with its own cache as the loop's step; the
+                    reference every KV-cache graph is held to
+generate            ``KVCacheModel`` and ``generate``/``stream``: greedy or seeded sampling over an
+                    exported folder, prompts checked against the model, special tokens from its folder
+genai_client        ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
+                    (optional dependency, loaded lazily)
+==================  ===========================================================================
+
+TensorRT's step of this loop (``TensorRTStep``) lives with the TensorRT runner (``tensorrt.runner``).
+"""
