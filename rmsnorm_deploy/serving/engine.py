@@ -329,9 +329,9 @@ class Engine:
             free = self.batch_free()
             if len(self._waiting) >= free + self.options.max_queue:
                 self.counts["refused_busy"] += 1
-                raise EngineBusy(f"the server is busy: {len(self._running)} streams running and "
-                                 f"{len(self._waiting)} waiting (--max-batch {self.options.max_batch}, --max-queue "
-                                 f"{self.options.max_queue}); retry later")
+                o = self.options
+                raise EngineBusy(f"the server is busy: its {o.max_batch} streams and its queue of {o.max_queue} are "
+                                 f"full (--max-batch {o.max_batch}, --max-queue {o.max_queue}); retry later")
         return self._enqueue(row, max_new_tokens, token_picker(sampling), eos)
 
     def batch_free(self) -> int:
