@@ -163,14 +163,47 @@ import numpy as _rd_np
 _rd_numbers = _rd_itertools.count(1)
 _rd_number_of = {}  # id(Triton request) -> its number, from wrapping to the start of its responses
 _rd_model = []  # this stub's TritonPythonModel
+_rd_decoupled = []  # whether its model is really decoupled
 _rd_initialize = TritonPythonModel.initialize
 
 
 def _rd_initialize_answer_later(self, args):
     config = json.loads(args["model_config"])
-    config.setdefault("model_transaction_policy", {})["decoupled"] = True  # the proxy's sender path
+    policy = config.setdefault("model_transaction_policy", {})
+    _rd_decoupled.append(bool(policy.get("decoupled", False)))
+    policy["decoupled"] = True  # the proxy's sender path: execute returns at once
     _rd_initialize(self, dict(args, model_config=json.dumps(config)))
     _rd_model.append(self)
+
+
+async def _rd_answer_once(self, scope, responses_queue, responses_future):
+    # A non-decoupled model's one answer, sent with the final flag in one call (the decoupled path
+    # sends it, then the flag alone, which gRPC clients take for an empty answer).
+    requests_id = scope["requests_id"]
+    triton_requests = self._requests_map[requests_id]
+    answers = None
+    while True:
+        flags, payload = await responses_queue.get()
+        error = flags & PyTritonResponseFlags.ERROR
+        try:
+            if error:
+                message = payload.decode("utf-8")
+                answers = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message)) for _ in triton_requests]
+            elif payload:
+                responses = self._serializer_deserializer.deserialize_responses(payload)
+                answers = [_wrap_response(response, request.requested_output_names(), self._model_outputs_dict)
+                           for request, response in zip(triton_requests, responses)]
+        finally:
+            if not error:
+                self._serializer_deserializer.free_responses_resources(payload)
+            responses_queue.task_done()
+        if flags & PyTritonResponseFlags.EOS:
+            break
+    loop = asyncio.get_running_loop()
+    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    await asyncio.gather(*(loop.run_in_executor(None, request.get_response_sender().send, answer, final)
+                           for request, answer in zip(triton_requests, answers or [])))
+    responses_future.set_result(None)
 
 
 _rd_wrap_request = TritonRequestsServer._wrap_request
@@ -209,13 +242,27 @@ async def _rd_handle_watching(self, scope, responses_queue, responses_future):
     numbers = [_rd_number_of.pop(id(request), None) for request in triton_requests]
     watcher = asyncio.ensure_future(_rd_watch(triton_requests, numbers))
     try:
-        return await _rd_handle(self, scope, responses_queue, responses_future)
+        if _rd_decoupled[0]:
+            return await _rd_handle(self, scope, responses_queue, responses_future)
+        return await _rd_answer_once(self, scope, responses_queue, responses_future)
     finally:
         watcher.cancel()
         self._requests_map.pop(scope["requests_id"], None)
 
 
+_rd_push = TritonRequestsServer.push
+
+
+def _rd_push_sent(self, requests_id, triton_requests, spans=None):
+    # execute returns once the inputs are copied out: the backend frees a request's input tensors
+    # when execute returns (the proxy's decoupled path would read them later)
+    future = _rd_push(self, requests_id, triton_requests, spans)
+    future.result()
+    return future
+
+
 TritonPythonModel.initialize = _rd_initialize_answer_later
+TritonRequestsServer.push = _rd_push_sent
 TritonRequestsServer._wrap_request = _rd_wrap_request_numbered
 DecoupledResponsesHandler.handle_responses = _rd_handle_watching
 '''.replace("@NUMBER@", REQUEST_NUMBER).replace("@CANCELLED@", CANCELLED)

@@ -159,11 +159,13 @@ class ServeProcess:
                 self.process.wait(timeout=30)
 
 
-def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90) -> ServeProcess:
-    """``rmsnorm-deploy serve MODEL_DIR`` as a child process (this package, this Python) on free
+def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = (),
+                        wait: bool = True) -> ServeProcess:
+    """``rmsnorm-deploy serve MODEL_DIR [ARGS]`` as a child process (this package, this Python) on free
     loopback ports, returned once it is ready both on the wire (``/v2/health/ready``) and in its own
-    output (it prints ``ready`` after the server is up). Raises :class:`UserError` with what it
-    printed when it exits first or is not ready within ``timeout_s`` (then it is killed)."""
+    output (it prints ``ready`` after the server is up), or at once without ``wait``. Raises
+    :class:`UserError` with what it printed when it exits first or is not ready within ``timeout_s``
+    (then it is killed)."""
     import os
     import subprocess
     import sys
@@ -176,12 +178,14 @@ def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90) -> Serv
     started = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-m", "rmsnorm_deploy", "serve", str(model_dir), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
     served = ServeProcess(process, http, grpc, metrics, log)
+    if not wait:
+        return served
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -571,6 +575,9 @@ class Server:
                      f"(up to {self.options.drain_timeout_s:g} s)")
         if not self.engine.drain():
             self.say("the drain timed out: the generations left were cancelled")
+        counts = self.engine.counts
+        self.say(f"generations: {counts['stop'] + counts['length']} finished, {counts['cancelled']} cancelled, "
+                 f"{counts['error']} failed; {counts['refused_busy']} refused with the queue full")
 
     def stop(self, *, keep_log: bool = False) -> None:
         if self.engine is not None:

@@ -24,8 +24,8 @@ def tiny_kv_export(tmp_path_factory):
 
 
 #: The tiny Llama of the engine tests: the exporter's tiny config (vocabulary 256, end of sequence 2)
-#: with room for long streams (512 positions).
-ENGINE_LLAMA = {"max_position_embeddings": 512}
+#: with room for streams long enough to be cancelled mid-way on a fast machine (16384 positions).
+ENGINE_LLAMA = {"max_position_embeddings": 16384}
 
 
 @pytest.fixture(scope="session")

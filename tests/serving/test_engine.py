@@ -334,8 +334,8 @@ def test_bad_options_are_refused_in_one_line(options, message):
     ("hello", 2, "the prompt must be token ids (a sequence of integers), not text"),
     ([1] * 40, 30, "40 prompt tokens + 30 new tokens exceed this server's 64 tokens per stream "
                    "(--max-tokens-in-flight over --max-batch); lower max_new_tokens to at most 24"),
-    ([1] * 10, 600, "10 prompt tokens + 600 new tokens exceed the model's maximum of 512; lower max_new_tokens to "
-                    "at most 502"),
+    ([1] * 10, 17000, "10 prompt tokens + 17000 new tokens exceed the model's maximum of 16384; lower "
+                      "max_new_tokens to at most 16374"),
 ])
 def test_bad_requests_are_refused_before_they_queue(engine_exports, prompt, max_new_tokens, message):
     with KVCacheModel(engine_exports("ort")) as model:
