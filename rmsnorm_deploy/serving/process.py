@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.serving.engine import EngineOptions
 
 #: 64 MiB: a [8, 256, 4096] float32 batch of hidden states (32 MiB) fits as binary data
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
@@ -42,6 +43,19 @@ class ServeOptions:
     exit_timeout_s: int = 5
     #: the largest request body (decompressed) or gRPC message the fronts accept
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: a generation model's engine (``serving.engine.EngineOptions``; its max_batch is ``max_batch``)
+    max_queue: int = 64
+    max_tokens_in_flight: int | None = None
+    prefill_chunk: int = 32
+    drain_timeout_s: float = 30.0
+
+    def engine_options(self) -> EngineOptions:
+        """The generation engine's options (``--max-batch`` is its number of slots, default 16)."""
+        if self.max_batch == 0:
+            raise UserError("--max-batch 0: a generation model runs at least one stream; give 1 or more")
+        return EngineOptions(max_batch=EngineOptions.max_batch if self.max_batch is None else self.max_batch,
+                             max_queue=self.max_queue, max_tokens_in_flight=self.max_tokens_in_flight,
+                             prefill_chunk=self.prefill_chunk, drain_timeout_s=self.drain_timeout_s)
 
     def endpoints(self) -> dict[str, str]:
         host = f"[{self.host}]" if ":" in self.host else self.host

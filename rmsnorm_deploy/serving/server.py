@@ -23,7 +23,6 @@ batching at work. After any stop, a crash included, nothing of the server is lef
 
 from __future__ import annotations
 
-import itertools
 import logging
 import shutil
 import signal
@@ -31,16 +30,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, KVCacheModel, check_max_new_tokens, generate, stream
+from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, KVCacheModel
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import load_onnx
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
+from rmsnorm_deploy.serving.engine import Engine, EngineBusy, EngineUnavailable, StreamCancelled, StreamFailed
 from rmsnorm_deploy.serving.front import Front, FrontPorts
 from rmsnorm_deploy.serving.leftovers import new_workspace, remove_leftovers
 from rmsnorm_deploy.serving.process import (
@@ -53,7 +53,7 @@ from rmsnorm_deploy.serving.process import (
     free_ports,
     start_serve_process,
 )
-from rmsnorm_deploy.serving.pytriton_env import prepare_process, refusal
+from rmsnorm_deploy.serving.pytriton_env import CANCELLED, REQUEST_NUMBER, prepare_process, refusal
 from rmsnorm_deploy.serving.request_check import ExpectedInput, Refused, ServedModel, numpy_check
 from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
 from rmsnorm_deploy.validate.feeds import check_token_ids, token_bounds
@@ -132,80 +132,144 @@ STREAM_INDEX = "index"
 
 
 class GenerationInference:
-    """PyTriton's infer function for a KV-cache graph: one prompt per request, through ``generate``.
+    """PyTriton's infer function for a KV-cache graph's whole answers: each request goes to the
+    generation engine (``serving.engine``) and is answered when its stream ends.
 
     ``input_ids`` INT64 [n] is one prompt; ``max_new_tokens`` INT64 [1] is optional (default
     :data:`~rmsnorm_deploy.decoder.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
-    the new tokens, greedy, ending at the folder's end-of-sequence token if one comes. Requests run
-    one after the other (the session and its cache are not shared between them), so an answer is
-    the same as ``generate(model, [prompt])`` called directly. A bad request (no ``input_ids``, ids
-    outside the vocabulary, too long, ``max_new_tokens`` < 1) is refused
-    (:func:`~rmsnorm_deploy.serving.pytriton_env.refusal`: HTTP 400 / gRPC ``INVALID_ARGUMENT``
-    with the one-line error); anything else that goes wrong stays a server fault (500).
+    the new tokens, greedy, ending at the folder's end-of-sequence token if one comes: the tokens
+    ``generate(model, [prompt])`` returns, whatever else the engine runs meanwhile. Nothing is
+    locked across a generation: the function awaits its stream in PyTriton's event loop, so the
+    model's instance takes the next request at once (its proxy answers through the request's
+    sender: ``pytriton_env``'s ``answer_later``).
+
+    Refused (:func:`~rmsnorm_deploy.serving.pytriton_env.refusal`, one line): a bad request (no
+    ``input_ids``, ids outside the vocabulary, too long, ``max_new_tokens`` < 1) with HTTP 400 /
+    gRPC ``INVALID_ARGUMENT``; a full queue, a model still warming up or a server that is stopping
+    with HTTP 503 / gRPC ``UNAVAILABLE``; a failed generation step with HTTP 500 / gRPC
+    ``INTERNAL``. The proxy's notice that Triton cancelled a request cancels its stream.
     """
 
-    def __init__(self, model: Any, lock: threading.Lock | None = None):
-        self.model = model
-        self.lock = lock or threading.Lock()
+    def __init__(self, engine: Any):
+        self.engine = engine
+        #: streams by the proxy's request number, for its cancellation notices
+        self.streams: dict[int, Any] = {}
 
-    def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
-        return [self._one(request) for request in requests]
+    async def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
+        import asyncio
 
-    def _one(self, request: Any) -> dict[str, np.ndarray]:
+        return list(await asyncio.gather(*(self._one(request) for request in requests)))
+
+    async def _one(self, request: Any) -> dict[str, np.ndarray]:
+        if self.cancel_notice(request):
+            return {}  # nobody waits for this answer
+        stream = self.submit(request)
+        if isinstance(stream, dict):
+            return stream
+        try:
+            tokens = await stream.result_async()
+        except Exception as exc:  # noqa: BLE001 - StreamFailed / StreamCancelled: one line to the client
+            return stream_refusal(exc)
+        finally:
+            self.forget(request)
+        return {GENERATION_OUTPUT: np.asarray(tokens, dtype=np.int64)}
+
+    def submit(self, request: Any) -> Any:
+        """The request's ``Stream`` in the engine, or the refusal to answer it with."""
 
         try:
-            prompt, max_new_tokens = self.parse(request)
+            prompt, max_new_tokens = parse_generation_request(request)
+            stream = self.engine.submit(prompt, max_new_tokens=max_new_tokens, name="max_new_tokens")
+        except (EngineBusy, EngineUnavailable) as exc:
+            return refusal(str(exc), "unavailable")
         except InputError as exc:
             return refusal(str(exc))
-        with self.lock:
-            result = generate(self.model, [prompt], max_new_tokens=max_new_tokens)
-        return {GENERATION_OUTPUT: np.asarray(result.tokens[0], dtype=np.int64)}
+        number = _request_number(request)
+        if number is not None:
+            self.streams[number] = stream
+        return stream
 
-    def parse(self, request: Any) -> tuple[list[int], int]:
-        """The prompt and ``max_new_tokens`` of one request, checked against the model (``InputError``)."""
+    def forget(self, request: Any) -> None:
+        number = _request_number(request)
+        if number is not None:
+            self.streams.pop(number, None)
 
-        if "input_ids" not in request.keys():
-            raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
-        prompt = [int(t) for t in np.asarray(request["input_ids"]).reshape(-1)]
-        max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-        if "max_new_tokens" in request.keys():
-            given = np.asarray(request["max_new_tokens"]).reshape(-1)
-            if given.size != 1:
-                raise InputError(f"max_new_tokens must hold one number, got {given.size}")
-            max_new_tokens = int(given[0])
-        check_max_new_tokens(max_new_tokens, name="max_new_tokens")
-        self.model.check_prompts([prompt], max_new_tokens, name="max_new_tokens")
-        return prompt, max_new_tokens
+    def cancel_notice(self, request: Any) -> bool:
+        """True when ``request`` is the proxy's notice that Triton cancelled requests; their streams
+        are cancelled (the engine frees their slots at its next step)."""
+
+        if CANCELLED not in request.keys():
+            return False
+        for number in np.asarray(request[CANCELLED]).reshape(-1).tolist():
+            stream = self.streams.pop(int(number), None)
+            if stream is not None:
+                stream.cancel()
+        return True
 
 
 class StreamingGenerationInference(GenerationInference):
     """The decoupled twin of :class:`GenerationInference` (model ``<name>_stream``): one response per
-    new token as ``stream`` makes it (``output_ids`` INT64 [1], ``index`` INT64 [1]), then Triton's
+    new token as the engine makes it (``output_ids`` INT64 [1], ``index`` INT64 [1]), then Triton's
     final (empty) response. The tokens are those ``generate`` returns for the same request.
 
-    A refused request gets one error response (INVALID_ARG, the one-line message) on the stream.
-    The lock is held for one decode step at a time, never across a ``yield``: PyTriton runs this
-    generator in an event loop that also starts the next streaming request, and that one must be
-    able to run its steps in between (steps of two streams interleave; each stream's tokens are
-    unchanged, every step reads only its own past).
+    A refused request, and a stream that fails or is cancelled by the server, get one error
+    response on the stream (the codes of :class:`GenerationInference`). A client that closes its
+    stream is reported by the proxy: its generation is cancelled and its slot freed.
     """
 
-    def __call__(self, requests: Sequence[Any]) -> Iterator[list[dict[str, np.ndarray]]]:  # type: ignore[override]
-
+    async def __call__(self, requests: Sequence[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:  # type: ignore[override]
         if len(requests) != 1:  # Triton hands an unbatched model's requests over one by one
             raise RuntimeError(f"the streaming model got {len(requests)} requests at once; it answers one at a time")
-        try:
-            prompt, max_new_tokens = self.parse(requests[0])
-        except InputError as exc:
-            yield [refusal(str(exc))]
+        request = requests[0]
+        if self.cancel_notice(request):
             return
-        tokens = stream(self.model, prompt, max_new_tokens=max_new_tokens)
-        for index in itertools.count():
-            with self.lock:
-                token = next(tokens, None)
-            if token is None:
-                return
-            yield [{GENERATION_OUTPUT: np.array([token], dtype=np.int64), STREAM_INDEX: np.array([index], dtype=np.int64)}]
+        stream = self.submit(request)
+        if isinstance(stream, dict):
+            yield [stream]
+            return
+        index = 0
+        try:
+            async for token in stream:
+                yield [{GENERATION_OUTPUT: np.array([token], dtype=np.int64),
+                        STREAM_INDEX: np.array([index], dtype=np.int64)}]
+                index += 1
+        except Exception as exc:  # noqa: BLE001 - StreamFailed / StreamCancelled: one line to the client
+            yield [stream_refusal(exc)]
+        finally:
+            self.forget(request)
+
+
+def parse_generation_request(request: Any) -> tuple[list[int], int]:
+    """The prompt and ``max_new_tokens`` of one KServe request (``InputError`` when malformed);
+    the engine checks them against the model."""
+
+    if "input_ids" not in request.keys():
+        raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
+    prompt = [int(t) for t in np.asarray(request["input_ids"]).reshape(-1)]
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    if "max_new_tokens" in request.keys():
+        given = np.asarray(request["max_new_tokens"]).reshape(-1)
+        if given.size != 1:
+            raise InputError(f"max_new_tokens must hold one number, got {given.size}")
+        max_new_tokens = int(given[0])
+    return prompt, max_new_tokens
+
+
+def stream_refusal(exc: BaseException) -> dict[str, np.ndarray]:
+    """The answer to a stream that did not end normally: a failed step is a server fault (500), a
+    stream cancelled by the server (a drain out of time) is unavailable (503)."""
+
+    if isinstance(exc, StreamCancelled):
+        return refusal(str(exc), "unavailable")
+    if isinstance(exc, StreamFailed):
+        return refusal(str(exc), "internal")
+    return refusal(f"generation failed: {one_line(exc)}", "internal")
+
+
+def _request_number(request: Any) -> int | None:
+
+    number = (getattr(request, "parameters", None) or {}).get(REQUEST_NUMBER)
+    return number if isinstance(number, int) else None
 
 
 def generation_endpoint(path: Path, signature: Signature, providers: Sequence[str]) -> Any:
@@ -268,11 +332,14 @@ class Server:
                             "serve a float16/float32 export, or write a repository for the standalone server's "
                             "onnxruntime backend with `rmsnorm-deploy triton-repo`")
         self.generator = generation_endpoint(self.path, self.signature, options.providers)
+        if self.generator is not None:
+            options.engine_options().check()
         check_options(options)
         self.models = served_models(self.signature, options.model_name, generation=self.generator is not None)
         self.front: Any = None
         self.workspace: Path | None = None
         self.internal: tuple[int, int] = (0, 0)  # Triton's own HTTP and gRPC ports, on 127.0.0.1
+        self.engine: Any = None
         self.triton: Any = None
         self.runner: Any = None
         self.log_dir: str | None = None
@@ -283,18 +350,21 @@ class Server:
 
         set_onnxruntime_log_level()
         # The runner first: a provider that cannot run is refused before any server starts.
+        o = self.options
         if self.generator is not None:
             self.runner = self.generator.runner
         else:
-            self.runner = OnnxRuntimeRunner(self.path, self.options.providers)
+            self.runner = OnnxRuntimeRunner(self.path, o.providers)
         self.runner.activate()
-        prepare_process()
+        if self.generator is not None:
+
+            # Warm before Triton loads the models: a model Triton reports ready answers at once.
+            self.engine = Engine(self.generator, o.engine_options()).start()
+        prepare_process(answer_later=[o.model_name, o.model_name + STREAM_SUFFIX] if self.engine else ())
         logging.getLogger("pytriton").setLevel(logging.ERROR)
         from pytriton.model_config import DynamicBatcher, ModelConfig
         from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 
-
-        o = self.options
         remove_leftovers()  # of earlier serve processes that were killed
         # Triton's own log goes to a file (PyTriton would echo it to our stdout line by line).
         self.log_dir = tempfile.mkdtemp(prefix="rmsnorm-deploy-serve-")
@@ -313,13 +383,13 @@ class Server:
         streaming: dict[str, Any] = {}
         if self.generator is not None:
             model_config = ModelConfig(batching=False)
-            infer_func: Any = GenerationInference(self.generator)
+            infer_func: Any = GenerationInference(self.engine)
             inputs = [Tensor(name=n, dtype=np.int64, shape=tuple(d), optional=opt) for n, d, opt in GENERATION_INPUTS]
             outputs = [Tensor(name=GENERATION_OUTPUT, dtype=np.int64, shape=(-1,))]
-            # the streaming twin shares the session and the lock (see StreamingGenerationInference)
+            # the streaming twin submits to the same engine
             streaming = {
                 "model_name": o.model_name + STREAM_SUFFIX, "config": ModelConfig(batching=False, decoupled=True),
-                "infer_func": StreamingGenerationInference(self.generator, infer_func.lock), "inputs": inputs,
+                "infer_func": StreamingGenerationInference(self.engine), "inputs": inputs,
                 "outputs": [Tensor(name=n, dtype=np.int64, shape=(1,)) for n in (GENERATION_OUTPUT, STREAM_INDEX)]}
         else:
             model_config = ModelConfig(
@@ -369,9 +439,10 @@ class Server:
             what = "generation model"
             ins = "input_ids int64[n] (one prompt), max_new_tokens int64[1] (optional)"
             outs = f"{GENERATION_OUTPUT} int64[m] (the new tokens, greedy)"
-            batching = (f"one request at a time; the KV cache ({len(sig.cache)} past/present pairs) stays in the server"
-                        f"\n  streaming  {o.model_name + STREAM_SUFFIX!r} (gRPC stream): the same inputs, one response "
-                        f"per new token ({GENERATION_OUTPUT} int64[1], {STREAM_INDEX} int64[1])")
+            batching = (f"{self.engine.batching}; the KV cache ({len(sig.cache)} past/present pairs) stays in the "
+                        f"server\n  streaming  {o.model_name + STREAM_SUFFIX!r} (gRPC stream): the same inputs, one "
+                        f"response per new token ({GENERATION_OUTPUT} int64[1], {STREAM_INDEX} int64[1]); both "
+                        f"models share the engine")
         else:
             what = "model"
             ins, outs = _describe(sig.inputs), _describe(sig.outputs)
@@ -403,11 +474,28 @@ class Server:
                 return False
         return True
 
+    def drain(self) -> None:
+        """Stop admitting generations and let those in flight finish (``--drain-timeout``), while
+        Triton still serves their answers."""
+        if self.engine is None:
+            return
+        stats = self.engine.stats()
+        if stats["running"] or stats["waiting"]:
+            self.say(f"draining: {stats['running']} generations running, {stats['waiting']} queued "
+                     f"(up to {self.options.drain_timeout_s:g} s)")
+        if not self.engine.drain():
+            self.say("the drain timed out: the generations left were cancelled")
+        counts = self.engine.counts
+        self.say(f"generations: {counts['stop'] + counts['length']} finished, {counts['cancelled']} cancelled, "
+                 f"{counts['error']} failed; {counts['refused_busy']} refused with the queue full")
+
     def stop(self, *, keep_log: bool = False) -> None:
 
         if self.front is not None:
             front, self.front = self.front, None
             front.stop()  # no new requests; those in flight finish first
+        if self.engine is not None:
+            self.engine.drain(0)
         if self.triton is not None:
             triton, self.triton = self.triton, None
             try:
@@ -438,6 +526,8 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
         say(f"started in {time.perf_counter() - started:.1f} s")
         clean = server.wait()
         say("stopping" if clean else "Triton Inference Server exited on its own; stopping")
+        if clean:
+            server.drain()
         return 0 if clean else 1
     finally:
         server.stop(keep_log=not clean)
