@@ -150,11 +150,13 @@ class ServeProcess:
                 self.process.wait(timeout=30)
 
 
-def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = ()) -> ServeProcess:
+def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = (),
+                        wait: bool = True) -> ServeProcess:
     """``rmsnorm-deploy serve MODEL_DIR [args]`` as a child process (this package, this Python) on
     free loopback ports, returned once it is ready both on the wire (``/v2/health/ready``) and in
-    its own output (it prints ``ready`` after the server is up). Raises :class:`UserError` with what it
-    printed when it exits first or is not ready within ``timeout_s`` (then it is killed)."""
+    its own output (it prints ``ready`` after the server is up), or at once without ``wait``. Raises
+    :class:`UserError` with what it printed when it exits first or is not ready within ``timeout_s``
+    (then it is killed)."""
     import os
     import subprocess
     import sys
@@ -173,6 +175,8 @@ def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: S
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
     served = ServeProcess(process, http, grpc, metrics, log)
+    if not wait:
+        return served
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
