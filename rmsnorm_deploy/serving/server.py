@@ -57,6 +57,9 @@ class ServeOptions:
     max_tokens_in_flight: int | None = None
     prefill_chunk: int = 32
     drain_timeout_s: float = 30.0
+    #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai_serve``)
+    openai: bool = True
+    openai_port: int | None = None
 
     def engine_options(self) -> Any:
         """The generation engine's options (``--max-batch`` is its number of slots, default 16)."""
@@ -74,6 +77,7 @@ class ServeOptions:
             "http": f"http://{host}:{self.http_port}",
             "grpc": f"{host}:{self.grpc_port}",
             "metrics": f"http://{host}:{self.metrics_port}/metrics",
+            "openai": f"http://{host}:{self.openai_port}",
         }
 
 
@@ -86,6 +90,8 @@ def check_options(options: ServeOptions) -> None:
     """Refuse bad names and ports before anything starts."""
     check_model_name(options.model_name)
     ports = {"--http-port": options.http_port, "--grpc-port": options.grpc_port, "--metrics-port": options.metrics_port}
+    if options.openai_port is not None:
+        ports["--openai-port"] = options.openai_port
     for flag, port in ports.items():
         if not 1 <= port <= 65535:
             raise UserError(f"{flag} {port}: a port is a number from 1 to 65535")
@@ -241,6 +247,8 @@ class BatchedInference:
             return self.runner.infer(feed)
 
 
+#: the largest OpenAI request body: JSON parsed into Python objects (a prompt longer than any model fits)
+OPENAI_MAX_REQUEST_BYTES = 8 << 20
 #: The generation model's interface (a KV-cache graph is served as this, under ``--model-name``).
 GENERATION_INPUTS = (("input_ids", [-1], False), ("max_new_tokens", [1], True))  # (name, dims, optional)
 GENERATION_OUTPUT = "output_ids"
@@ -443,7 +451,12 @@ class Server:
         self.generator = generation_endpoint(self.path, self.signature, options.providers)
         if self.generator is not None:
             options.engine_options().check()
+        from rmsnorm_deploy.serving.openai_serve import openai_placement  # optional: pydantic, starlette
+
+        self.openai_place, self.openai_note = openai_placement(self.generator, enabled=options.openai,
+                                                               port=options.openai_port)
         check_options(options)
+        self.openai: Any = None
         self.engine: Any = None
         self.triton: Any = None
         self.runner: Any = None
@@ -515,6 +528,20 @@ class Server:
         except Exception as exc:
             self.stop()
             raise UserError(f"Triton Inference Server did not start: {one_line(exc)}{self._log_tail()}") from None
+        if self.openai_place == "port":
+            self.start_openai()
+
+    def start_openai(self) -> None:
+        """The OpenAI API on its own port, over the warm engine (``serving.openai_serve``)."""
+        from rmsnorm_deploy.serving.openai_serve import OpenAIServer, engine_app  # optional: pydantic, starlette
+
+        o = self.options
+        try:
+            app, self.openai_note = engine_app(self.engine, o.model_name, max_request_bytes=OPENAI_MAX_REQUEST_BYTES)
+            self.openai = OpenAIServer(app, o.host, o.openai_port).start()
+        except UserError:
+            self.stop()
+            raise
 
     def _log_tail(self) -> str:
         try:
@@ -539,10 +566,17 @@ class Server:
             ins, outs = _describe(sig.inputs), _describe(sig.outputs)
             batching = (f"dynamic batching up to {sig.max_batch} rows along {sig.batch_dim!r}" if sig.batched
                         else "no batching (the graph has no shared leading batch dim)")
+        openai = ""
+        if self.openai is not None:
+            openai = (f"  OpenAI   {ends['openai']}/v1 (completions, chat completions; {self.openai_note}; the same "
+                      "engine as the KServe models)\n")
+        elif self.openai_note:
+            openai = f"  OpenAI   {self.openai_note}\n"
         self.say(f"serving {self.path} as {what} {o.model_name!r} on ONNX Runtime "
                  f"[{', '.join(self.runner.actual_providers)}]\n"
                  f"  HTTP     {ends['http']}/v2/models/{o.model_name}\n"
                  f"  gRPC     {ends['grpc']}\n"
+                 f"{openai}"
                  f"  metrics  {ends['metrics']}\n"
                  f"  inputs   {ins}\n"
                  f"  outputs  {outs}\n"
@@ -557,6 +591,8 @@ class Server:
         """Block until a stop is requested (True) or the server dies on its own (False)."""
         while not self._stop.wait(0.5):
             if self.triton is not None and not self.triton.is_alive():
+                return False
+            if self.openai is not None and not self.openai.is_alive():
                 return False
         return True
 
@@ -575,6 +611,9 @@ class Server:
     def stop(self, *, keep_log: bool = False) -> None:
         if self.engine is not None:
             self.engine.drain(0)
+        if self.openai is not None:
+            openai, self.openai = self.openai, None
+            openai.stop()
         if self.triton is not None:
             triton, self.triton = self.triton, None
             try:
