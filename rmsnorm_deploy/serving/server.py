@@ -165,8 +165,8 @@ class ServeProcess:
                 self.process.wait(timeout=30)
 
 
-def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90) -> ServeProcess:
-    """``rmsnorm-deploy serve MODEL_DIR`` as a child process (this package, this Python) on free
+def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = ()) -> ServeProcess:
+    """``rmsnorm-deploy serve MODEL_DIR [args]`` as a child process (this package, this Python) on free
     loopback ports, returned once it is ready both on the wire (``/v2/health/ready``) and in its own
     output (it prints ``ready`` after the server is up). Raises :class:`UserError` with what it
     printed when it exits first or is not ready within ``timeout_s`` (then it is killed)."""
@@ -182,7 +182,7 @@ def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90) -> Serv
     started = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-m", "rmsnorm_deploy", "serve", str(model_dir), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+         "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     log: list[str] = []
