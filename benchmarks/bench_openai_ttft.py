@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import platform
+import queue
 import random
 import statistics
 import sys
@@ -97,12 +98,14 @@ def _post(connection: http.client.HTTPConnection, path: str, body: str) -> tuple
 
 def _callers(http_port: int, grpc_port: int, openai_port: int, new_tokens: int) -> dict:
     """Each route: ``prompt -> (what it answered, seconds to the first token)``."""
-    import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    import tritonclient.grpc as grpc_client
 
     openai = http.client.HTTPConnection("127.0.0.1", openai_port, timeout=60)
     kserve = http.client.HTTPConnection("127.0.0.1", http_port, timeout=60)
-    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+    # tritonclient's stream stays open across requests (one gRPC stream, as a streaming client keeps it)
+    events: queue.Queue = queue.Queue()
+    streaming = grpc_client.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    streaming.start_stream(callback=lambda result, error: events.put((result, error, time.perf_counter())))
 
     def openai_call(prompt, n, stream):
         body = json.dumps({"model": "model", "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": stream})
@@ -120,19 +123,21 @@ def _callers(http_port: int, grpc_port: int, openai_port: int, new_tokens: int) 
         return "".join(text), first
 
     def kserve_stream(prompt):
-        request = service_pb2.ModelInferRequest(model_name="model_stream")
-        request.inputs.add(name="input_ids", datatype="INT64", shape=[len(prompt)])
-        request.inputs.add(name="max_new_tokens", datatype="INT64", shape=[1])
-        request.raw_input_contents.extend([np.asarray(prompt, np.int64).tobytes(),
-                                           np.array([new_tokens], np.int64).tobytes()])
+        ids = grpc_client.InferInput("input_ids", [len(prompt)], "INT64")
+        ids.set_data_from_numpy(np.asarray(prompt, np.int64))
+        count = grpc_client.InferInput("max_new_tokens", [1], "INT64")
+        count.set_data_from_numpy(np.array([new_tokens], np.int64))
         start, first, tokens = time.perf_counter(), None, []
-        for answer in stub.ModelStreamInfer(iter([request]), timeout=60):
-            if answer.error_message:
-                raise SystemExit(f"the stream answered with an error: {answer.error_message}")
-            if answer.infer_response.raw_output_contents:
-                first = time.perf_counter() - start if first is None else first
-                tokens += np.frombuffer(answer.infer_response.raw_output_contents[0], np.int64).tolist()
-        return tokens, first
+        streaming.async_stream_infer("model_stream", [ids, count], enable_empty_final_response=True)
+        while True:
+            result, error, at = events.get(timeout=60)
+            if error is not None:
+                raise SystemExit(f"the stream answered with an error: {error}")
+            if result.get_response().outputs:
+                first = at - start if first is None else first
+                tokens += result.as_numpy("output_ids").tolist()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return tokens, first
 
     def kserve_one(prompt):
         body = json.dumps({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [len(prompt)],
@@ -143,7 +148,7 @@ def _callers(http_port: int, grpc_port: int, openai_port: int, new_tokens: int) 
         return answer["outputs"][0]["data"], time.perf_counter() - start
 
     return {ROUTES[0]: lambda p: openai_call(p, new_tokens, True), ROUTES[1]: kserve_stream,
-            ROUTES[2]: lambda p: openai_call(p, 1, False), ROUTES[3]: kserve_one}
+            ROUTES[2]: lambda p: openai_call(p, 1, False), ROUTES[3]: kserve_one}, streaming
 
 
 def measure(folder: Path, args: argparse.Namespace) -> dict:
@@ -155,7 +160,7 @@ def measure(folder: Path, args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {r: [] for r in ROUTES}
     wrong = {r: 0 for r in ROUTES}
     try:
-        callers = _callers(served.http, served.grpc, openai_port, args.new_tokens)
+        callers, streaming = _callers(served.http, served.grpc, openai_port, args.new_tokens)
         want = {ROUTES[0]: [decode(t) for _, t in prompts], ROUTES[1]: [t for _, t in prompts],
                 ROUTES[2]: [decode(t[:1]) for _, t in prompts], ROUTES[3]: [t[:1] for _, t in prompts]}
         for route, call in callers.items():  # warm every path once, outside the timing
@@ -168,7 +173,8 @@ def measure(folder: Path, args: argparse.Namespace) -> dict:
                     got, first = callers[route](prompt)
                     wrong[route] += got != expected
                     times[route].append(first * 1000)
-    except Exception:
+        streaming.stop_stream()
+    except BaseException:  # SystemExit too: a stream that answered with an error
         print("".join(served.log[-20:]), file=sys.stderr)  # what the server said before it failed
         raise
     finally:
