@@ -30,6 +30,8 @@ served_answers  a served model's answers over HTTP and gRPC against the same mod
 openai_app      the OpenAI-compatible API (Starlette): ``/v1/models``, ``/v1/completions``,
                 ``/v1/chat/completions``, streaming as server-sent events, on the same engine
                 as the KServe models; refusals as OpenAI error objects (429 on a full queue)
+openai_serve    how ``serve`` runs it: whether and where (``openai_placement``), the app with
+                the folder's chat template, ``OpenAIServer`` (uvicorn on its own port and thread)
 openai_api      its request bodies (pydantic, strict; unsupported parameters refused), its
                 answers and its error object (``APIError``)
 text            text in and out of the engine: ``TextStream`` (incremental decoding that never
