@@ -18,10 +18,10 @@ from typing import Any
 
 from rmsnorm_deploy.decoder.convention import ORT_DTYPES, TARGETS
 from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG
-from rmsnorm_deploy.exporter.hf_files import HF_FILES
 from rmsnorm_deploy.decoder.ort_graph import export_ort_decoder
 from rmsnorm_deploy.decoder.portable import KVExport
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.hf_files import HF_FILES
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.exporter.pipeline import run_export
 from rmsnorm_deploy.exporter.plan import ExportOptions, ExportPlan, check_options, plan_export

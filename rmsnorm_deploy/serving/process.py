@@ -48,6 +48,9 @@ class ServeOptions:
     max_tokens_in_flight: int | None = None
     prefill_chunk: int = 32
     drain_timeout_s: float = 30.0
+    #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai_serve``)
+    openai: bool = True
+    openai_port: int | None = None
 
     def engine_options(self) -> EngineOptions:
         """The generation engine's options (``--max-batch`` is its number of slots, default 16)."""
@@ -63,6 +66,7 @@ class ServeOptions:
             "http": f"http://{host}:{self.http_port}",
             "grpc": f"{host}:{self.grpc_port}",
             "metrics": f"http://{host}:{self.metrics_port}/metrics",
+            "openai": f"http://{host}:{self.openai_port}",
         }
 
 
@@ -77,6 +81,8 @@ def check_options(options: ServeOptions) -> None:
     if not 1024 <= options.max_request_bytes <= 1 << 31:
         raise UserError(f"--max-request-bytes {options.max_request_bytes}: give a size from 1024 to {1 << 31} bytes")
     ports = {"--http-port": options.http_port, "--grpc-port": options.grpc_port, "--metrics-port": options.metrics_port}
+    if options.openai_port is not None:
+        ports["--openai-port"] = options.openai_port
     for flag, port in ports.items():
         if not 1 <= port <= 65535:
             raise UserError(f"{flag} {port}: a port is a number from 1 to 65535")
