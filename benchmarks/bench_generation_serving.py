@@ -44,7 +44,6 @@ import os
 import platform
 import queue
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -238,49 +237,42 @@ def prepare(key: str, args: argparse.Namespace, tmp: Path, llama_cpp: Path | Non
     return made
 
 
-# -- the contenders ---------------------------------------------------------------------------------
-def run_ours(made: dict[str, Any], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+# -- the contenders: one cell (one N) each ------------------------------------------------------------
+def start_ours(made: dict[str, Any], args: argparse.Namespace) -> Any:
+    """Our server for every N of a model: as many slots as the most clients, each of prompt + new tokens."""
     slot = args.prompt + args.new_tokens
     served = start_serve_process(made["ours"], timeout_s=300, args=[
         "--max-batch", str(max(args.clients)), "--max-queue", "0",
         "--max-tokens-in-flight", str(max(args.clients) * slot), "--prefill-chunk", str(args.prefill_chunk)])
-    out = {}
+    log("  " + next(line.strip() for line in served.log if "continuous batching" in line or "one stream" in line))
+    return served
+
+
+def cell_ours(served: Any, made: dict[str, Any], args: argparse.Namespace, n: int) -> dict[str, Any]:
+    wall, results = run_clients(grpc_stream_call(served.grpc, args.new_tokens), made["prompts"], n, args.requests)
+    wrong = sum(tokens != made["want"][k] for k, (tokens, _, _) in results)
+    return {**summary(wall, results), "wrong_streams": wrong, "results": results}
+
+
+def cell_llama(made: dict[str, Any], args: argparse.Namespace, n: int, llama_cpp: Path) -> dict[str, Any]:
+    """llama-server started for this N (``--parallel`` is a start option), then stopped."""
+    port = free_ports(1)[0]
+    server = subprocess.Popen(
+        [str(llama_cpp / "build/bin/llama-server"), "-m", str(made["gguf"]), "--host", "127.0.0.1", "--port",
+         str(port), "-t", str(THREADS), "-tb", str(THREADS), "--parallel", str(n),
+         "-c", str(n * (args.prompt + args.new_tokens)), "-ngl", "0", "--no-webui"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        log("  " + next(line.strip() for line in served.log if "continuous batching" in line or "one stream" in line))
-        for n in args.clients:
-            wall, results = run_clients(grpc_stream_call(served.grpc, args.new_tokens), made["prompts"], n, args.requests)
-            wrong = sum(tokens != made["want"][k] for k, (tokens, _, _) in results)
-            out[n] = {**summary(wall, results), "wrong_streams": wrong}
-            log(f"  ours N={n}: {out[n]['tokens_per_s']:.0f} tokens/s, {wrong} wrong streams")
+        wait_http(port, server)
+        wall, results = run_clients(llama_stream_call(port, args.new_tokens), made["prompts"], n, args.requests)
     finally:
-        served.stop(timeout_s=120)
-    return out
-
-
-def run_llama(made: dict[str, Any], args: argparse.Namespace, llama_cpp: Path) -> dict[int, dict[str, Any]]:
-    out = {}
-    for n in args.clients:
-        port = free_ports(1)[0]
-        server = subprocess.Popen(
-            [str(llama_cpp / "build/bin/llama-server"), "-m", str(made["gguf"]), "--host", "127.0.0.1", "--port",
-             str(port), "-t", str(THREADS), "-tb", str(THREADS), "--parallel", str(n),
-             "-c", str(n * (args.prompt + args.new_tokens)), "-ngl", "0", "--no-webui"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        server.send_signal(signal.SIGTERM)
         try:
-            wait_http(port, server)
-            wall, results = run_clients(llama_stream_call(port, args.new_tokens), made["prompts"], n, args.requests)
-            agree = [np.mean(np.array(tokens) == np.array(made["want"][k])) for k, (tokens, _, _) in results
-                     if len(tokens) == args.new_tokens]
-            out[n] = {**summary(wall, results), "token_agreement_with_ours": float(np.mean(agree)) if agree else None}
-            log(f"  llama-server N={n}: {out[n]['tokens_per_s']:.0f} tokens/s")
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=30)
-    return out
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)
+    return {**summary(wall, results), "results": results}
 
 
 def wait_http(port: int, server: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -299,38 +291,77 @@ def wait_http(port: int, server: subprocess.Popen, timeout_s: float = 300) -> No
     raise RuntimeError("llama-server was not ready in time")
 
 
-def run_genai(made: dict[str, Any], args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+def cell_genai(model: Any, made: dict[str, Any], args: argparse.Namespace, n: int) -> dict[str, Any]:
     """One batched Generator of N rows per request round: every row's first token after the
     prefill, then one token per step."""
     import onnxruntime_genai as og
 
-    model = og.Model(str(made["genai"]))
-    out = {}
-    for n in args.clients:
-        results, wall = [], 0.0
-        for r in range(args.requests):
-            rows = [made["prompts"][(i * args.requests + r) % len(made["prompts"])] for i in range(n)]
-            params = og.GeneratorParams(model)
-            total = args.prompt + args.new_tokens
-            params.set_search_options(do_sample=False, max_length=total, min_length=total, batch_size=n)
-            generator = og.Generator(model, params)
-            started = time.perf_counter()
-            generator.append_tokens(np.array(rows, dtype=np.int32))
-            times, tokens = [], []
-            for _ in range(args.new_tokens):
-                generator.generate_next_token()  # the first: the prefill's logits picked; then one step each
-                times.append(time.perf_counter())
-                tokens.append(np.array(generator.get_next_tokens()))
-            wall += times[-1] - started
-            columns = np.stack(tokens, axis=1)
-            for i in range(n):
-                k = (i * args.requests + r) % len(made["prompts"])
-                results.append((k, (columns[i].tolist(), times[0] - started, list(np.diff(times)))))
-            del generator
-        agree = [np.mean(np.array(tokens) == np.array(made["want"][k])) for k, (tokens, _, _) in results]
-        out[n] = {**summary(wall, results), "token_agreement_with_ours": float(np.mean(agree))}
-        log(f"  genai static batch N={n}: {out[n]['tokens_per_s']:.0f} tokens/s")
+    results, wall = [], 0.0
+    for r in range(args.requests):
+        rows = [(i * args.requests + r) % len(made["prompts"]) for i in range(n)]
+        params = og.GeneratorParams(model)
+        total = args.prompt + args.new_tokens
+        params.set_search_options(do_sample=False, max_length=total, min_length=total, batch_size=n)
+        generator = og.Generator(model, params)
+        started = time.perf_counter()
+        generator.append_tokens(np.array([made["prompts"][k] for k in rows], dtype=np.int32))
+        times, tokens = [], []
+        for _ in range(args.new_tokens):
+            generator.generate_next_token()  # the first: the prefill's logits picked; then one step each
+            times.append(time.perf_counter())
+            tokens.append(np.array(generator.get_next_tokens()))
+        wall += times[-1] - started
+        columns = np.stack(tokens, axis=1)
+        results += [(k, (columns[i].tolist(), times[0] - started, list(np.diff(times)))) for i, k in enumerate(rows)]
+        del generator
+    return {**summary(wall, results), "results": results}
+
+
+def agreement(made: dict[str, Any], results: list[tuple[int, Request]], new_tokens: int) -> float | None:
+    """The share of tokens equal to ours at the same place (full-length streams only)."""
+    same = [np.mean(np.array(tokens) == np.array(made["want"][k])) for k, (tokens, _, _) in results
+            if len(tokens) == new_tokens]
+    return float(np.mean(same)) if same else None
+
+
+def pooled(cells: list[dict[str, Any]], made: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A contender's rounds at one N: the median tokens/s, latencies over every round's requests."""
+    results = [item for cell in cells for item in cell.pop("results")]
+    out = summary(sum(c["wall_s"] for c in cells), results)
+    out["tokens_per_s"] = float(np.median([c["tokens_per_s"] for c in cells]))
+    out["tokens_per_s_rounds"] = [round(c["tokens_per_s"], 1) for c in cells]
+    if "wrong_streams" in cells[0]:
+        out["wrong_streams"] = sum(c["wrong_streams"] for c in cells)
+    else:
+        out["token_agreement_with_ours"] = agreement(made, results, args.new_tokens)
     return out
+
+
+def bench_model(key: str, args: argparse.Namespace, tmp: Path, llama_cpp: Path | None) -> dict[str, Any]:
+    """Every round runs every N, and at each N every contender in a shuffled order."""
+    import onnxruntime_genai as og
+
+    log(f"{key}: preparing")
+    made = prepare(key, args, tmp, llama_cpp)
+    genai = og.Model(str(made["genai"]))
+    served = start_ours(made, args)
+    cells: dict[str, dict[int, list]] = {c: {n: [] for n in args.clients} for c in CONTENDERS}
+    order = [OURS, GENAI] + ([LLAMA] if llama_cpp else [])
+    shuffle = random.Random(0)
+    try:
+        for round_ in range(args.rounds):
+            for n in args.clients:
+                shuffle.shuffle(order)
+                for contender in order:
+                    cell = (cell_ours(served, made, args, n) if contender == OURS else
+                            cell_genai(genai, made, args, n) if contender == GENAI else
+                            cell_llama(made, args, n, llama_cpp))
+                    cells[contender][n].append(cell)
+                    log(f"  round {round_ + 1} N={n} {contender}: {cell['tokens_per_s']:.0f} tokens/s")
+    finally:
+        served.stop(timeout_s=120)
+    return {c: {n: pooled(cs, made, args) for n, cs in by_n.items() if cs} for c, by_n in cells.items()
+            if any(by_n.values())}
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -360,7 +391,9 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
     md = ["# Generation serving: continuous batching against llama-server and a static batch", "",
           f"`python benchmarks/bench_generation_serving.py`: {setup['cpus']} CPUs, 2 threads per contender, "
           f"prompt {setup['prompt']} tokens, {setup['new_tokens']} new tokens, {setup['requests']} requests per "
-          f"client back to back, streamed over loopback. Load average before/after: {setup['load']}.", ""]
+          f"client back to back, streamed over loopback; {setup['rounds']} rounds, each running every N and at each N "
+          f"every contender in a shuffled order: tokens/s is the median over rounds, latencies pooled. Load "
+          f"average before/after: {setup['load']} (other jobs share the machine).", ""]
     if setup.get("llama_not_run"):
         md += [f"llama-server: {setup['llama_not_run']}.", ""]
     headers = ["clients", "contender", "tokens/s", "x N=1", "first token p50 / p99 ms", "inter-token p50 / p99 ms",
@@ -417,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="tiny,125m")
     parser.add_argument("--clients", default="1,4,16,64")
     parser.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every N and every contender")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=32, help="our serve's --prefill-chunk")
@@ -432,17 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-generation-serving-") as tmp:
         for key in args.models.split(","):
-            log(f"{key}: preparing")
-            made = prepare(key, args, Path(tmp), llama_cpp)
-            order = [OURS, GENAI] + ([LLAMA] if llama_cpp else [])
-            random.Random(0).shuffle(order)
-            results[key] = {}
-            for contender in order:
-                log(f"{key}: {contender}")
-                results[key][contender] = (run_ours(made, args) if contender == OURS else run_genai(made, args)
-                                           if contender == GENAI else run_llama(made, args, llama_cpp))
-            shutil.rmtree(made["genai"], ignore_errors=True)
-    setup = {"clients": args.clients, "requests": args.requests, "prompt": args.prompt, "new_tokens": args.new_tokens,
+            results[key] = bench_model(key, args, Path(tmp), llama_cpp)
+    setup = {"clients": args.clients, "requests": args.requests, "rounds": args.rounds, "prompt": args.prompt, "new_tokens": args.new_tokens,
              "prefill_chunk": args.prefill_chunk, "cpus": os.cpu_count(), "threads": THREADS,
              "load": f"{load_before:.2f} / {os.getloadavg()[0]:.2f}", "llama_not_run": llama_not_run,
              "llama_cpp": str(llama_cpp) if llama_cpp else None}
