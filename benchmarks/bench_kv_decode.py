@@ -304,7 +304,8 @@ def graph_ops(path: Path) -> dict[str, Any]:
 def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None],
                 workers: list[OptimumWorker]) -> dict[str, Any]:
     from rmsnorm_deploy.exporter import hf
-    from rmsnorm_deploy.decoder.ort_graph import audit_norms, build_decoder
+    from rmsnorm_deploy.decoder.ort_graph import build_decoder
+    from rmsnorm_deploy.decoder.ort_parity import audit_norms
     from rmsnorm_deploy.graph.onnx_file import save_onnx
 
     log(f"{key}: {LABELS[key]}")

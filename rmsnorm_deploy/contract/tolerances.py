@@ -12,6 +12,11 @@ Keys are ``(check, backend, dtype)``:
   from, run in the same dtype (logits after many matmuls: absolute/relative bounds).
 * ``check="backends"``: an output of one backend against the same output of another backend
   running the same graph (a third-party graph without a PyTorch source).
+* ``check="quantized_model"``: a weight-only quantized graph whose ``MatMulNBits`` compute in
+  float32 (``accuracy_level`` 0 or 1) against the PyTorch model holding the dequantized weights
+  read back from the graph (``decoder/quantize.py``).
+* ``check="quantized_model_int8"``: the same at ``accuracy_level`` 4 (int8 compute), the
+  reference also rounding each quantized MatMul's input to int8 per block as the kernel does.
 
 :data:`ACCURACY_BOUNDS` holds the other kind of bound, keyed the same way:
 
@@ -112,6 +117,21 @@ _F64_NORM = (
     "oracle: the same formula in float64, x * rsqrt(v) against x / sqrt(v), a few float64 ulps apart"
 )
 
+_QUANTIZED_FP32 = (
+    "logits of a weight-only quantized graph computing in float32 (MatMulNBits accuracy_level 0 or 1) against the "
+    "PyTorch model holding the dequantized weights: the kernel multiplies by exactly those weights (an int times a "
+    "float scale is exact in float32, and equal bit for bit to what it multiplies an identity into), summed block "
+    "by block in another order, so the bound of the unquantized model in this dtype applies"
+)
+_QUANTIZED_INT8 = (
+    "logits of a graph computing in int8 (MatMulNBits accuracy_level 4) against the PyTorch model holding the "
+    "dequantized weights, each quantized MatMul's input rounded per block to int8 as the kernel rounds it: the int8 "
+    "products are summed exactly in int32 and scaled per block in float32, so what remains is the summation order and "
+    "the rare activation that the two sides round to neighbouring int8 steps (a float32 ulp apart before rounding); "
+    "one step is 1/127 of its block's largest value and moves what follows by about that much: measured up to "
+    "3.5e-3 on tiny models' logits of magnitude 0.6; 1e-2 absolute and relative"
+)
+
 TOLERANCES: dict[tuple[str, str, str], Tolerance] = {}
 TOLERANCES[("norm", "torch", "float64")] = Tolerance(max_ulp=4, reason=_F64_NORM)
 for _backend in ("torch", "onnxruntime", "tensorrt", "triton"):
@@ -132,6 +152,12 @@ for _backend in ("onnxruntime", "tensorrt"):
     TOLERANCES[("model", _backend, "float32")] = Tolerance(atol=1e-4, rtol=1e-4, reason=_FP32_MODEL)
     TOLERANCES[("model", _backend, "float16")] = Tolerance(atol=2e-2, rtol=2e-2, reason=_HALF_MODEL.format(dtype="float16"))
     TOLERANCES[("model", _backend, "bfloat16")] = Tolerance(atol=1.25e-1, rtol=1e-1, reason=_HALF_MODEL.format(dtype="bfloat16"))
+for _dt in ("float32", "float16"):  # the dtypes MatMulNBits runs in on ONNX Runtime CPU
+    _model = TOLERANCES[("model", "onnxruntime", _dt)]
+    TOLERANCES[("quantized_model", "onnxruntime", _dt)] = Tolerance(
+        atol=_model.atol, rtol=_model.rtol, reason=_QUANTIZED_FP32 + f" ({_dt}: {_model.reason})")
+    TOLERANCES[("quantized_model_int8", "onnxruntime", _dt)] = Tolerance(
+        atol=max(1e-2, _model.atol), rtol=max(1e-2, _model.rtol), reason=_QUANTIZED_INT8)
 
 
 @dataclasses.dataclass(frozen=True)
