@@ -1,7 +1,9 @@
 """List every RMSNorm and LayerNorm reduction of an ONNX graph (ours or any tool's): the dtype
 its squares and its sum are computed in, its epsilon and axes, its placement (pre, post,
 sublayer_output, qk, final, other: ``graph/placement.py``), as written and after ONNX
-Runtime's graph optimizations (the graph ONNX Runtime actually runs).
+Runtime's graph optimizations (the graph ONNX Runtime actually runs). In a weight-only quantized
+graph, the MatMuls too: which hold int8/int4 weights (MatMulNBits: bits, block size, accuracy
+level and the dtype it computes in) and which float weights (``graph/quantized.py``).
 
 Exit code 1 if any reduction accumulates in float16 or bfloat16 or cannot compute a correct result
 (an epsilon that is NaN, infinite, zero or negative), or on a contract error: in
@@ -43,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.graph.metadata import ModelMetadata
     from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable, load_onnx
     from rmsnorm_deploy.graph.placement import assign_placements, contract_findings
+    from rmsnorm_deploy.graph.quantized import NBITS_OP, matmul_rows, matmul_weights
     from rmsnorm_deploy.table import format_table
 
     if args.output:
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 errors.append(f"after onnxruntime ({level}) on {','.join(providers)}: not audited: {exc}")
     low = low_precision_reductions(reductions)
     broken = broken_reductions(reductions)
+    matmuls = matmul_weights(model)
     data = {
         "model": str(args.model),
         "providers": providers if levels else [],
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         "broken": len(broken),
         "errors": errors,
         "findings": [f.to_dict() for f in findings],
+        "matmuls": [m.to_dict() for m in matmuls],
     }
     if args.json:
         print(json.dumps(data, indent=1))
@@ -102,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
                  "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes,
                  "; ".join(t for t in (r.note, "BROKEN" if r.problem else "") if t)] for r in reductions]
         print(format_table(headers, rows) if rows else "no normalization reduction found")
+        if any(m.op == NBITS_OP for m in matmuls):  # a quantized graph: its MatMuls beside its norms
+            print(format_table(["matmuls", "op", "weights", "block size", "accuracy_level", "computes in"],
+                               matmul_rows(matmuls)))
         stages = ["as written"] + [f"after onnxruntime ({lvl})" for lvl in levels]
         for error in errors:
             print(f"error: {error}")

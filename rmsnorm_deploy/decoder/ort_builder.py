@@ -28,6 +28,8 @@ from onnx import TensorProto, helper
 from rmsnorm_deploy.contract.dtypes import dtype_name, onnx_type
 from rmsnorm_deploy.decoder.convention import ORT_DTYPES
 from rmsnorm_deploy.decoder.ort_model import (
+    EMBED_OUTPUT,
+    EMBED_SCALED_OUTPUT,
     MS_DOMAIN,
     OPSET,
     POST_SUBLAYER_TYPES,
@@ -38,6 +40,7 @@ from rmsnorm_deploy.decoder.ort_model import (
     inputs_metadata,
     kv_cache_metadata,
     lm_head_of,
+    residual_output,
     rotary_caches,
     rotary_types,
     skip_norm_node,
@@ -146,7 +149,7 @@ class OrtDecoderBuilder:
             stop = min(width, start + step)
             pieces = [self.tensors.columns(name, start, stop) for name in names]
             block = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
-            yield np.ascontiguousarray(self.w.cast(block).T)
+            yield self.w.cast_transposed(block)
 
     def make_linear(self, name: str, x: str, linears: list[torch.nn.Linear], base: str, *,
                     quantize: bool = True, out: str | None = None) -> str:
@@ -181,7 +184,7 @@ class OrtDecoderBuilder:
 
         def packed_blocks() -> Iterator[np.ndarray]:
             for _, rows in self._row_blocks(names, sizes, k):
-                packed, block_scales = self.quantizer(self.w.cast(rows).T)
+                packed, block_scales = self.quantizer(self.w.cast_transposed(rows))
                 scales.append(block_scales)
                 yield packed
 
@@ -248,12 +251,13 @@ class OrtDecoderBuilder:
         vocab, hidden = (int(d) for d in embed.weight.shape)
         table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
                               (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
-        x = self.w.one("Gather", [table, self.ids], "embed")
+        x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
         embed_scale = getattr(embed, "embed_scale", None)
         if isinstance(embed_scale, torch.Tensor):
             # Gemma: embedding * embed_scale, the scale rounded to the weight's dtype first (as transformers does).
             scale = embed_scale.detach().to(embed.weight.dtype).reshape(())
-            x = self.w.one("Mul", [x, self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)], "embed/scale")
+            scale_name = self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)
+            x = self.w.one("Mul", [x, scale_name], EMBED_SCALED_OUTPUT)
         return x
 
     def make_norm(self, module: torch.nn.Module, x: str, out: str | None = None) -> str:
@@ -356,7 +360,7 @@ class OrtDecoderBuilder:
                 x = self.make_norm(layer.input_layernorm, hidden)
             else:
                 x, hidden = self.make_residual_norm(layer.input_layernorm, hidden, pending,
-                                                    f"{self.prefix}model.layers.{i - 1}/mlp/residual")
+                                                    residual_output(self.prefix, i - 1))
             o = self.make_attention(i, layer, x, base)
             if sandwich:  # Gemma3: norms before and after each sublayer
                 o = self.make_norm(layer.post_attention_layernorm, o)
@@ -366,7 +370,7 @@ class OrtDecoderBuilder:
                 x, hidden = self.make_residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
                 pending = self.make_mlp(layer, x, base)  # added with the next norm
         assert pending is not None
-        last = f"{self.prefix}model.layers.{self.dims.layers - 1}/mlp/residual"
+        last = residual_output(self.prefix, self.dims.layers - 1)
         x, _ = self.make_residual_norm(self.lm.model.norm, hidden, pending, last, keep_sum=False)
         return x
 
@@ -378,7 +382,7 @@ class OrtDecoderBuilder:
             o = self.make_norm(layer.post_attention_layernorm, self.make_attention(i, layer, hidden, base))
             hidden = self.w.one("Add", [hidden, o], f"{base}/attn/residual")
             o = self.make_norm(layer.post_feedforward_layernorm, self.make_mlp(layer, hidden, base))
-            hidden = self.w.one("Add", [hidden, o], f"{base}/mlp/residual")
+            hidden = self.w.one("Add", [hidden, o], residual_output(self.prefix, i))
         return self.make_norm(self.lm.model.norm, hidden)
 
     def make_lm_head(self, x: str) -> None:

@@ -6,7 +6,7 @@ block; the graph itself is then small and saved atomically with that file moved 
 (``graph.onnx_file.save_onnx(staged_data=...)``). Then the serving files, and the parity check
 (``ort_parity``) against the PyTorch model: the model in memory, or, for a streamed folder, the
 model loaded after the graph is written when it fits beside ONNX Runtime's session; when it does
-not, the report says the check was not run and why.
+not, one layer at a time (``layer_parity``), and the report says why.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.decoder.convention import KVCacheLayout
 from rmsnorm_deploy.decoder.genai_config import write_serving_files
+from rmsnorm_deploy.decoder.layer_parity import LayerParity, layer_parity
 from rmsnorm_deploy.decoder.ort_graph import OrtDecoder, build_decoder
 from rmsnorm_deploy.decoder.ort_model import kv_cache_metadata
 from rmsnorm_deploy.decoder.ort_parity import DecodeParity, audit_norms, decode_parity
@@ -40,12 +41,12 @@ from rmsnorm_deploy.progress import Progress
 class OrtDecoderExport:
     path: Any
     decoder: OrtDecoder
-    parity: DecodeParity | None
+    parity: DecodeParity | LayerParity | None
     report_path: Any = None
     #: written beside the model: genai_config.json and the source's Hugging Face config/tokenizer files
     serving_files: list[str] = dataclasses.field(default_factory=list)
-    #: why the parity check was not run (a streamed model too large to load beside ONNX Runtime)
-    parity_not_run: str = ""
+    #: why the parity check ran layer by layer (a streamed model too large to load beside ONNX Runtime)
+    layer_by_layer: str = ""
 
     @property
     def parity_failed(self) -> bool:
@@ -109,17 +110,21 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
         return result
     reference = loaded
     if _is_streamed(loaded):
-        result.parity_not_run = reference_fits(loaded) or ""
-        if not result.parity_not_run:
+        result.layer_by_layer = reference_fits(loaded) or ""
+        if not result.layer_by_layer:
             with progress.stage("loading the PyTorch model for the parity check"):
                 reference = hf.load_folder(loaded.source["path"], options.dtype)
-    if not result.parity_not_run:
+    if result.layer_by_layer:
+        assert tensors is not None
+        with progress.stage(f"parity layer by layer: ONNX Runtime CPU vs transformers on {options.seq} tokens") as st:
+            result.parity = layer_parity(loaded, tensors, plan.model_path, prompt=options.seq, seed=options.seed)
+            st.note(result.parity.status)
+    else:
         with progress.stage("parity: ONNX Runtime CPU vs transformers with its cache (prefill + 4 steps)") as st:
             result.parity = decode_parity(reference, str(plan.model_path), batch=options.batch, prompt=options.seq,
                                           seed=options.seed)
             st.note(result.parity.status)
-    parity = result.parity.to_dict() if result.parity is not None else {"status": "not run",
-                                                                         "reason": result.parity_not_run}
+    parity = {**result.parity.to_dict(), **({"why": result.layer_by_layer} if result.layer_by_layer else {})}
     report = {
         "model": str(plan.model_path), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
         "kv_cache": kv_cache, "serving_files": serving_files,

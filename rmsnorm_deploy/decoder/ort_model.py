@@ -33,8 +33,22 @@ TARGET = "onnxruntime"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text")
 #: Families whose norms follow each sublayer (``h + norm(f(h))``) instead of preceding it.
 POST_SUBLAYER_TYPES = ("olmo2",)
+#: The embedding's output (Gemma's: the scaled one after it): names the builder writes and the
+#: layer-by-layer check (``layer_parity``) reads, with :func:`residual_output`.
+EMBED_OUTPUT, EMBED_SCALED_OUTPUT = "embed", "embed/scale"
 #: Activation names (config.hidden_act) the MLP is written for.
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def residual_output(prefix: str, layer: int) -> str:
+    """The residual stream after decoder layer ``layer`` (``prefix``: the model's path in the module tree)."""
+    return f"{prefix}model.layers.{layer}/mlp/residual"
+
+
+def embedding_output(model: onnx.ModelProto) -> str:
+    """The graph's embedding output: the scaled one where the model scales its embedding."""
+    outputs = {o for node in model.graph.node for o in node.output}
+    return EMBED_SCALED_OUTPUT if EMBED_SCALED_OUTPUT in outputs else EMBED_OUTPUT
 
 
 class OrtDecoderError(UserError):

@@ -138,5 +138,10 @@ class GraphWriter:
         """A float tensor (any stored dtype) as a numpy array of the graph's dtype."""
         return tensor.detach().to(self.torch_dtype).cpu().numpy()
 
+    def cast_transposed(self, tensor: torch.Tensor) -> np.ndarray:
+        """A 2-D float tensor's transpose, contiguous, in the graph's dtype (torch transposes a
+        [14336, 4096] block 4x faster than numpy)."""
+        return tensor.detach().t().contiguous().to(self.torch_dtype).cpu().numpy()
+
     def weight(self, name: str, tensor: torch.Tensor) -> str:
         return self.init(name, self.cast(tensor))

@@ -31,14 +31,14 @@ import numpy as np
 import torch
 
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.graph.quantized import ACCURACY_COMPUTE
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.resources import package_version
 
 #: ``--quantize`` scheme -> bits per weight.
 SCHEMES = {"int8": 8, "int4": 4}
-#: ``--accuracy-level`` -> the dtype MatMulNBits computes in on ONNX Runtime CPU
-#: (0: unset, the kernel's default; 1: float32; 4: int8 activations).
-ACCURACY_LEVELS = {0: "float32", 1: "float32", 4: "int8"}
+#: ``--accuracy-level`` -> the dtype MatMulNBits computes in on ONNX Runtime CPU.
+ACCURACY_LEVELS = ACCURACY_COMPUTE
 #: The fastest level at both bit widths on this project's CPU measurement (int8 weights compute
 #: 10x slower in float32 than in int8): benchmarks/results/quant_accuracy_levels.md.
 DEFAULT_ACCURACY_LEVEL = 4
@@ -179,44 +179,114 @@ def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
     return q, linears
 
 
-def _initializer(model: Any, name: str, base_dir: Any) -> np.ndarray:
+def read_initializer(model: Any, name: str, base_dir: Any) -> np.ndarray:
+    """An initializer of ``model`` as numpy, its external data read from ``base_dir``."""
     from onnx import numpy_helper
 
     for init in model.graph.initializer:
         if init.name == name:
-            return numpy_helper.to_array(init, base_dir or "")
+            return numpy_helper.to_array(init, str(base_dir) if base_dir else "")
     raise UserError(f"the graph has no initializer {name!r} that its quantization metadata names; export it again")
 
 
+@dataclasses.dataclass
+class WeightCheck:
+    """The graph's quantized weights against the model's own: each within one quantization step
+    (rounding to the nearest step; the largest magnitude of a block sits at the end of the range,
+    where it may be up to one step off), each block's step its largest magnitude over 2^(bits-1)
+    (ONNX Runtime's symmetric scale). Without it a wrong packing would be its own reference."""
+
+    name: str = "quantized weights vs the model's"
+    weights: int = 0
+    max_steps: float = 0.0  # the largest |dequantized - original| in steps
+    worst_scale: float = 1.0  # the |scale| / (block max / 2^(bits-1)) farthest from 1
+    worst: str = ""
+
+    #: float rounding of the scale and of the dequantized product
+    SLACK = 1e-5
+
+    def add(self, path: str, original: torch.Tensor, dequantized: np.ndarray, scales: np.ndarray, bits: int,
+            block_size: int) -> None:
+        """``original`` [rows, K] (the model's), ``dequantized`` [rows, K] and ``scales`` [rows, K/block] (the graph's)."""
+        w = original.detach().float().numpy()
+        rows, k = w.shape
+        blocks = scales.shape[1]
+        padded = np.zeros((rows, blocks * block_size), np.float32)
+        padded[:, :k] = np.abs(w)
+        expected = padded.reshape(rows, blocks, block_size).max(-1) / float(1 << (bits - 1))
+        step = np.abs(scales.astype(np.float32))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(expected > 0, step / expected, np.where(step > 0, np.inf, 1.0))
+            steps = np.abs(dequantized - w) / np.repeat(np.maximum(step, 1e-30), block_size, axis=1)[:, :k]
+        far = float(ratio.flat[np.argmax(np.abs(ratio - 1.0))])
+        if abs(far - 1.0) > abs(self.worst_scale - 1.0):
+            self.worst_scale = far
+        if steps.size and float(steps.max()) > self.max_steps:
+            self.max_steps, self.worst = float(steps.max()), path
+        self.weights += w.size
+
+    @property
+    def passed(self) -> bool:
+        return self.max_steps <= 1.0 + self.SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def summary(self) -> str:
+        return (f"{self.name}: {'PASS' if self.passed else 'FAIL'} {self.weights:,} weights within "
+                f"{self.max_steps:.3g} quantization steps (at most 1){f' (worst: {self.worst})' if self.worst else ''}, "
+                f"every step the block's largest magnitude / 2^(bits-1) (farthest ratio {self.worst_scale:.6g})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "passed": self.passed}
+
+
+@dataclasses.dataclass
+class Reference:
+    """What :func:`dequantized_reference` put into the model: the compute dtype and the weights' check."""
+
+    compute: str
+    weights: WeightCheck
+
+
 @contextlib.contextmanager
-def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base_dir: Any = None) -> Iterator[str]:
+def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base_dir: Any = None,
+                          under: str = "", check: WeightCheck | None = None) -> Iterator[Reference]:
     """``root`` (the exported module tree) computing what the quantized ``model`` (a ModelProto;
     its external data under ``base_dir``) computes: each quantized Linear's weight replaced by the
-    dequantized values read back from the graph and, at int8 compute, its input rounded as the
-    kernel rounds it. Restored on exit. Yields the compute dtype (``float32`` or ``int8``)."""
+    dequantized values read back from the graph (checked against the weight it replaces:
+    :class:`WeightCheck`) and, at int8 compute, its input rounded as the kernel rounds it; only the
+    Linears under the module path ``under`` when given (one layer at a time; ``check`` then gathers
+    the weights' check over the layers). Restored on exit."""
     q, linears = quantization_of(entry)
+    if under:
+        linears = [lin for lin in linears if all(path.startswith(under + ".") for path, _ in lin.parts)]
     modules = dict(root.named_modules())
     saved: list[tuple[torch.nn.Linear, torch.nn.Parameter]] = []
     hooks = []
+    check = check if check is not None else WeightCheck()
     try:
         for lin in linears:
-            weight = dequantize(_initializer(model, lin.packed, base_dir), _initializer(model, lin.scales, base_dir),
-                                bits=q.bits, block_size=q.block_size, k=lin.k)
+            scales = read_initializer(model, lin.scales, base_dir)
+            weight = dequantize(read_initializer(model, lin.packed, base_dir), scales, bits=q.bits,
+                                block_size=q.block_size, k=lin.k)
             start = 0
             for path, rows in lin.parts:
                 module = modules.get(path)
                 if not isinstance(module, torch.nn.Linear) or tuple(module.weight.shape) != (rows, lin.k):
                     raise UserError(f"the quantization metadata names {path!r} [{rows}, {lin.k}], which is not a "
                                     "Linear of that shape in the model; export it again")
-                values = torch.from_numpy(weight[:, start:start + rows].T.copy()).to(module.weight.dtype)
+                values = np.ascontiguousarray(weight[:, start:start + rows].T)
+                check.add(path, module.weight, values, scales[start:start + rows], q.bits, q.block_size)
                 saved.append((module, module.weight))
                 # A new Parameter, not an in-place copy: a head tied to the embedding stays untied.
-                module.weight = torch.nn.Parameter(values, requires_grad=False)
+                module.weight = torch.nn.Parameter(torch.from_numpy(values).to(module.weight.dtype),
+                                                   requires_grad=False)
                 start += rows
                 if q.compute == "int8":
                     hooks.append(module.register_forward_pre_hook(
                         lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])))
-        yield q.compute
+        yield Reference(q.compute, check)
     finally:
         for hook in hooks:
             hook.remove()

@@ -11,8 +11,8 @@ quantizes each block and appends it to the external-data file. Peak memory is th
 largest block, not by the model (``benchmarks/results/export_scale.md``: an 8B model).
 
 :func:`reference_fits` says whether the whole model, loaded for the parity check after the graph
-is written, fits beside ONNX Runtime's session; when it does not, the check is not run and the
-export says so.
+is written, fits beside ONNX Runtime's session; when it does not, the check runs one layer at a
+time (``layer_parity``).
 """
 
 from __future__ import annotations
@@ -95,5 +95,5 @@ def reference_fits(loaded: LoadedModel) -> str | None:
     need = loaded.parameter_count() * torch_dtype(loaded.dtype).itemsize * PARITY_PEAK_FACTOR
     if budget is None or need <= budget:
         return None
-    return (f"the parity check loads the PyTorch model beside ONNX Runtime's session: about {need / 2**30:,.1f} GiB, "
-            f"over this machine's budget of {budget / 2**30:,.1f} GiB; the graph was written streaming without it")
+    return (f"the whole PyTorch model beside ONNX Runtime's session needs about {need / 2**30:,.1f} GiB, over this "
+            f"machine's budget of {budget / 2**30:,.1f} GiB")

@@ -10,6 +10,8 @@ onnx_file    ``load_onnx``/``save_onnx``: safe reads (external data kept in its 
              atomic writes with the user's umask; a model and its report staged and published
              together under a folder lock
 audit        every normalization reduction of any graph and the dtype it accumulates in
+quantized    every MatMul with constant weights and how they are held: a float dtype, or
+             MatMulNBits' bits, block size and accuracy level (the dtype it computes in)
 placement    where each norm stands (pre, post, sublayer_output, qk, final, other): the rules
              on an op graph, its ONNX side; a LayerNorm standing for an RMSNorm
 ===========  ================================================================================
