@@ -65,7 +65,8 @@ class Quantization:
                             f"{', '.join(map(str, BLOCK_SIZES))}")
         if isinstance(self.accuracy_level, bool) or self.accuracy_level not in ACCURACY_LEVELS:
             raise UserError(f"--accuracy-level {self.accuracy_level!r} is not one of "
-                            + ", ".join(f"{k} ({v} compute)" for k, v in ACCURACY_LEVELS.items()))
+                            + ", ".join(f"{k} ({v} compute)" for k, v in ACCURACY_LEVELS.items())
+                            + " (2 and 3 ask for float16 and bfloat16 compute, which ONNX Runtime CPU runs as 1)")
 
     @property
     def bits(self) -> int:

@@ -176,3 +176,60 @@ def test_metadata_naming_another_module_is_refused(llama):
             pass
     assert isinstance(llama.module.model.model.layers[0].self_attn.q_proj.weight, torch.nn.Parameter)
     onnx.checker.check_model(dec.model)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, llama):
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    llama.module.model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--quantize", "int4"], "--quantize int4 is an option of the KV-cache decoder graph; add --kv-cache"),
+    (["--kv-cache", "--quantize", "int4"], "--quantize writes ONNX Runtime's MatMulNBits, which the portable graph "
+                                           "is written without (TensorRT has no such kernel); add --target onnxruntime"),
+    (["--kv-cache", "--target", "onnxruntime", "--block-size", "16"],
+     "--block-size is an option of --quantize; add --quantize int8 or --quantize int4"),
+    (["--kv-cache", "--target", "onnxruntime", "--quantize-lm-head"], "--quantize-lm-head is an option of --quantize"),
+    (["--kv-cache", "--target", "onnxruntime", "--quantize", "int4", "--block-size", "24"],
+     "--block-size 24 is not one MatMulNBits takes; choose one of 16, 32, 64, 128, 256"),
+    (["--kv-cache", "--target", "onnxruntime", "--quantize", "int8", "--accuracy-level", "2"],
+     "--accuracy-level 2 is not one of 0 (float32 compute), 1 (float32 compute), 4 (int8 compute)"),
+])
+def test_cli_refuses_quantize_options_in_one_line(hf_folder, tmp_path, capsys, args, message):
+    from rmsnorm_deploy.cli import main
+
+    assert main(["export", str(hf_folder), *args, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_export_audit_and_generate(hf_folder, tmp_path, capsys):
+    """The folder streamed to an int8 graph (block 16, float32 compute, head quantized): its report
+    names the reference and the tolerance row; ``audit`` shows the MatMuls with their bits, block size
+    and accuracy level and every norm accumulating in float32; ``generate`` runs it."""
+    from rmsnorm_deploy.cli import main
+
+    out = tmp_path / "q8"
+    assert main(["export", str(hf_folder), "--kv-cache", "--target", "onnxruntime", "--quantize", "int8",
+                 "--block-size", "16", "--accuracy-level", "1", "--quantize-lm-head", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "int8 weights (block 16, symmetric), accuracy_level 1 (float32 compute), LM head too" in printed
+    assert "vs the unquantized model (what quantization costs, not checked)" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["parity"]["status"] == "pass" and report["parity"]["tolerance"][0] == "quantized_model"
+    assert report["parity"]["steps"][0]["name"] == "quantized weights vs the model's"
+    assert main(["audit", str(out / "model.onnx")]) == 0
+    audit = capsys.readouterr().out
+    rows = [line.split() for line in audit.splitlines()]
+    assert ["11", "MatMulNBits", "int8", "16", "1", "float32"] in rows
+    norms = [r for r in rows if len(r) > 2 and r[0] == "as" and "RMSNorm" in r]
+    assert len(norms) == NORMS and all("float32" in r and "LOW" not in r for r in norms)
+    assert main(["audit", str(out / "model.onnx"), "--json", "--optimization", "none"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {(m["op"], m["weights"], m["block_size"], m["accuracy_level"]) for m in data["matmuls"]} == {
+        ("MatMulNBits", "int8", 16, 1)}
+    assert main(["generate", str(out), "--input-ids", "5,6,7", "--max-new-tokens", "4", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"][0]) == 4
