@@ -17,7 +17,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test parity bench-export-scale bench-peers bench-serving bench-kv lint-docker gpu-check clean
+.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-kv lint-docker gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,8 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n $(JOBS) -q
 
-parity: $(STAMP)
-	$(VENV)/bin/rmsnorm-deploy parity
+sweep parity: $(STAMP)
+	$(VENV)/bin/rmsnorm-deploy sweep
 
 $(LINT_STAMP): docker/requirements-lint.txt
 	$(PYTHON) -m venv $(LINT_VENV)

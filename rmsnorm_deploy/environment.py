@@ -196,9 +196,9 @@ def plugin_status(tensorrt_importable: bool) -> str:
     if not tensorrt_importable:
         return "absent (needs tensorrt, which is not importable here)"
     try:
-        module = importlib.import_module("rmsnorm_deploy.tensorrt.plugin")
+        module = importlib.import_module("rmsnorm_deploy.tensorrt.plugin_loader")
     except ModuleNotFoundError as exc:
-        if exc.name == "rmsnorm_deploy.tensorrt.plugin":
+        if exc.name in ("rmsnorm_deploy.tensorrt.plugin", "rmsnorm_deploy.tensorrt.plugin_loader"):
             return "absent (this build of rmsnorm-deploy has no rmsnorm_deploy.tensorrt.plugin)"
         return f"error: {one_line(exc)}"
     except Exception as exc:

@@ -14,8 +14,14 @@ from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
 from rmsnorm_deploy.decoder.convention import TARGETS
-from rmsnorm_deploy.decoder.quantize import BLOCK_SIZES, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, SCHEMES
-from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ
+from rmsnorm_deploy.decoder.quantize import (
+    BLOCK_SIZES,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    SCHEMES,
+    Quantization,
+)
+from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ, ExportOptions, load_torch_model, plan_export
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
@@ -65,15 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here, not at the top: `rmsnorm-deploy --help` must not load torch
     from rmsnorm_deploy.decoder.export import DecoderOptions, open_model, plan_decoder_export, run_decoder_export
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.exporter.pipeline import run_export
-    from rmsnorm_deploy.exporter.plan import (
-        ExportOptions,
-        load_torch_model,
-        plan_export,
-    )
     from rmsnorm_deploy.progress import Progress
     from rmsnorm_deploy.table import format_table
 
@@ -137,9 +137,8 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result.parity_failed else 0
 
 
-def _quantization(args: argparse.Namespace):
+def _quantization(args: argparse.Namespace) -> Quantization | None:
     """``--quantize`` and its options, checked; None without ``--quantize``."""
-    from rmsnorm_deploy.decoder.quantize import Quantization  # start-up time, as in run()
     from rmsnorm_deploy.errors import UserError
 
     if args.quantize is None:
@@ -154,7 +153,7 @@ def _quantization(args: argparse.Namespace):
 
 
 def _run_ort_decoder(loaded, decoder_plan, progress, tensors) -> int:
-    from rmsnorm_deploy.decoder.export import run_decoder_export  # start-up time, as in run()
+    from rmsnorm_deploy.decoder.export import run_decoder_export
 
     plan, decoder = decoder_plan.export, decoder_plan.decoder
     options = plan.options

@@ -1,6 +1,10 @@
 """Serve an exported ONNX model with Triton Inference Server (embedded through PyTriton): KServe v2
 over HTTP and gRPC, metrics, dynamic batching; inference through ONNX Runtime on the requested
-provider (never a silent fallback). Listens on 127.0.0.1 unless --host says otherwise; Ctrl-C or
+provider (never a silent fallback). A KV-cache export is served by the generation engine:
+continuous batching of every client's stream in slots of one preallocated KV cache (the --target
+onnxruntime graph; the portable graph's streams take turns), a bounded queue, and on SIGTERM a
+drain of the generations in flight. Our fronts on the public HTTP and gRPC ports check every
+request before Triton sees it. Listens on 127.0.0.1 unless --host says otherwise; Ctrl-C or
 SIGTERM stops it. Exit 2 on bad input (not a model, a port in use, an unknown provider)."""
 
 from __future__ import annotations
@@ -20,19 +24,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ONNX Runtime providers, comma-separated, in priority order: cpu, cuda, tensorrt "
                         "(default cpu); each must really run or the server does not start")
     parser.add_argument("--model-name", default="model", help="the model's name on the server (default model)")
+    parser.add_argument("--max-request-bytes", type=int, metavar="N", default=None,
+                        help="the largest request the fronts accept: an HTTP body (decompressed) or a gRPC message "
+                        "(default 67108864, 64 MiB); a larger one gets 413 / RESOURCE_EXHAUSTED")
     parser.add_argument("--max-batch", type=int, metavar="N",
-                        help="largest batch Triton's dynamic batcher forms (default: the model's batch range from "
-                        "its metadata, else 8; 0 turns batching off)")
+                        help="a plain model: largest batch Triton's dynamic batcher forms (default: the model's batch "
+                        "range from its metadata, else 8; 0 turns batching off); a KV-cache model: streams the "
+                        "generation engine decodes together, its KV-cache slots (default 16)")
+    engine = parser.add_argument_group("generation engine (KV-cache models)")
+    engine.add_argument("--max-queue", type=int, default=64, metavar="N",
+                        help="requests that may wait for a slot; one more is refused at once with HTTP 503 / gRPC "
+                        "UNAVAILABLE (default 64)")
+    engine.add_argument("--max-tokens-in-flight", type=int, metavar="T",
+                        help="tokens the preallocated KV cache holds in all: each of the --max-batch slots holds "
+                        "T / max-batch (default: every slot the model's maximum length)")
+    engine.add_argument("--prefill-chunk", type=int, default=32, metavar="N",
+                        help="prompt tokens prefilled per decode step: how long a newcomer may stall the running "
+                        "streams (default 32)")
+    engine.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, seconds the generations in flight may take to finish before they are "
+                        "cancelled (default 30); no new request is admitted meanwhile")
 
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.runners.onnxruntime import provider_name
-    from rmsnorm_deploy.serving.server import ServeOptions, serve
+    from rmsnorm_deploy.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServeOptions, serve
 
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
     for p in providers:
         provider_name(p)  # an unknown name is a one-line error before anything loads
     options = ServeOptions(host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                            metrics_port=args.metrics_port, providers=providers or ("",),
-                           model_name=args.model_name, max_batch=args.max_batch)
+                           model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
+                           max_tokens_in_flight=args.max_tokens_in_flight, prefill_chunk=args.prefill_chunk,
+                           drain_timeout_s=args.drain_timeout,
+                           max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
+                           else args.max_request_bytes)
     return serve(args.model, options, say=lambda line: print(line, flush=True))

@@ -27,6 +27,8 @@ streaming           a Hugging Face folder opened without its weights (parameters
                     the norms' real gains) for an export whose memory does not grow with the model
 ort_parity          the graph's norm audit and its per-step parity with transformers (with the
                     dequantized weights for a quantized graph) and what quantization cost
+layer_parity        the parity of a model too large to load whole: each layer alone on the graph's own
+                    residual stream, then the final logits, one layer of weights in memory at a time
 ort_export          ``export --kv-cache --target onnxruntime``: written streaming, audited, published,
                     checked
 genai_config        ``genai_config.json`` and the Hugging Face config and tokenizer files beside a model

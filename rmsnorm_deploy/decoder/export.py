@@ -19,13 +19,14 @@ import os
 from typing import Any
 
 from rmsnorm_deploy.decoder.convention import ORT_DTYPES, TARGETS
-from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG, HF_FILES
+from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG
 from rmsnorm_deploy.decoder.ort_export import export_ort_decoder
 from rmsnorm_deploy.decoder.portable import KVExport
 from rmsnorm_deploy.decoder.quantize import Quantization
 from rmsnorm_deploy.decoder.streaming import open_folder
 from rmsnorm_deploy.decoder.weights import TensorSource
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.hf_files import HF_FILES
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.exporter.pipeline import run_export
 from rmsnorm_deploy.exporter.plan import (

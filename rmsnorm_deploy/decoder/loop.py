@@ -40,9 +40,10 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
-from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, position_ids_for
+from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
 
 
 # -- picking the next token --------------------------------------------------------------------
@@ -77,11 +78,17 @@ def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.
     rng = np.random.default_rng(sampling.seed)
 
     def sample(logits: np.ndarray) -> np.ndarray:
-        scaled = logits.astype(np.float64) / sampling.temperature
+        # The largest logit is subtracted before dividing: a tiny temperature then sends the others to
+        # -inf (probability 0) instead of every logit to +-inf (inf - inf: NaN probabilities).
+        shifted = logits.astype(np.float64)
+        shifted -= shifted.max(axis=-1, keepdims=True)
+        if not np.isfinite(shifted).any(axis=-1).all():
+            raise InputError("the model's logits are not finite (NaN or infinite); no token can be sampled")
+        with np.errstate(over="ignore"):  # -inf for every token far below the best: probability 0
+            scaled = shifted / sampling.temperature
         if sampling.top_k and sampling.top_k < scaled.shape[-1]:
             kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k][:, None]
             scaled = np.where(scaled < kth, -np.inf, scaled)
-        scaled -= scaled.max(axis=-1, keepdims=True)
         probs = np.exp(scaled)
         probs /= probs.sum(axis=-1, keepdims=True)
         return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
@@ -301,7 +308,6 @@ class OrtStep:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: _OrtCache) -> tuple[np.ndarray, _OrtCache]:
-        from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
 
         lay, binding = self.layout, cache.binding
         if lay.share_buffer and attention_mask.shape[1] > lay.max_length:

@@ -16,7 +16,6 @@ input): a missing tensor, another shape or a non-float dtype is a one-line error
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Protocol
@@ -24,11 +23,11 @@ from typing import Protocol
 import torch
 
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.exporter import hf
 from rmsnorm_deploy.optional import require
 
 #: The dtypes a checkpoint's weights may be stored in (safetensors' names).
 FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-INDEX_NAME = "model.safetensors.index.json"
 
 
 class CheckpointError(UserError):
@@ -86,23 +85,9 @@ class SafetensorsTensors:
             self._read_header(file)
 
     def _index(self) -> dict[str, Path]:
-        """``name -> file``: from ``model.safetensors.index.json`` when there is one, else every file's header."""
-        index = self.folder / INDEX_NAME
-        if not index.is_file():
-            return {name: file for file in sorted(self.folder.glob("*.safetensors")) for name in self._keys(file)}
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ValueError("weight_map is not an object of file names")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index}: not a safetensors index ({one_line(exc)}); re-save the checkpoint") from None
-        files = {}
-        for name, file in weight_map.items():
-            path = self.folder / file
-            if Path(file).name != file or not path.is_file():
-                raise CheckpointError(f"{index}: tensor {name!r} is in {file!r}, which is not a file of {self.folder}")
-            files[name] = path
-        return files
+        """``name -> file`` from the headers of the folder's weight files: those of its shard index, or
+        every ``*.safetensors`` (``exporter.hf.weight_files``: each resolved inside the folder)."""
+        return {name: file for file in hf.weight_files(self.folder) for name in self._keys(file)}
 
     def _keys(self, file: Path) -> list[str]:
         with self._open(file) as f:
@@ -117,10 +102,7 @@ class SafetensorsTensors:
     def _read_header(self, file: Path) -> None:
         names = [n for n, f in self.files.items() if f == file]
         with self._open(file) as f:
-            present = set(f.keys())
             for name in names:
-                if name not in present:
-                    raise CheckpointError(f"{file}: the index puts tensor {name!r} in it but it is not there")
                 piece = f.get_slice(name)
                 self.shapes[name] = tuple(int(d) for d in piece.get_shape())
                 self.dtypes[name] = str(piece.get_dtype())

@@ -1,5 +1,7 @@
 """Find every norm of an ``nn.Module``, map it to its :class:`RMSNormSpec`, and prove the mapping.
 
+Long: the known classes' spec readers and the search that proves each mapping read as one table and one walk.
+
 Known classes (matched by their exact class, never by a name pattern):
 
 * ``torch.nn.RMSNorm`` (``eps=None`` means float32's machine epsilon, also for half inputs:

@@ -1,5 +1,7 @@
 """The export pipeline: a pre-norm model to an ONNX graph whose every norm is its exact spec.
 
+Long: the eight steps of one export, each a short function, read in order in one place.
+
 Steps (each one a line of progress on stderr):
 
 1. **Detect** every norm of the module and confirm its spec bit for bit (``detect.py``);
@@ -61,6 +63,7 @@ import onnx
 import torch
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.errors import LoweringError, UserError, one_line
 from rmsnorm_deploy.exporter.detect import (
     DetectedNorm,
@@ -74,8 +77,11 @@ from rmsnorm_deploy.exporter.detect import (
 from rmsnorm_deploy.exporter.fusions import (
     FusionCounts,
     FusionError,
+    fuse_attention,
 )
 from rmsnorm_deploy.exporter.loaded_model import INPUT_NAME, OUTPUT_NAME, LoadedModel
+from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime, torch_expectations
+from rmsnorm_deploy.exporter.placement import check_placements, torch_placements
 from rmsnorm_deploy.exporter.plan import (
     MAX_BATCH,
     MAX_SEQ,
@@ -92,7 +98,12 @@ from rmsnorm_deploy.exporter.surgery import (
     release_weights,
     swapped_modules,
 )
+from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE, ExportRMSNorm, norm_name_of
+from rmsnorm_deploy.exporter.upcast import experts_implementation
+from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.function import (
+    DOMAIN,
+    OP_TYPE,
     is_rmsnorm_node,
     rmsnorm_node,
     spec_from_node,
@@ -108,8 +119,10 @@ from rmsnorm_deploy.graph.onnx_file import (
     save_onnx,
     staging_folder,
 )
+from rmsnorm_deploy.graph.placement import graph_placements
 from rmsnorm_deploy.graph.standalone import ir_version_for
 from rmsnorm_deploy.progress import Progress
+from rmsnorm_deploy.resources import check_memory
 
 
 @dataclasses.dataclass
@@ -142,37 +155,16 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     failure is not an exception: see ``ExportResult.parity_failed``. ``graph``: a factory
     ``graph(loaded, options)`` of another graph to trace (``decoder.portable.KVExport.of``).
     """
-    from rmsnorm_deploy.exporter.torch_op import ExportRMSNorm
 
     options = plan.options
     progress = progress or Progress(enabled=False)
     dtype, lowering, opset = options.dtype, options.lowering, options.resolved_opset()
-    if dtype_name(loaded.dtype) != dtype:
-        raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {dtype}")
-    if options.seq > loaded.max_seq_len:
-        raise UserError(f"--seq {options.seq} is longer than the model's {loaded.max_seq_len} positions")
     _check_example_size(loaded, options)
     target, report_path = plan.model_path, plan.report_path
     timings: dict[str, float] = {}
     module = loaded.module
-
     input_ids = example_input_ids(options.batch, options.seq, loaded.vocab_size, options.seed)
-    with progress.stage("detecting norms and confirming their specs") as st:
-        detection = detect_norms(module, dtype=dtype, overrides=norm_overrides(options),
-                                 example={INPUT_NAME: input_ids})
-        if not detection.norms:
-            raise ExportError(f"{loaded.name}: no RMSNorm found; nothing for this exporter to guarantee")
-        for norm in detection.norms:
-            reason = refusal(lowering, norm.spec, norm.spec.upcasts(dtype), opset)
-            if reason:
-                raise LoweringError(f"cannot lower norm {norm.name!r} ({norm.class_name}) to {lowering!r}: {reason}")
-        probed = sum(1 for n in detection.norms if n.how.startswith("confirmed by probing"))
-        st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)"
-                + (f", {probed} confirmed by probing" if probed else "")
-                + (f", {len(detection.not_exported)} norm-like module(s) not on the exported path"
-                   if detection.not_exported else ""))
-    timings["detect_s"] = st.seconds
-
+    detection, timings["detect_s"] = _detect(loaded, options, input_ids, progress)
     kv = None
     if graph is not None:
         kv = graph(loaded, options)
@@ -180,52 +172,15 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
         feed = kv.trace_feed
     else:
         feed = {INPUT_NAME: input_ids}
-    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in list(feed.items())[:2])
-    with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
-        try:
-            # topk/sort calls are recorded for the parity check's routing diagnosis (routing.py)
-            # the same forward and input the export traces: a module detection left out as not
-            # called must not be called here either
-            with torch.no_grad(), TopKRecorder() as recorder, \
-                    refuse_calls_of_not_exported(loaded.module, detection), \
-                    norm_calls(loaded.module, detection) as called:
-                torch_out = module(**feed)
-        except (RuntimeError, NotImplementedError, TypeError) as exc:
-            raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
-                            "choose another --dtype") from None
-        # A detected norm this run never calls is not in the traced graph either: left out, listed.
-        left_before = len(detection.not_exported)
-        detection = without_uncalled(detection, called)
-        if not detection.norms:
-            raise ExportError(f"{loaded.name}: the forward the export traces calls none of its RMSNorms; nothing for "
-                              "this exporter to guarantee")
-        if len(detection.not_exported) > left_before:
-            st.note(f"{len(detection.not_exported) - left_before} detected norm(s) not called by this run: "
-                    "not on the exported path")
-    timings["torch_run_s"] = st.seconds
-
-    with progress.stage("placing each norm in the PyTorch model (pre, post, qk, final, ...)") as st:
-        source_placements = _source_placements(loaded.module, detection, input_ids)
-        st.note(_count_placements(source_placements))
-    timings["placement_s"] = st.seconds
+    torch_out, recorder, detection, timings["torch_run_s"] = _run_torch(loaded, module, feed, detection, progress)
+    source_placements, timings["placement_s"] = _place_norms(loaded, detection, input_ids, progress)
 
     expected = None
     if options.parity:
         # The PyTorch side of the parity check runs first, so that the module's weights can be
         # freed (release_model) as soon as the graph holds its own copy.
-        from rmsnorm_deploy.exporter.parity import torch_expectations
-
-        if kv is not None:
-            feeds, torch_outputs, torch_topk = kv.parity_feeds(), [], []
-        else:
-            batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
-            feeds = [feed, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
-            torch_outputs = [torch_out]
-            torch_topk = [recorder.calls if recorder.complete else None]
-        with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
-            expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs,
-                                          torch_topk=torch_topk)
-        timings["parity_torch_s"] = st.seconds
+        expected, timings["parity_torch_s"] = _parity_torch_side(loaded, options, module, detection, feed, kv,
+                                                                 torch_out, recorder, progress)
 
     with progress.stage(f"torch.onnx.export (dynamo, opset {opset})") as st:
         call = kv.export_call() if kv is not None else {}
@@ -237,42 +192,8 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             fusions = _fuse_attention(program, loaded.name)
             st.note(fusions.describe())
         timings["fuse_attention_s"] = st.seconds
-
-    report: dict[str, Any] = {
-        "model": str(target),
-        "name": loaded.name,
-        "description": loaded.description,
-        "source": {k: v for k, v in loaded.source.items() if k != "toml"},
-        "dtype": dtype,
-        "lowering": lowering,
-        "opset": opset,
-        "fuse_attention": options.fuse_attention,
-        "fusions": fusions.to_dict() if fusions is not None else None,
-        "parameters": loaded.parameter_count(),
-        "weight_bytes": loaded.weight_bytes(),
-        "norms": [{**n.to_dict(), "placement": source_placements.get(n.path, "")} for n in detection.norms],
-        "placements": source_placements,
-        "other_norms": [{"path": p, "class": c} for p, c in detection.other_norms],
-        "not_exported_norms": [n.to_dict() for n in detection.not_exported],
-        "versions": tool_versions(),
-    }
-    meta = ModelMetadata(
-        specs=detection.specs,
-        lowering=lowering,
-        dtype=dtype,
-        source=loaded.source,
-        inputs={INPUT_NAME: {"dtype": "int64", "shape": ["batch", "seq"], "kind": "token_ids",
-                             "high": int(loaded.vocab_size)}},
-        dims={"batch": [1, options.batch, max(options.batch, MAX_BATCH)],
-              "seq": [1, options.seq, max(options.seq, min(loaded.max_seq_len, MAX_SEQ))]},
-        versions=tool_versions(),
-    )
-    if kv is not None:
-        kv.describe(meta, report)
-    # Everything is written under a hidden staging folder beside the target and published at the
-    # end, the model last (onnx_file.publish), under a lock on the target: an export killed before
-    # then leaves no model that looks finished, and two exports into one folder leave one
-    # consistent model and report, never one's model beside the other's report.
+    report, meta = _describe(loaded, options, plan, detection, source_placements, fusions, kv)
+    # Staged beside the target, published at the end under a lock (module docstring, steps 6-8).
     with output_lock(target):
         stale = remove_stale(target)
         with staging_folder(target) as stage:
@@ -307,7 +228,6 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                     st.note(", ".join(serving_files))
             result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
             if expected is not None:
-                from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
 
                 with progress.stage("parity: ONNX Runtime CPU vs PyTorch and vs float64") as st:
                     result.parity = compare_with_onnxruntime(staged_target, expected, dtype=dtype)
@@ -325,14 +245,133 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     return result
 
 
+def _run_torch(loaded: LoadedModel, module: torch.nn.Module, feed: dict[str, Any], detection: Detection,
+               progress: Progress) -> tuple[Any, TopKRecorder, Detection, float]:
+    """Step 2: the module run once in its dtype on the example; the detected norms it never calls left out."""
+    dtype = dtype_name(loaded.dtype)
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in list(feed.items())[:2])
+    with progress.stage(f"running the PyTorch model in {dtype} on {shapes}") as st:
+        try:
+            # topk/sort calls are recorded for the parity check's routing diagnosis (routing.py)
+            # the same forward and input the export traces: a module detection left out as not
+            # called must not be called here either
+            with torch.no_grad(), TopKRecorder() as recorder, \
+                    refuse_calls_of_not_exported(loaded.module, detection), \
+                    norm_calls(loaded.module, detection) as called:
+                torch_out = module(**feed)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            raise UserError(f"{loaded.name} cannot run in {dtype} on this machine's torch: {one_line(exc)}; "
+                            "choose another --dtype") from None
+        # A detected norm this run never calls is not in the traced graph either: left out, listed.
+        left_before = len(detection.not_exported)
+        detection = without_uncalled(detection, called)
+        if not detection.norms:
+            raise ExportError(f"{loaded.name}: the forward the export traces calls none of its RMSNorms; nothing for "
+                              "this exporter to guarantee")
+        if len(detection.not_exported) > left_before:
+            st.note(f"{len(detection.not_exported) - left_before} detected norm(s) not called by this run: "
+                    "not on the exported path")
+    return torch_out, recorder, detection, st.seconds
+
+
+def _parity_torch_side(loaded: LoadedModel, options: ExportOptions, module: torch.nn.Module, detection: Detection,
+                       feed: dict[str, Any], kv: Any, torch_out: Any, recorder: TopKRecorder,
+                       progress: Progress) -> tuple[Any, float]:
+    """The PyTorch side of the parity check (step 7): the module in its dtype and in float64."""
+    dtype = options.dtype
+
+    if kv is not None:
+        feeds, torch_outputs, torch_topk = kv.parity_feeds(), [], []
+    else:
+        batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
+        feeds = [feed, {INPUT_NAME: example_input_ids(batch2, seq2, loaded.vocab_size, options.seed + 1)}]
+        torch_outputs = [torch_out]
+        torch_topk = [recorder.calls if recorder.complete else None]
+    with progress.stage("parity, PyTorch side: the model in its dtype and in float64") as st:
+        expected = torch_expectations(module, detection.norms, feeds, dtype=dtype, torch_outputs=torch_outputs,
+                                      torch_topk=torch_topk)
+    return expected, st.seconds
+
+
+def _place_norms(loaded: LoadedModel, detection: Detection, input_ids: torch.Tensor,
+                 progress: Progress) -> tuple[dict[str, str], float]:
+    """Step 2, continued: where each norm call stands in the model run eagerly."""
+    with progress.stage("placing each norm in the PyTorch model (pre, post, qk, final, ...)") as st:
+        source_placements = _source_placements(loaded.module, detection, input_ids)
+        st.note(_count_placements(source_placements))
+    return source_placements, st.seconds
+
+
+def _detect(loaded: LoadedModel, options: ExportOptions, input_ids: torch.Tensor,
+            progress: Progress) -> tuple[Detection, float]:
+    """Step 1: every norm detected and its spec confirmed; a lowering that cannot represent one refused."""
+    dtype, lowering, opset = options.dtype, options.lowering, options.resolved_opset()
+    with progress.stage("detecting norms and confirming their specs") as st:
+        detection = detect_norms(loaded.module, dtype=dtype, overrides=norm_overrides(options),
+                                 example={INPUT_NAME: input_ids})
+        if not detection.norms:
+            raise ExportError(f"{loaded.name}: no RMSNorm found; nothing for this exporter to guarantee")
+        for norm in detection.norms:
+            reason = refusal(lowering, norm.spec, norm.spec.upcasts(dtype), opset)
+            if reason:
+                raise LoweringError(f"cannot lower norm {norm.name!r} ({norm.class_name}) to {lowering!r}: {reason}")
+        probed = sum(1 for n in detection.norms if n.how.startswith("confirmed by probing"))
+        st.note(f"{len(detection.norms)} norms, {len({n.spec for n in detection.norms})} spec(s)"
+                + (f", {probed} confirmed by probing" if probed else "")
+                + (f", {len(detection.not_exported)} norm-like module(s) not on the exported path"
+                   if detection.not_exported else ""))
+    return detection, st.seconds
+
+
+def _describe(loaded: LoadedModel, options: ExportOptions, plan: ExportPlan, detection: Detection,
+              source_placements: dict[str, str], fusions: FusionCounts | None,
+              kv: Any) -> tuple[dict[str, Any], ModelMetadata]:
+    """The report and the metadata the model carries (step 4)."""
+    target, dtype, lowering, opset = plan.model_path, options.dtype, options.lowering, options.resolved_opset()
+    report: dict[str, Any] = {
+        "model": str(target),
+        "name": loaded.name,
+        "description": loaded.description,
+        "source": {k: v for k, v in loaded.source.items() if k != "toml"},
+        "dtype": dtype,
+        "lowering": lowering,
+        "opset": opset,
+        "fuse_attention": options.fuse_attention,
+        "fusions": fusions.to_dict() if fusions is not None else None,
+        "parameters": loaded.parameter_count(),
+        "weight_bytes": loaded.weight_bytes(),
+        "norms": [{**n.to_dict(), "placement": source_placements.get(n.path, "")} for n in detection.norms],
+        "placements": source_placements,
+        "other_norms": [{"path": p, "class": c} for p, c in detection.other_norms],
+        "not_exported_norms": [n.to_dict() for n in detection.not_exported],
+        "versions": tool_versions(),
+    }
+    meta = ModelMetadata(
+        specs=detection.specs,
+        lowering=lowering,
+        dtype=dtype,
+        source=loaded.source,
+        inputs={INPUT_NAME: {"dtype": "int64", "shape": ["batch", "seq"], "kind": "token_ids",
+                             "high": int(loaded.vocab_size)}},
+        dims={"batch": [1, options.batch, max(options.batch, MAX_BATCH)],
+              "seq": [1, options.seq, max(options.seq, min(loaded.max_seq_len, MAX_SEQ))]},
+        versions=tool_versions(),
+    )
+    if kv is not None:
+        kv.describe(meta, report)
+    return report, meta
+
+
 #: bytes per logit the parity check holds at once: the model's dtype, float64, ONNX Runtime's, the comparison's
 _BYTES_PER_LOGIT = 32
 
 
 def _check_example_size(loaded: LoadedModel, options: ExportOptions) -> None:
-    """The logits of both parity shapes against the memory budget, before the model runs."""
-    from rmsnorm_deploy.resources import check_memory
-
+    """The model's dtype and positions fit the options, and the example's logits fit in memory."""
+    if dtype_name(loaded.dtype) != options.dtype:
+        raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {options.dtype}")
+    if options.seq > loaded.max_seq_len:
+        raise UserError(f"--seq {options.seq} is longer than the model's {loaded.max_seq_len} positions")
     batch2, seq2 = second_shape(options.batch, options.seq, loaded.max_seq_len)
     logits = (options.batch * options.seq + batch2 * seq2) * loaded.vocab_size
     check_memory(logits * _BYTES_PER_LOGIT, f"--batch {options.batch} --seq {options.seq}: the logits of the traced "
@@ -345,7 +384,6 @@ def second_shape(batch: int, seq: int, max_seq: int) -> tuple[int, int]:
 
 
 def example_input_ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
-    from rmsnorm_deploy.contract.inputs import token_ids
 
     return torch.from_numpy(token_ids((batch, seq), vocab, seed=seed))
 
@@ -357,8 +395,6 @@ def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids:
     """``torch.onnx.export`` of ``module`` with its norms swapped for our op. By default the
     ``input_ids -> logits`` signature; a KV-cache export passes its own call (``kv_export``):
     ``exported`` (a module sharing ``module``'s submodules), its arguments, names and shapes."""
-    from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE
-    from rmsnorm_deploy.exporter.upcast import experts_implementation
 
     if exported is None:
         exported, kwargs = module, {INPUT_NAME: input_ids}
@@ -385,8 +421,6 @@ def _fuse_attention(program: Any, name: str) -> FusionCounts:
     ``Attention`` (the option would otherwise do nothing, silently)."""
     import onnxscript.optimizer
 
-    from rmsnorm_deploy.exporter.fusions import fuse_attention
-    from rmsnorm_deploy.graph.function import DOMAIN, OP_TYPE
 
     counts = fuse_attention(program.model, norm_op=(DOMAIN, OP_TYPE))
     if counts.attention == 0:
@@ -472,7 +506,6 @@ def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype
 
     Returns the number of norm nodes: one per call of a detected norm, each norm at least once.
     """
-    from rmsnorm_deploy.exporter.torch_op import norm_name_of
 
     expected = {n.path: n for n in detection.norms}
     types = {vi.name: vi.type.tensor_type.elem_type for vi in
@@ -515,7 +548,6 @@ def norm_node_count(model: onnx.ModelProto) -> int:
 
 def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions, stage: Any = None) -> list[Any]:
     """As many RMSNorm reductions as norm calls, every one accumulating in float32 or wider; returns them."""
-    from rmsnorm_deploy.graph.audit import audit_model
 
     reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
     if len(reductions) != norm_nodes:
@@ -536,7 +568,6 @@ _PLACEMENT_TOKENS = 8
 
 
 def _source_placements(module: torch.nn.Module, detection: Detection, input_ids: torch.Tensor) -> dict[str, str]:
-    from rmsnorm_deploy.exporter.placement import torch_placements
 
     ids = input_ids[:1, :_PLACEMENT_TOKENS]
     # LayerNorms stay in the graph as LayerNorms, which the graph side sees as norms too.
@@ -559,8 +590,6 @@ def _count_placements(placements: dict[str, str]) -> str:
 def _check_placements(model: onnx.ModelProto, reductions: list[Any], outputs: dict[str, str],
                       source: dict[str, str]) -> None:
     """The graph places every norm call where the PyTorch model does (``ExportError`` naming the first that differs)."""
-    from rmsnorm_deploy.exporter.placement import check_placements
-    from rmsnorm_deploy.graph.placement import graph_placements
 
     names = set(outputs.values())
     placed = graph_placements(model, reductions, names=outputs)

@@ -9,7 +9,10 @@ metadata     ``ModelMetadata``: spec, lowering, dtype, source and dims stored in
 onnx_file    ``load_onnx``/``save_onnx``: safe reads (external data kept in its folder) and
              atomic writes with the user's umask; a model and its report staged and published
              together under a folder lock
-audit        every normalization reduction of any graph and the dtype it accumulates in
+audit        every normalization reduction of any graph and the dtype it accumulates in: the
+             pattern matchers (fused ops, our nodes, decomposed chains)
+reductions   what the audit finds: ``Reduction``, ``NormTensors``, low-precision and broken ones
+onnx_reading a graph as the audit reads it: functions inlined, dtypes and ranks, constants, attributes
 quantized    every MatMul with constant weights and how they are held: a float dtype, or
              MatMulNBits' bits, block size and accuracy level (the dtype it computes in)
 placement    where each norm stands (pre, post, sublayer_output, qk, final, other): the rules

@@ -57,6 +57,7 @@ import onnx
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import ModelFileError
+from rmsnorm_deploy.resources import __version__, package_version
 
 PREFIX = "rmsnorm_deploy."
 FORMAT = "1"
@@ -184,8 +185,6 @@ def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> tuple[tuple[str, str], ...]:
-    from rmsnorm_deploy.resources import __version__
-    from rmsnorm_deploy.resources import package_version
 
     versions = {"rmsnorm-deploy": __version__}
     for dist in ("torch", "onnx", "onnxscript", "transformers"):

@@ -1,5 +1,7 @@
 """Where each norm stands in the computation: the placement half of the contract.
 
+Long: the placement rules and both readers of them (the op graph's rules, the ONNX side) must agree, so they sit together.
+
 A checkpoint trained with pre-norm blocks ``x + f(norm(x))`` is not a post-norm model
 ``norm(x + f(x))``: the formula of each norm is half of the contract, its position in the graph
 is the other half. This module classifies each norm's position on a small *op graph* (values,
@@ -72,8 +74,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from rmsnorm_deploy.graph.audit import Reduction, _inline_for_analysis, audit_model
+from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_reading import inline_for_analysis
+from rmsnorm_deploy.graph.reductions import Reduction
 
 PLACEMENTS: tuple[str, ...] = ("pre", "post", "sublayer_output", "qk", "final", "other")
 #: a KV-cache graph's ``present.{i}.key/value`` outputs: a key or value projection of a normalized
@@ -308,7 +312,7 @@ def onnx_op_graph(model: onnx.ModelProto, reductions: Iterable[Reduction],
     path, which survives every lowering as the output tensor's producer); by default the
     reduction's node label. Returns the graph and ``{norm name: reduction}``.
     """
-    inlined = _inline_for_analysis(model) if model.functions else model
+    inlined = inline_for_analysis(model) if model.functions else model
     nodes = list(inlined.graph.node)
     producers = {o: i for i, n in enumerate(nodes) for o in n.output if o}
     consumers: dict[str, list[int]] = {}

@@ -7,7 +7,7 @@ that were asked for and raises :class:`ProviderError` naming what is missing.
 ONNX Runtime may also place single nodes on the CPU provider while the session reports CUDA
 (only a warning says so). The runner records which provider runs each node (ONNX Runtime's
 ``session.record_ep_graph_assignment_info`` and ``get_provider_graph_assignment_info``, in
-1.32) into :attr:`OnnxRuntimeRunner.placement`; with ``require_all_nodes_on_provider`` any
+1.32) into :attr:`OnnxRuntimeRunner.node_assignment`; with ``require_all_nodes_on_provider`` any
 compute node off the requested providers is a :class:`ProviderError` naming the nodes.
 
 Before a CUDA or TensorRT session, ``onnxruntime.preload_dlls()`` (where it exists) loads the
@@ -27,8 +27,9 @@ import io
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -36,6 +37,7 @@ import onnx
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.errors import InputError, ProviderError, UserError, one_line
+from rmsnorm_deploy.graph.onnx_file import check_model_file
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.base import Runner
 
@@ -83,7 +85,7 @@ class AssignedNode:
 
 
 @dataclasses.dataclass(frozen=True)
-class NodePlacement:
+class NodeAssignment:
     """Which provider runs each node of a session, as ONNX Runtime assigned them."""
 
     nodes: tuple[AssignedNode, ...]
@@ -128,7 +130,7 @@ class NodePlacement:
         return {"counts": self.counts, "nodes": [dataclasses.asdict(n) for n in self.nodes]}
 
 
-def node_placement(session: Any) -> NodePlacement | None:
+def node_assignment(session: Any) -> NodeAssignment | None:
     """The session's node assignment, or ``None`` where this ONNX Runtime cannot report it
     (``get_provider_graph_assignment_info`` missing, or the session option was not set)."""
     getter = getattr(session, "get_provider_graph_assignment_info", None)
@@ -136,14 +138,14 @@ def node_placement(session: Any) -> NodePlacement | None:
         return None
     try:
         subgraphs = getter()
-    except Exception:  # noqa: BLE001 - ORT raises its own Fail type: no placement, said so
+    except Exception:  # noqa: BLE001 - ORT raises its own Fail type: no node assignment, said so
         return None
     nodes = []
     for subgraph in subgraphs:
         provider = str(subgraph.ep_name)
         for node in subgraph.get_nodes():
             nodes.append(AssignedNode(str(node.name), str(node.op_type), str(node.domain), provider))
-    return NodePlacement(tuple(nodes))
+    return NodeAssignment(tuple(nodes))
 
 
 def _node_output_types(model: Any) -> dict[str, tuple[int, ...]]:
@@ -178,6 +180,25 @@ def provider_name(short: str) -> str:
         if short == full:
             return full
     raise UserError(f"unknown provider {short!r}; choose from {', '.join(PROVIDERS)}")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads: Any, flag: str = "--threads") -> None:
+    """Intra-op threads: an integer from 1 to the CPUs this process may use (more only slows the
+    kernels down, and ONNX Runtime takes an int32); ``None`` leaves ONNX Runtime's default."""
+    if threads is None:
+        return
+    cpus = usable_cpus()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus:
+        raise UserError(f"{flag} {threads!r}: give an integer from 1 to {cpus} (the CPUs this process may use), or "
+                        "leave it out for ONNX Runtime's default")
 
 
 class OnnxRuntimeRunner(Runner):
@@ -217,12 +238,13 @@ class OnnxRuntimeRunner(Runner):
             raise UserError(f"options given for {', '.join(unused)}, which was not requested; requested: "
                             f"{', '.join(self.requested)}")
         self.optimized_model_path = optimized_model_path
+        check_threads(intra_op_threads)
         self.intra_op_threads = intra_op_threads
         self.require_all_nodes_on_provider = require_all_nodes_on_provider
         self.session: Any = None
         self.actual_providers: list[str] = []
         #: Which provider runs each node (``None``: this ONNX Runtime cannot say).
-        self.placement: NodePlacement | None = None
+        self.node_assignment: NodeAssignment | None = None
 
     @property
     def name(self) -> str:
@@ -286,22 +308,22 @@ class OnnxRuntimeRunner(Runner):
                 f"{_why_provider_cannot_load(missing[0])}; refusing to report CPU numbers as GPU numbers"
             )
         self.actual_providers = actual
-        self.placement = node_placement(self.session) if can_record else None
+        self.node_assignment = node_assignment(self.session) if can_record else None
         if self.require_all_nodes_on_provider:
-            self._check_placement()
+            self._check_node_assignment()
 
-    def _check_placement(self) -> None:
+    def _check_node_assignment(self) -> None:
         """Refuse a session in which a compute node runs on a provider that was not requested."""
-        if self.placement is None:
+        if self.node_assignment is None:
             self.session = None
             raise ProviderError("ONNX Runtime did not report which provider runs each node; cannot check "
                                 "--require-all-nodes-on-provider")
-        off = self.placement.off_providers(self.requested, self.model)
+        off = self.node_assignment.off_providers(self.requested, self.model)
         if off:
             self.session = None
             shown = "; ".join(n.describe() for n in off[:8]) + (f"; +{len(off) - 8} more" if len(off) > 8 else "")
             wanted = ", ".join(short_provider_name(p) for p in self.requested)
-            raise ProviderError(f"{len(off)} of {len(self.placement.nodes)} nodes run outside the requested "
+            raise ProviderError(f"{len(off)} of {len(self.node_assignment.nodes)} nodes run outside the requested "
                                 f"provider(s) {wanted}: {shown}; the provider has no kernel for them (run with "
                                 "RMSNORM_DEPLOY_ORT_LOG_LEVEL=1 for ONNX Runtime's reason)")
 
@@ -352,6 +374,16 @@ class OnnxRuntimeRunner(Runner):
         return {name: ortvalue_to_numpy(v) for name, v in zip(self.output_names(), binding.get_outputs())}
 
 
+def optimized_graph(model: onnx.ModelProto | str | os.PathLike, *, optimization: str = "all",
+                    providers: Iterable[str] = ("cpu",)) -> onnx.ModelProto:
+    """The graph ONNX Runtime runs for ``model`` (``optimized_model_filepath``), without its weights' data."""
+    with tempfile.TemporaryDirectory(prefix="rmsnorm-optimized-") as tmp:
+        optimized = Path(tmp) / "optimized.onnx"
+        with OnnxRuntimeRunner(model, list(providers), optimization=optimization, optimized_model_path=optimized):
+            pass
+        return onnx.load(str(optimized), load_external_data=False)
+
+
 def ortvalue_to_numpy(value: Any) -> np.ndarray:
     """A CPU ``OrtValue`` as a numpy array that owns its memory (bfloat16 as ml_dtypes)."""
     if value.data_type() != "tensor(bfloat16)":
@@ -374,7 +406,6 @@ def _session_source(model: str | os.PathLike | bytes | onnx.ModelProto) -> str |
         return model.SerializeToString()
     if isinstance(model, bytes):
         return model
-    from rmsnorm_deploy.graph.onnx_file import check_model_file
 
     return str(check_model_file(Path(model)))
 

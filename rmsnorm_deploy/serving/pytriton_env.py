@@ -24,8 +24,21 @@ Three facts measured with ``nvidia-pytriton`` 0.7.0 (Triton 2.51) on CPython 3.1
   sends as HTTP 400 / gRPC ``INVALID_ARGUMENT``. An infer function refuses a request by answering
   it with :func:`refusal` (one output, :data:`REFUSED`, holding the one-line message as UTF-8
   bytes); :func:`patch_proxy` turns that answer into such an error response, in plain and in
-  decoupled (streaming) models alike. Exceptions still travel PyTriton's way: a genuine fault
-  stays a 500.
+  decoupled (streaming) models alike, with the error code the refusal names
+  (:data:`REFUSAL_CODES`: INVALID_ARG, UNAVAILABLE for a full queue or a server that is stopping,
+  INTERNAL for a failed generation step, each with its one-line message). Exceptions still travel
+  PyTriton's way: a genuine fault stays a 500.
+- **Many requests per instance.** Triton hands a non-decoupled model instance its next request
+  only when ``execute`` returns, and PyTriton's proxy waits there for the answer: one generation
+  at a time, whatever the engine behind could batch. For the models named in
+  :func:`prepare_process` (``answer_later``), the proxy takes its decoupled path instead:
+  ``execute`` returns at once and the one answer goes through the request's response sender
+  (the Python backend allows that for non-decoupled models: one response, then the final flag).
+- **Cancellation.** PyTriton never tells an infer function that Triton cancelled a request (a
+  gRPC client that closed its stream). For the same models the proxy numbers each request (the
+  request parameter :data:`REQUEST_NUMBER`), watches ``is_cancelled()`` of the requests in flight
+  and, when one is cancelled, sends the infer function a request holding only :data:`CANCELLED`
+  (that number), answered by nobody: the infer function cancels that request's generation.
 """
 
 from __future__ import annotations
@@ -33,11 +46,26 @@ from __future__ import annotations
 import os
 import sysconfig
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
 #: The output an infer function answers a refused request with (see :func:`refusal`).
 REFUSED = "rmsnorm_deploy_refused"
+#: The second output of a refusal: the name of the Triton error code it becomes.
+REFUSED_CODE = "rmsnorm_deploy_refused_code"
+#: Refusal kinds: the Python backend's error code, and what a client sees.
+REFUSAL_CODES = {
+    "invalid": ("INVALID_ARG", "HTTP 400, gRPC INVALID_ARGUMENT"),
+    "unavailable": ("UNAVAILABLE", "HTTP 503, gRPC UNAVAILABLE"),
+    "internal": ("INTERNAL", "HTTP 500, gRPC INTERNAL"),
+}
+#: The request parameter holding the proxy's number of a request (answer-later models).
+REQUEST_NUMBER = "rmsnorm_deploy_request"
+#: The only input of the proxy's notice that Triton cancelled the request of that number.
+CANCELLED = "rmsnorm_deploy_cancelled"
+#: Model names whose proxy answers later and reports cancellations (see :func:`prepare_process`).
+_ANSWER_LATER: set[str] = set()
 
 #: Appended to PyTriton's proxy ``model.py`` (runs inside the stub, where ``pb_utils``,
 #: ``json``, ``Request`` and ``TritonRequestsServer`` are the module's own names).
@@ -109,24 +137,145 @@ TritonRequestsServer._wrap_request = _wrap_request_dlpack
 #: Appended after the DLPack patch, always: a :func:`refusal` answer becomes an INVALID_ARG error.
 _REFUSAL_PATCH = '''
 
-# --- rmsnorm_deploy: a refused request comes back as INVALID_ARG (HTTP 400 / gRPC INVALID_ARGUMENT) ---
+# --- rmsnorm_deploy: a refused request comes back as the error its refusal names (default INVALID_ARG) ---
 _rmsnorm_deploy_wrap_response = _wrap_response
 
 
 def _wrap_response(response, requested_outputs_names, model_outputs_dict):
     if response.data is not None and "@REFUSED@" in response.data:
         message = response.data["@REFUSED@"].tobytes().decode("utf-8", "replace")
+        code = response.data.get("@REFUSED_CODE@")
+        code = "INVALID_ARG" if code is None else code.tobytes().decode("ascii", "replace")
         return pb_utils.InferenceResponse(
-            output_tensors=[], error=pb_utils.TritonError(message, code=pb_utils.TritonError.INVALID_ARG))
+            output_tensors=[], error=pb_utils.TritonError(message, code=getattr(pb_utils.TritonError, code)))
     return _rmsnorm_deploy_wrap_response(response, requested_outputs_names, model_outputs_dict)
-'''.replace("@REFUSED@", REFUSED)
+'''.replace("@REFUSED@", REFUSED).replace("@REFUSED_CODE@", REFUSED_CODE)
+
+#: Appended last for the models named in ``prepare_process(answer_later=...)`` (see the module docstring).
+_ANSWER_LATER_PATCH = '''
+
+# --- rmsnorm_deploy: answer through each request's sender (execute returns at once) and report cancellations ---
+import itertools as _rd_itertools
+from concurrent.futures import Future as _RdFuture
+
+import numpy as _rd_np
+
+_rd_numbers = _rd_itertools.count(1)
+_rd_number_of = {}  # id(Triton request) -> its number, from wrapping to the start of its responses
+_rd_model = []  # this stub's TritonPythonModel
+_rd_decoupled = []  # whether its model is really decoupled
+_rd_initialize = TritonPythonModel.initialize
+
+
+def _rd_initialize_answer_later(self, args):
+    config = json.loads(args["model_config"])
+    policy = config.setdefault("model_transaction_policy", {})
+    _rd_decoupled.append(bool(policy.get("decoupled", False)))
+    policy["decoupled"] = True  # the proxy's sender path: execute returns at once
+    _rd_initialize(self, dict(args, model_config=json.dumps(config)))
+    _rd_model.append(self)
+
+
+async def _rd_answer_once(self, scope, responses_queue, responses_future):
+    # A non-decoupled model's one answer, sent with the final flag in one call (the decoupled path
+    # sends it, then the flag alone, which gRPC clients take for an empty answer).
+    requests_id = scope["requests_id"]
+    triton_requests = self._requests_map[requests_id]
+    answers = None
+    while True:
+        flags, payload = await responses_queue.get()
+        error = flags & PyTritonResponseFlags.ERROR
+        try:
+            if error:
+                message = payload.decode("utf-8")
+                answers = [pb_utils.InferenceResponse(error=pb_utils.TritonError(message)) for _ in triton_requests]
+            elif payload:
+                responses = self._serializer_deserializer.deserialize_responses(payload)
+                answers = [_wrap_response(response, request.requested_output_names(), self._model_outputs_dict)
+                           for request, response in zip(triton_requests, responses)]
+        finally:
+            if not error:
+                self._serializer_deserializer.free_responses_resources(payload)
+            responses_queue.task_done()
+        if flags & PyTritonResponseFlags.EOS:
+            break
+    loop = asyncio.get_running_loop()
+    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    await asyncio.gather(*(loop.run_in_executor(None, request.get_response_sender().send, answer, final)
+                           for request, answer in zip(triton_requests, answers or [])))
+    responses_future.set_result(None)
+
+
+_rd_wrap_request = TritonRequestsServer._wrap_request
+
+
+def _rd_wrap_request_numbered(self, triton_request, inputs, span=None):
+    request = _rd_wrap_request(self, triton_request, inputs, span)
+    number = _rd_number_of.setdefault(id(triton_request), next(_rd_numbers))
+    request.parameters = dict(request.parameters or {}, @NUMBER@=number)
+    return request
+
+
+async def _rd_tell_cancelled(number):
+    model = _rd_model[0]
+    requests_id = b"rmsnorm-deploy-cancelled-%d" % number
+    model._requests[requests_id] = []  # no Triton request waits for this one's answer
+    payload = model._serializer_deserializer.serialize_requests(
+        [Request(data={"@CANCELLED@": _rd_np.array([number], dtype=_rd_np.int64)}, parameters={})])
+    await model._requests_server._server.send_requests(requests_id, payload, _RdFuture())
+
+
+async def _rd_watch(triton_requests, numbers):
+    while any(n is not None for n in numbers):
+        await asyncio.sleep(0.05)
+        for index, request in enumerate(triton_requests):
+            if numbers[index] is not None and request.is_cancelled():
+                number, numbers[index] = numbers[index], None
+                await _rd_tell_cancelled(number)
+
+
+_rd_handle = DecoupledResponsesHandler.handle_responses
+
+
+async def _rd_handle_watching(self, scope, responses_queue, responses_future):
+    triton_requests = self._requests_map.get(scope["requests_id"], [])
+    numbers = [_rd_number_of.pop(id(request), None) for request in triton_requests]
+    watcher = asyncio.ensure_future(_rd_watch(triton_requests, numbers))
+    try:
+        if _rd_decoupled[0]:
+            return await _rd_handle(self, scope, responses_queue, responses_future)
+        return await _rd_answer_once(self, scope, responses_queue, responses_future)
+    finally:
+        watcher.cancel()
+        self._requests_map.pop(scope["requests_id"], None)
+
+
+_rd_push = TritonRequestsServer.push
+
+
+def _rd_push_sent(self, requests_id, triton_requests, spans=None):
+    # execute returns once the inputs are copied out: the backend frees a request's input tensors
+    # when execute returns (the proxy's decoupled path would read them later)
+    future = _rd_push(self, requests_id, triton_requests, spans)
+    future.result()
+    return future
+
+
+TritonPythonModel.initialize = _rd_initialize_answer_later
+TritonRequestsServer.push = _rd_push_sent
+TritonRequestsServer._wrap_request = _rd_wrap_request_numbered
+DecoupledResponsesHandler.handle_responses = _rd_handle_watching
+'''.replace("@NUMBER@", REQUEST_NUMBER).replace("@CANCELLED@", CANCELLED)
 _MARK = "_rmsnorm_deploy_dlpack"
 
 
-def refusal(message: str) -> dict[str, np.ndarray]:
-    """An infer function's answer to a request it refuses: the client gets HTTP 400 / gRPC
-    ``INVALID_ARGUMENT`` with ``message`` (on one line), and the server keeps serving."""
-    return {REFUSED: np.frombuffer(" ".join(message.split()).encode("utf-8"), dtype=np.uint8).copy()}
+def refusal(message: str, kind: str = "invalid") -> dict[str, np.ndarray]:
+    """An infer function's answer to a request it refuses: the client gets the error of ``kind``
+    (:data:`REFUSAL_CODES`; by default HTTP 400 / gRPC ``INVALID_ARGUMENT``) with ``message`` on
+    one line, and the server keeps serving."""
+    code = REFUSAL_CODES[kind][0]
+    return {REFUSED: np.frombuffer(" ".join(message.split()).encode("utf-8"), dtype=np.uint8).copy(),
+            REFUSED_CODE: np.frombuffer(code.encode("ascii"), dtype=np.uint8).copy()}
 
 
 def numpy_needs_dlpack() -> bool:
@@ -154,17 +303,21 @@ def server_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {"LD_LIBRARY_PATH": ":".join([libdir] + [p for p in parts if p != libdir])}
 
 
-def prepare_process() -> dict[str, str]:
-    """Apply :func:`server_environment` to ``os.environ`` and the proxy patch; return what changed."""
+def prepare_process(answer_later: Iterable[str] = ()) -> dict[str, str]:
+    """Apply :func:`server_environment` to ``os.environ`` and the proxy patch; return what changed.
+    The models named in ``answer_later`` answer through their requests' senders and report
+    cancelled requests (see the module docstring)."""
     changes = server_environment()
     os.environ.update(changes)
+    _ANSWER_LATER.update(answer_later)
     patch_proxy()
     return changes
 
 
-def proxy_patch(*, dlpack: bool) -> str:
-    """What is appended to PyTriton's proxy ``model.py``: the DLPack exchange (numpy 2), then the refusals."""
-    return (_PROXY_PATCH if dlpack else "") + _REFUSAL_PATCH
+def proxy_patch(*, dlpack: bool, answer_later: bool = False) -> str:
+    """What is appended to PyTriton's proxy ``model.py``: the DLPack exchange (numpy 2), the
+    refusals, and for ``answer_later`` models the sender path and the cancellation notices."""
+    return (_PROXY_PATCH if dlpack else "") + _REFUSAL_PATCH + (_ANSWER_LATER_PATCH if answer_later else "")
 
 
 def patch_proxy() -> None:
@@ -183,7 +336,8 @@ def patch_proxy() -> None:
         if key not in files:
             raise RuntimeError(f"PyTriton's proxy files changed ({sorted(files)}): this PyTriton version is not the one "
                                "rmsnorm-deploy serves with (nvidia-pytriton 0.7)")
-        files[key] = files[key] + proxy_patch(dlpack=numpy_needs_dlpack()).encode()
+        patch = proxy_patch(dlpack=numpy_needs_dlpack(), answer_later=self.model_name in _ANSWER_LATER)
+        files[key] = files[key] + patch.encode()
         return files
 
     setattr(get_proxy_model_files, _MARK, True)

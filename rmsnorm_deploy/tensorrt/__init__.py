@@ -14,6 +14,7 @@ runner      ``TensorRTRunner``: a built engine, its sidecar checked before deser
 build       ``build_engine``: parse, check, build, inspect, write (the ``build`` command)
 runtime     shared TensorRT pieces: logger, plugin loading, dtype names
 progress    the build progress bar fed by ``IProgressMonitor``
+plugin_loader  ``load_plugin``: the plugin registered with TensorRT (``_qdp`` or a library)
 _qdp        the plugin's ``tensorrt.plugin`` registration (imported only with TensorRT)
 ==========  ===================================================================================
 """

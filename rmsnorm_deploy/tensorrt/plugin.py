@@ -5,7 +5,7 @@ deployable plugins (``tensorrt.plugin``): ``@trtp.register`` describes the outpu
 ``@trtp.aot_impl`` compiles the kernel to PTX while the engine is built, so the engine
 carries the kernel and runs without Python (``trtexec``, C++), and ``@trtp.impl`` is the
 same kernel called from Python at run time (for debugging). The definitions live in
-``_qdp.py``, which imports tensorrt; :func:`load_plugin` imports it.
+``_qdp.py``, which imports tensorrt; ``plugin_loader.load_plugin`` imports it.
 
 How a graph reaches it: the ``plugin`` lowering writes ``rmsnorm_deploy::RMSNorm`` nodes with
 ``plugin_namespace``/``plugin_version``; TensorRT's ONNX parser maps a node whose op type is a
@@ -21,7 +21,7 @@ hand-written CUDA twin of the kernel (a second copy of the formula) or Triton's 
 output per GPU architecture, and a build per TensorRT/CUDA version. What QDP costs: the
 engine *build* needs Python with tensorrt and triton (running it does not).
 
-Everything here but :func:`load_plugin` and :func:`run_jit` works without tensorrt: the
+Everything here but :func:`run_jit` works without tensorrt: the
 fields and their parsing into a spec, the checks of input dtypes, and the ahead-of-time
 compilation (given a target architecture).
 """
@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import math
 import re
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -45,12 +43,11 @@ from rmsnorm_deploy.graph.function import (
     OP_TYPE,
     PLUGIN_NAMESPACE,
     PLUGIN_NAMESPACE_NO_WEIGHT,
-    PLUGIN_VERSION,
     plugin_namespace,
     rmsnorm_node,
     spec_from_attributes,
 )
-from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.kernels.functional import rms_norm
 from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
 
 PLUGIN_NAME = OP_TYPE
@@ -83,7 +80,7 @@ PLUGIN_FIELDS: dict[str, str] = _plugin_fields()
 
 @dataclasses.dataclass(frozen=True)
 class PluginInfo:
-    """What :func:`load_plugin` registered, for the builder and its report.
+    """What ``plugin_loader.load_plugin`` registered, for the builder and its report.
 
     ``network_flags``: names of ``tensorrt.NetworkDefinitionCreationFlag`` members the
     builder must set when it creates the network (they pick the AOT or the Python
@@ -186,62 +183,13 @@ def aot_kernel(spec: RMSNormSpec, dtype: str, weight_dtype: str | None, n_cols: 
     ``arch=None`` compiles for this process's GPU (inside TensorRT's build). The PTX ISA is
     held to what the CUDA driver loads, when Triton's default is newer.
     """
-    from rmsnorm_deploy.kernels import triton_rmsnorm
+    from rmsnorm_deploy.kernels import triton_rmsnorm  # optional: it imports triton
 
     check_io(spec, dtype, weight_dtype)
     driver = triton_rmsnorm.driver_ptx_version() if arch is None else None
     return triton_rmsnorm.compile_aot(
         spec, dtype=dtype, weight_dtype=weight_dtype, n_cols=n_cols, arch=arch, max_ptx_version=driver
     )
-
-
-# -- registration (needs tensorrt) --------------------------------------------------------------
-def load_plugin(library: str | Path | None = None, *, implementation: str = "aot") -> PluginInfo:
-    """Register the ``RMSNorm`` plugin with TensorRT's plugin registry and say what was registered.
-
-    ``library=None``: this package's Triton plugin (``tensorrt.plugin``); ``implementation``
-    ``"aot"`` (default: the kernel is compiled into the engine) or ``"jit"`` (called from
-    Python at run time); the builder sets :attr:`PluginInfo.network_flags`. ``library``: a
-    shared library whose creators register ``RMSNorm`` v1 in both namespaces (IPluginV3).
-    Calling it again is harmless. Errors are one-line ``UserError``s.
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise UserError(f"unknown plugin implementation {implementation!r}; choose one of {', '.join(IMPLEMENTATIONS)}")
-    if library is not None:
-        path = Path(library)
-        if not path.is_file():
-            raise UserError(f"plugin library {path} does not exist; check the path, or load this package's plugin (library=None)")
-    trt = require("tensorrt", "the TensorRT RMSNorm plugin")
-    registry = trt.get_plugin_registry()
-    if library is not None:
-        if registry.load_library(str(path)) is None:
-            raise UserError(f"TensorRT could not load plugin library {path}; is it built for TensorRT {trt.__version__}?")
-        info = PluginInfo(PLUGIN_NAME, PLUGIN_VERSION, tuple(REGISTRATIONS), "library", (), str(path), trt.__version__, None)
-    else:
-        triton = require("triton", "the TensorRT RMSNorm plugin (its kernel is Triton)")
-        try:
-            trtp = importlib.import_module("tensorrt.plugin")
-        except ImportError as exc:
-            raise UserError(
-                f"TensorRT {trt.__version__} has no tensorrt.plugin module ({exc}); the RMSNorm plugin needs TensorRT "
-                f">= {_AOT_TEXT}"
-            ) from None
-        if implementation == "aot" and not aot_supported(trt, trtp):
-            raise UserError(
-                f"TensorRT {trt.__version__} cannot compile Python plugins ahead of time (they exist from TensorRT "
-                f"{_AOT_TEXT}); use TensorRT >= {_AOT_TEXT}, or --plugin-impl jit for an engine that needs Python at "
-                "run time"
-            )
-        importlib.import_module("rmsnorm_deploy.tensorrt._qdp")
-        info = PluginInfo(
-            PLUGIN_NAME, PLUGIN_VERSION, tuple(REGISTRATIONS), implementation, _NETWORK_FLAGS[implementation], None,
-            trt.__version__, getattr(triton, "__version__", None),
-        )
-    missing = [ns for ns in info.namespaces if registry.get_creator(PLUGIN_NAME, PLUGIN_VERSION, ns) is None]
-    if missing:
-        where = f"plugin library {info.library}" if info.library else "rmsnorm_deploy.tensorrt._qdp"
-        raise UserError(f"{where} did not register {PLUGIN_NAME} v{PLUGIN_VERSION} in namespace(s) {missing}")
-    return info
 
 
 def aot_supported(trt: Any, trtp: Any) -> bool:
@@ -256,7 +204,6 @@ def run_jit(spec: RMSNormSpec, x: Any, weight: Any, y: Any, stream: int) -> None
     """The Python implementation: TensorRT's buffers as torch tensors, the kernel on TensorRT's stream."""
     import torch
 
-    from rmsnorm_deploy.kernels.functional import rms_norm
 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         w_t = _as_torch(weight) if weight is not None else None

@@ -17,7 +17,7 @@ from rmsnorm_deploy.graph.function import OP_TYPE, PLUGIN_NAMESPACE, PLUGIN_VERS
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.tensorrt.precision import TRT_DTYPE_NAMES
 
-PLUGIN_MODULE = "rmsnorm_deploy.tensorrt.plugin"
+PLUGIN_MODULE = "rmsnorm_deploy.tensorrt.plugin_loader"
 #: How the plugin runs: ``aot`` (the kernel compiled into the engine, which then runs without
 #: Python) or ``jit`` (the kernel called from Python at run time). The first is the default.
 PLUGIN_IMPLEMENTATIONS = ("aot", "jit")
@@ -74,7 +74,7 @@ def trt_dtype_name(dtype: Any) -> str:
 def register_plugin(library: str | os.PathLike | None = None, *, implementation: str = "aot") -> dict[str, Any]:
     """Load and register the RMSNorm plugin; its description for reports and sidecars.
 
-    The plugin lives in :mod:`rmsnorm_deploy.tensorrt.plugin` (its ``load_plugin``),
+    The plugin is registered by :mod:`rmsnorm_deploy.tensorrt.plugin_loader` (its ``load_plugin``),
     imported only here, so everything else works where it is absent. ``implementation``:
     ``aot`` (the kernel compiled into the engine) or ``jit`` (called from Python at run time);
     the description's ``network_flags`` are the flags the builder sets for it. Any failure is

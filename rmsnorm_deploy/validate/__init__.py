@@ -8,6 +8,8 @@ feeds           inputs from the metadata, the graph or an ``.npz`` file, checked
 norms           the norms checked one by one: boundary tensors exposed, what ONNX Runtime ran
 rows            ``ValidationRun`` and its comparison rows (outputs, then each norm)
 report          ``CheckRow``, ``NormReport``, ``ValidationReport`` (table and JSON)
+audit           ``audit_file``: every norm reduction as written and as ONNX Runtime runs it (the
+                ``audit`` command), ``AuditReport``
 lowering_sweep  the ``parity`` command's sweep: the standalone model of each lowering in
                 ONNX Runtime CPU against the float64 oracle
 ==============  ===========================================================================

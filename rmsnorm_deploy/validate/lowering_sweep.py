@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -32,11 +33,13 @@ from rmsnorm_deploy.errors import (
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
+from rmsnorm_deploy.resources import check_memory
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.table import format_table
 
 
 @dataclasses.dataclass
-class ParityCase:
+class SweepCase:
     spec_name: str
     spec: RMSNormSpec
     dtype: str
@@ -48,8 +51,8 @@ class ParityCase:
 
 
 @dataclasses.dataclass
-class ParityRow:
-    case: ParityCase
+class SweepRow:
+    case: SweepCase
     status: str  # pass, FAIL, refused, unsupported
     detail: str = ""
     ulp_vs_oracle: float | None = None
@@ -71,21 +74,31 @@ class ParityRow:
         }
 
 
-def run_case(case: ParityCase) -> ParityRow:
+#: float64 arrays of the input's size one case holds at its peak: the generated activations (and
+#: gate), the oracle's input, square and result, and the comparison's copies.
+PEAK_FLOAT64_COPIES = 6
+
+
+def check_case_memory(shape: Sequence[int], what: str) -> None:
+    """Refuse (one line) a shape whose case would not fit the memory budget, before anything is allocated."""
+    check_memory(math.prod(int(d) for d in shape) * 8 * PEAK_FLOAT64_COPIES,
+                 f"{what} ({math.prod(int(d) for d in shape):,} elements)", "give a smaller shape")
+
+
+def run_case(case: SweepCase) -> SweepRow:
     """Build, run, compare and audit one case; never raises for a refusal or a runtime's gap."""
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     try:
         model = rmsnorm_model(case.spec, dtype=case.dtype, shape=case.shape, lowering=case.lowering)
     except LoweringError as exc:
-        return ParityRow(case, "refused", str(exc).split(": ", 1)[-1])
+        return SweepRow(case, "refused", str(exc).split(": ", 1)[-1])
     x = activations(case.shape, case.dtype, seed=case.seed, kind=case.inputs)
     w = gain_weights(case.shape[-case.spec.normalized_dims:], case.dtype, case.spec.gain, seed=case.seed + 1)
     feed = {"x": x} if w is None else {"x": x, "weight": w}
     z = activations(case.shape, case.dtype, seed=case.seed + 2, kind=case.inputs) if case.spec.has_gate else None
     if z is not None:
         feed["z"] = z
-    with tempfile.TemporaryDirectory(prefix="rmsnorm-parity-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rmsnorm-sweep-") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         try:
             with OnnxRuntimeRunner(model, ["cpu"], optimization=case.optimization, optimized_model_path=optimized) as runner:
@@ -93,7 +106,7 @@ def run_case(case: ParityCase) -> ParityRow:
         except (MissingDependencyError, ProviderError):
             raise
         except UserError as exc:  # ONNX Runtime has no kernel for this graph on this provider
-            return ParityRow(case, "unsupported", _short_ort_error(str(exc)))
+            return SweepRow(case, "unsupported", _short_ort_error(str(exc)))
         ran = audit_model(onnx.load(str(optimized)), stage=f"after onnxruntime ({case.optimization})")
     x_t, w_t, z_t = to_torch(x), (to_torch(w) if w is not None else None), (to_torch(z) if z is not None else None)
     vs_oracle = compare(y, oracle(case.spec, x_t, w_t, z_t), tolerance_for("norm", "onnxruntime", case.dtype),
@@ -102,7 +115,7 @@ def run_case(case: ParityCase) -> ParityRow:
                      dtype=case.dtype, name="y vs torch")
     passed = vs_oracle.passed and vs_ref.passed
     failure = "; ".join(r.summary() for r in (vs_oracle, vs_ref) if not r.passed)
-    row = ParityRow(
+    row = SweepRow(
         case, "pass" if passed else "FAIL", failure,
         vs_oracle.max_ulp, vs_ref.max_ulp,
         ort_op=",".join(sorted({r.op for r in ran})) or "?",
@@ -125,16 +138,16 @@ def cases(
     optimizations: Sequence[str] = ("disable", "all"),
     shapes: Sequence[tuple[int, ...]] = ((199, 760),),
     inputs: Sequence[str] = ("normal",),
-) -> list[ParityCase]:
+) -> list[SweepCase]:
     return [
-        ParityCase(name, spec, dt, low, opt, shape, kind)
+        SweepCase(name, spec, dt, low, opt, shape, kind)
         for (name, spec), dt, low, opt, shape, kind in itertools.product(
             specs.items(), dtypes, lowerings, optimizations, shapes, inputs
         )
     ]
 
 
-def parity_table(rows: Iterable[ParityRow]) -> str:
+def sweep_table(rows: Iterable[SweepRow]) -> str:
     """The rows as a table; refusals and runtime gaps are numbered notes below it."""
     headers = ["spec", "dtype", "lowering", "ort opt", "inputs", "shape", "status", "ulp vs f64", "ulp vs torch",
                "ORT ran", "acc"]
@@ -159,9 +172,9 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def summary_table(rows: Iterable[ParityRow]) -> str:
+def summary_table(rows: Iterable[SweepRow]) -> str:
     """Per lowering and dtype: the worst ULP error over all specs and inputs, and what ORT ran."""
-    groups: dict[tuple[str, str], list[ParityRow]] = {}
+    groups: dict[tuple[str, str], list[SweepRow]] = {}
     for r in rows:
         groups.setdefault((r.case.lowering, r.case.dtype), []).append(r)
     body = []

@@ -11,7 +11,9 @@ import onnx
 from onnx import helper
 
 from rmsnorm_deploy.contract.dtypes import onnx_type
-from rmsnorm_deploy.graph.audit import Reduction, audit_model
+from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.graph.onnx_reading import GraphView  # the same typing pass the audit used
+from rmsnorm_deploy.graph.reductions import Reduction
 from rmsnorm_deploy.validate.feeds import FLOAT_DTYPES
 from rmsnorm_deploy.validate.report import NormReport
 
@@ -31,9 +33,9 @@ class NormUnderTest:
 
 def norms_under_test(model: onnx.ModelProto, reductions: list[Reduction]) -> list[NormUnderTest]:
     """The norms that can be checked against an oracle, and why the others cannot."""
-    from rmsnorm_deploy.graph.audit import _Graph  # the same typing pass the audit used
 
-    graph = _Graph(model)
+
+    graph = GraphView(model)
     initializers = {i.name for i in model.graph.initializer}
     graph_io = {o.name for o in model.graph.output} | {i.name for i in model.graph.input}
     sites = []
@@ -71,12 +73,12 @@ def norms_under_test(model: onnx.ModelProto, reductions: list[Reduction]) -> lis
 
 def with_exposed_tensors(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
     """A copy of ``model`` whose outputs also include ``names`` (boundary tensors of the norms)."""
-    from rmsnorm_deploy.graph.audit import _Graph
+
 
     names = [n for n in dict.fromkeys(names)]
     if not names:
         return model
-    graph = _Graph(model)
+    graph = GraphView(model)
     augmented = onnx.ModelProto()
     augmented.CopyFrom(model)
     existing = {o.name for o in augmented.graph.output}

@@ -59,7 +59,7 @@ class ValidationReport:
     norms: list[NormReport]
     notes: list[str]
     #: backend -> nodes per provider (ONNX Runtime backends, where ONNX Runtime reports it)
-    placement: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    node_assignment: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -81,7 +81,7 @@ class ValidationReport:
             "model": self.model, "source": self.source, "reference": self.reference, "inputs": self.inputs,
             "backends": self.backends, "passed": self.passed, "failure": self.failure(),
             "rows": [r.to_dict() for r in self.rows], "norms": [n.to_dict() for n in self.norms], "notes": self.notes,
-            "nodes_per_provider": self.placement,
+            "nodes_per_provider": self.node_assignment,
         }
 
     def table(self) -> str:
@@ -101,7 +101,7 @@ class ValidationReport:
         text = [f"model: {self.model}", f"source: {self.source}", f"reference: {self.reference}",
                 "inputs: " + ", ".join(f"{k} {v['dtype']}{v['shape']} ({v['kind']})" for k, v in self.inputs.items()),
                 *[f"nodes per provider, {b}: " + ", ".join(f"{n} on {p}" for p, n in c.items())
-                  for b, c in self.placement.items()],
+                  for b, c in self.node_assignment.items()],
                 "", format_table(headers, body)]
         if self.norms:
             norm_headers = ["norm", "kind", "as written", "accumulates", "epsilon", "axes", *self.backends_ran(), "spec"]

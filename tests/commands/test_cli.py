@@ -32,12 +32,12 @@ def test_unknown_command_is_a_one_line_usage_error(capsys):
     assert "invalid choice: 'frobnicate'" in err and len(err.strip().splitlines()) == 1
 
 
-pytest.importorskip("onnxruntime", reason="the parity command runs ONNX Runtime")
+pytest.importorskip("onnxruntime", reason="the sweep command runs ONNX Runtime")
 
 
-def test_parity_prints_a_table_and_passes(capsys, tmp_path):
+def test_sweep_prints_a_table_and_passes(capsys, tmp_path):
     out_json = tmp_path / "rows.json"
-    code = main(["parity", "--spec", "llama", "--spec", "gemma", "--dtype", "float16", "--lowering", "function",
+    code = main(["sweep", "--spec", "llama", "--spec", "gemma", "--dtype", "float16", "--lowering", "function",
                  "--lowering", "ort", "--optimization", "all", "--inputs", "stress", "--shape", "3x5x64",
                  "--json", str(out_json)])
     out = capsys.readouterr().out
@@ -50,21 +50,30 @@ def test_parity_prints_a_table_and_passes(capsys, tmp_path):
     }
 
 
-def test_parity_failure_exits_1(capsys, monkeypatch):
+def test_sweep_failure_exits_1(capsys, monkeypatch):
     # An impossible tolerance makes every row fail: the command must say so with exit code 1.
     strict = tolerances.Tolerance(max_ulp=0, reason="test: no error allowed at all")
     monkeypatch.setitem(tolerances.TOLERANCES, ("norm", "onnxruntime", "float16"), strict)
-    code = main(["parity", "--spec", "llama", "--dtype", "float16", "--lowering", "function", "--optimization", "all",
+    code = main(["sweep", "--spec", "llama", "--dtype", "float16", "--lowering", "function", "--optimization", "all",
                  "--inputs", "normal"])
     out = capsys.readouterr().out
     assert code == 1 and "FAIL [1]" in out and "would pass with max_ulp>=" in out
 
 
+def test_the_old_name_parity_still_runs_the_sweep_with_a_note(capsys):
+    code = main(["parity", "--spec", "llama", "--dtype", "float32", "--lowering", "function", "--optimization",
+                 "disable", "--shape", "2x8"])
+    captured = capsys.readouterr()
+    assert code == 0 and "ulp vs f64" in captured.out
+    assert captured.err.strip() == ("rmsnorm-deploy: note: `parity` is now `sweep`; the old name still works but will "
+                                    "be removed")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["parity", "--shape", "199xabc"], "error: --shape '199xabc' is not a shape; write it like 199x760"),
-        (["parity", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+        (["sweep", "--shape", "199xabc"], "error: --shape '199xabc' is not a shape; write it like 199x760"),
+        (["sweep", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):

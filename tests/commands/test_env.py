@@ -84,7 +84,7 @@ def test_plugin_status_reports_what_load_plugin_does():
     if importlib.util.find_spec("rmsnorm_deploy.tensorrt.plugin") is None:
         assert status == "absent (this build of rmsnorm-deploy has no rmsnorm_deploy.tensorrt.plugin)"
         return
-    from rmsnorm_deploy.tensorrt.plugin import load_plugin
+    from rmsnorm_deploy.tensorrt.plugin_loader import load_plugin
 
     try:
         loaded = load_plugin()

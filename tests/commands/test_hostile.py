@@ -158,7 +158,7 @@ def test_check_trt_still_reports_onnx_runtime_ops_itself(tmp_path, capsys):
 
 
 # -- 6. no clobbering, no shadowing, no dropped option, the user's umask -----------------------
-_PARITY = ["parity", "--spec", "llama", "--dtype", "float32", "--lowering", "function", "--optimization", "disable",
+_PARITY = ["sweep", "--spec", "llama", "--dtype", "float32", "--lowering", "function", "--optimization", "disable",
            "--shape", "1x7", "--inputs", "normal"]
 
 

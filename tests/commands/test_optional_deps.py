@@ -62,7 +62,7 @@ def test_missing_onnxruntime_is_a_one_line_error_with_the_fix():
     proc = _run(
         """
         from rmsnorm_deploy.cli import main
-        sys.exit(main(["parity", "--spec", "llama", "--dtype", "float32", "--lowering", "function"]))
+        sys.exit(main(["sweep", "--spec", "llama", "--dtype", "float32", "--lowering", "function"]))
         """
     )
     assert proc.returncode == 2

@@ -24,7 +24,8 @@ from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_model import MS_DOMAIN, SKIP_NORM_OP, skip_norm_node, skip_refusal  # noqa: E402
 from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
-from rmsnorm_deploy.graph.audit import audit_model, optimized_by_onnxruntime  # noqa: E402
+from rmsnorm_deploy.graph.audit import audit_model  # noqa: E402
+from rmsnorm_deploy.runners.onnxruntime import optimized_graph  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
@@ -60,7 +61,7 @@ def test_ort_lowering_folds_every_residual_add_into_the_skip_norm(llama):
     assert written[SKIP_NORM_OP] == 2 * LAYERS
     assert written["SimplifiedLayerNormalization"] == 1  # layer 0's input norm has no residual before it
     assert not any(n.op_type == "Add" and "residual" in n.name for n in dec.model.graph.node)
-    optimized = _ops(optimized_by_onnxruntime(dec.model))
+    optimized = _ops(optimized_graph(dec.model))
     assert optimized[SKIP_NORM_OP] == 2 * LAYERS
     assert optimized["Add"] <= 1  # the prelude's index arithmetic only
     # The audit finds every norm, as a float32 reduction, and ties none to a wrong epsilon.
@@ -75,7 +76,7 @@ def test_function_lowering_keeps_our_nodes_and_onnxruntime_does_not_fuse_their_a
     matches LayerNormalization only), which is why the ort lowering writes the fused op itself."""
     dec = build_decoder(llama)
     assert sum(is_rmsnorm_node(n) for n in dec.model.graph.node) == 2 * LAYERS + 1
-    optimized = _ops(optimized_by_onnxruntime(dec.model))
+    optimized = _ops(optimized_graph(dec.model))
     assert optimized["SimplifiedLayerNormalization"] == 2 * LAYERS + 1
     assert optimized[SKIP_NORM_OP] == 0, "ONNX Runtime now fuses the residual Add itself: revisit skip_refusal"
 

@@ -112,8 +112,8 @@ def test_an_index_naming_a_missing_shard_is_one_line(checkpoints, tmp_path):
     index = json.loads((bad / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="tensor 'model.norm.weight' is in '../elsewhere.safetensors', which is "
-                                              "not a file of"):
+    with pytest.raises(hf.HFModelError, match="its weight_map names '../elsewhere.safetensors', not a file name inside "
+                                              "the folder"):
         SafetensorsTensors(bad)
 
 

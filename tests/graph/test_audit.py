@@ -12,11 +12,9 @@ from onnx import helper, numpy_helper
 
 from rmsnorm_deploy.contract.spec import named_specs
 from rmsnorm_deploy.errors import LoweringError
-from rmsnorm_deploy.graph.audit import (
-    audit_after_onnxruntime,
-    audit_model,
-    low_precision_reductions,
-)
+from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.graph.reductions import low_precision_reductions
+from rmsnorm_deploy.validate.audit import audit_after_onnxruntime
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
 

@@ -22,7 +22,7 @@ from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.function import function_proto, input_names, rmsnorm_node, spec_from_node
 from rmsnorm_deploy.graph.lowerings import lower_model, refusal
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
-from rmsnorm_deploy.validate.lowering_sweep import ParityCase, run_case
+from rmsnorm_deploy.validate.lowering_sweep import SweepCase, run_case
 
 ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install 'rmsnorm-deploy[onnxruntime]')")
 
@@ -41,7 +41,7 @@ GROUPED = {
 }
 
 
-def _check(case: ParityCase) -> None:
+def _check(case: SweepCase) -> None:
     row = run_case(case)
     assert row.status == "pass", row.detail
     assert row.ort_accumulation == "float32"  # ONNX Runtime still reduces in float32 (never in half)
@@ -52,7 +52,7 @@ def _check(case: ParityCase) -> None:
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("lowering, optimization", [("function", "all"), ("inline", "disable")])
 def test_gated_lowering_matches_oracle(lowering, spec_name, dtype, shape, optimization):
-    _check(ParityCase(spec_name, SPECS[spec_name], dtype, lowering, optimization, shape, seed=shape[0] + shape[1]))
+    _check(SweepCase(spec_name, SPECS[spec_name], dtype, lowering, optimization, shape, seed=shape[0] + shape[1]))
 
 
 @pytest.mark.parametrize("shape", [(199, 760)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -60,12 +60,12 @@ def test_gated_lowering_matches_oracle(lowering, spec_name, dtype, shape, optimi
 @pytest.mark.parametrize("spec_name", list(GROUPED))
 @pytest.mark.parametrize("lowering", ["function", "inline"])
 def test_grouped_lowering_matches_oracle(lowering, spec_name, dtype, shape):
-    _check(ParityCase(spec_name, GROUPED[spec_name], dtype, lowering, "all", shape, seed=shape[1]))
+    _check(SweepCase(spec_name, GROUPED[spec_name], dtype, lowering, "all", shape, seed=shape[1]))
 
 
 def test_float32_stress_inputs_pass():
     for name, spec in SPECS.items():
-        _check(ParityCase(name, spec, "float32", "function", "all", (199, 760), inputs="stress"))
+        _check(SweepCase(name, spec, "float32", "function", "all", (199, 760), inputs="stress"))
 
 
 def test_float16_overflow_where_the_exact_value_is_out_of_range():

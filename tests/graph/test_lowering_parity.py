@@ -14,7 +14,7 @@ from tests.cases import DTYPES, ODD_SHAPES
 
 from rmsnorm_deploy import RMSNormSpec
 from rmsnorm_deploy.graph.lowerings import LOWERINGS, refusal
-from rmsnorm_deploy.validate.lowering_sweep import ParityCase, run_case
+from rmsnorm_deploy.validate.lowering_sweep import SweepCase, run_case
 
 pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install 'rmsnorm-deploy[onnxruntime]')")
 
@@ -46,7 +46,7 @@ def _expected_gap(lowering: str, dtype: str, spec: RMSNormSpec) -> str | None:
 @pytest.mark.parametrize("lowering", LOWERINGS)
 def test_lowering_matches_oracle(lowering, spec_name, dtype, shape, optimization):
     spec = SPECS[spec_name]
-    row = run_case(ParityCase(spec_name, spec, dtype, lowering, optimization, shape, seed=shape[0] + shape[1]))
+    row = run_case(SweepCase(spec_name, spec, dtype, lowering, optimization, shape, seed=shape[0] + shape[1]))
     opset = 23 if lowering == "native" else 18
     reason = refusal(lowering, spec, spec.upcasts(dtype), opset)
     if reason is not None:
@@ -74,7 +74,7 @@ def test_lowering_matches_oracle(lowering, spec_name, dtype, shape, optimization
     ],
 )
 def test_which_function_graphs_onnxruntime_fuses(spec_name, dtype, fused):
-    row = run_case(ParityCase(spec_name, SPECS[spec_name], dtype, "function", "all", (8, 64)))
+    row = run_case(SweepCase(spec_name, SPECS[spec_name], dtype, "function", "all", (8, 64)))
     assert row.status == "pass"
     assert (row.ort_op == "SimplifiedLayerNormalization") is fused, row.ort_op
 
@@ -82,6 +82,6 @@ def test_which_function_graphs_onnxruntime_fuses(spec_name, dtype, fused):
 def test_onnxruntime_native_kernel_scales_in_float32():
     # ONNX defines RMSNormalization as cast_then_scale; ORT's CPU kernel applies the scale in
     # float32 before rounding, so on float16 it is within 1 ulp of the spec, not bit-equal.
-    row = run_case(ParityCase("llama", SPECS["llama"], "float16", "native", "disable", (199, 760)))
+    row = run_case(SweepCase("llama", SPECS["llama"], "float16", "native", "disable", (199, 760)))
     assert row.status == "pass"
     assert row.ulp_vs_oracle <= 0.51 and 0.5 < row.ulp_vs_reference <= 1.0

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 from rmsnorm_deploy import RMSNormSpec
 from rmsnorm_deploy.contract.spec import named_specs
 from rmsnorm_deploy.errors import LoweringError
-from rmsnorm_deploy.graph.audit import audit_model, low_precision_reductions
+from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.graph.reductions import low_precision_reductions
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
 

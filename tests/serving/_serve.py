@@ -38,11 +38,11 @@ class Served:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path) -> Iterator[Served]:
-    """``serve model_dir`` until the block ends; fails the test if it is not ready in time.
+def running_server(model_dir: Path, *args: str) -> Iterator[Served]:
+    """``serve model_dir [args]`` until the block ends; fails the test if it is not ready in time.
     A server still running at the end (a test may have stopped it) gets SIGTERM, then SIGKILL."""
     try:
-        proc = start_serve_process(model_dir, timeout_s=STARTUP_S)
+        proc = start_serve_process(model_dir, timeout_s=STARTUP_S, args=args)
     except UserError as exc:
         pytest.fail(str(exc))
     try:

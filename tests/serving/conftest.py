@@ -21,3 +21,42 @@ def tiny_kv_export(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-kv-export")
     assert main(["export", "tiny", "--kv-cache", "-o", str(folder), "--force"]) == 0
     return folder
+
+
+#: The tiny Llama of the engine tests: the exporter's tiny config (vocabulary 256, end of sequence 2)
+#: with room for streams long enough to be cancelled mid-way on a fast machine (16384 positions).
+ENGINE_LLAMA = {"max_position_embeddings": 16384}
+
+
+@pytest.fixture(scope="session")
+def engine_exports(tmp_path_factory):
+    """``kind -> folder``: the tiny Llama exported with ``--kv-cache --target onnxruntime`` (``ort``),
+    the same with ``--share-buffer`` (``ort-shared``), and as the portable graph (``portable``),
+    each exported once, on first use."""
+    from rmsnorm_deploy.exporter import hf
+
+    root = tmp_path_factory.mktemp("engine-exports")
+    source = root / "hf"
+    made: dict[str, object] = {}
+    options = {"ort": ["--target", "onnxruntime"], "ort-shared": ["--target", "onnxruntime", "--share-buffer"],
+               "portable": []}
+
+    def get(kind: str):
+        if kind not in made:
+            if not source.exists():
+                hf.from_config({**hf.TINY_CONFIGS["llama"], **ENGINE_LLAMA}, "float32", seed=0).module.model \
+                    .save_pretrained(source)
+            out = root / kind
+            assert main(["export", str(source), "--kv-cache", *options[kind], "-o", str(out)]) == 0
+            made[kind] = out
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engine_llama():
+    """The transformers model the engine exports came from (same config, same seed)."""
+    from rmsnorm_deploy.exporter import hf
+
+    return hf.from_config({**hf.TINY_CONFIGS["llama"], **ENGINE_LLAMA}, "float32", seed=0).module.model

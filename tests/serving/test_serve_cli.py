@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import socket
 import sysconfig
 
@@ -52,12 +54,13 @@ def test_port_out_of_range_is_refused(tmp_path, capsys):
     (["serve", "{model}", "--http-port", "9100", "--grpc-port", "9100"], "both 9100"),
     (["serve", "{model}", "--host", "no-such-host.invalid"], "not an address of this machine"),
     (["serve", "{model}", "--model-name", "../x"], "--model-name"),
+    (["serve", "{model}", "--model-name", "model\n"], "--model-name 'model\\n'"),
     (["serve", "{model}", "--max-batch", "-1"], "--max-batch -1"),
     (["serve", "{fixed}", "--max-batch", "4"], "needs a leading dynamic batch dim"),
     # past/present pairs but no kv_cache metadata: no generation model can be built from it
     (["serve", "{kv}"], "is not a KV-cache model (its metadata records no kv_cache)"),
 ], ids=["missing", "empty-folder", "not-onnx", "unknown-provider", "provider-not-in-build", "same-port",
-        "bad-host", "bad-name", "negative-batch", "unbatchable", "kv-cache-without-metadata"])
+        "bad-host", "bad-name", "name-with-newline", "negative-batch", "unbatchable", "kv-cache-without-metadata"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
     (tmp_path / "empty").mkdir()
@@ -103,24 +106,43 @@ def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(
         model_version = 1
         SCRIPT_FILES_TO_COPY = Model.SCRIPT_FILES_TO_COPY
 
-    files = Model.get_proxy_model_files(Fake())
-    text = files["file:1/model.py"].decode()
+        def __init__(self, model_name):
+            self.model_name = model_name
+
+    pytriton_env.prepare_process(answer_later=["generating"])
+    text = Model.get_proxy_model_files(Fake("plain"))["file:1/model.py"].decode()
     assert text.count("TritonRequestsServer._wrap_request = _wrap_request_dlpack") == 1
     # the refusal patch comes once, after the DLPack one (it wraps the _wrap_response that one defines)
     assert text.count("_rmsnorm_deploy_wrap_response = _wrap_response") == 1
     assert text.index("_wrap_request_dlpack") < text.index("_rmsnorm_deploy_wrap_response")
-    assert f'"{pytriton_env.REFUSED}" in response.data' in text and "code=pb_utils.TritonError.INVALID_ARG" in text
-    compile(text, "model.py", "exec")
-    # the names the patch relies on are still the proxy's own
+    assert f'"{pytriton_env.REFUSED}" in response.data' in text and f'"{pytriton_env.REFUSED_CODE}"' in text
+    assert "_rd_answer_once" not in text  # a plain model answers the proxy's usual way
+    generating = Model.get_proxy_model_files(Fake("generating"))["file:1/model.py"].decode()
+    assert generating.startswith(text) and generating.count("TritonRequestsServer.push = _rd_push_sent") == 1
+    for source in (text, generating):
+        compile(source, "model.py", "exec")
+    # the names the patches rely on are still the proxy's own
+    proxy = text.split("# --- rmsnorm_deploy")[0]
     for name in ("class TritonRequestsServer", "def _wrap_response(", "import triton_python_backend_utils as pb_utils",
-                 "from .types import Request"):
-        assert name in text.split("# --- rmsnorm_deploy")[0], name
+                 "from .types import Request", "class DecoupledResponsesHandler", "async def handle_responses(",
+                 "class TritonPythonModel", "def initialize(self, args)", "def push(self, requests_id: bytes, "
+                 "triton_requests, spans=None)", "self._requests = {}", "self._requests_server = TritonRequestsServer(",
+                 "self._serializer_deserializer", "def send_requests(", "PyTritonResponseFlags"):
+        assert name in proxy + _communication(), name
+
+
+def _communication() -> str:
+    """PyTriton's proxy communication module, where ``RequestsServer.send_requests`` lives."""
+    from pytriton.proxy import communication
+
+    return Path(communication.__file__).read_text()
 
 
 def test_the_refusal_patch_does_not_need_the_dlpack_one():
     plain = pytriton_env.proxy_patch(dlpack=False)
-    assert "_wrap_request_dlpack" not in plain and "TritonError.INVALID_ARG" in plain
+    assert "_wrap_request_dlpack" not in plain and "TritonError, code" in plain
     assert pytriton_env.proxy_patch(dlpack=True).endswith(plain)
+    assert pytriton_env.proxy_patch(dlpack=False, answer_later=True).startswith(plain)
 
 
 def test_free_ports_are_distinct_and_bindable():

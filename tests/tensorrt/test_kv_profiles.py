@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tests.exporter.test_kv_cache import _layout, kv_graph
+from tests.decoder.test_convention import _layout, kv_graph
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import InputError, UserError

@@ -17,6 +17,7 @@ from rmsnorm_deploy.cli import main
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.onnx_file import save_onnx
 from rmsnorm_deploy.tensorrt import build as build_module
+from rmsnorm_deploy.graph.function import PLUGIN_VERSION
 from rmsnorm_deploy.tensorrt import plugin as plugin_module
 from rmsnorm_deploy.tensorrt import runtime
 from rmsnorm_deploy.tensorrt.build import build_engine, network_flags
@@ -38,7 +39,7 @@ def _trt(version: str, *, strongly_typed: bool = True, prefer: bool = True):
 def _described(implementation: str) -> dict:
     """What ``runtime.register_plugin`` returns for this package's plugin with ``implementation``."""
     info = plugin_module.PluginInfo(
-        plugin_module.PLUGIN_NAME, plugin_module.PLUGIN_VERSION, tuple(plugin_module.REGISTRATIONS), implementation,
+        plugin_module.PLUGIN_NAME, PLUGIN_VERSION, tuple(plugin_module.REGISTRATIONS), implementation,
         plugin_module._NETWORK_FLAGS[implementation], None, "10.9.0.34", "3.6.0")
     return describe_plugin(info)
 
@@ -98,15 +99,15 @@ def test_the_build_creates_the_network_with_the_implementation_asked_for(monkeyp
 
     trt = _trt("10.9.0.34")
     trt.Builder = Builder
-    monkeypatch.setattr(runtime, "import_tensorrt", lambda feature: trt)
-    monkeypatch.setattr(runtime, "make_logger", lambda trt: object())
+    monkeypatch.setattr(build_module, "import_tensorrt", lambda feature: trt)
+    monkeypatch.setattr(build_module, "make_logger", lambda trt: object())
     monkeypatch.setattr(build_module.Device, "current", classmethod(lambda cls, v: cls(v, "fake GPU", "9.0")))
 
     def register_plugin(library=None, *, implementation="aot"):
         loaded.append(implementation)
         return _described(implementation)
 
-    monkeypatch.setattr(runtime, "register_plugin", register_plugin)
+    monkeypatch.setattr(build_module, "register_plugin", register_plugin)
     with pytest.raises(Stop):
         build_engine(model_path, plugin=True, plugin_impl=implementation, progress=False)
     assert loaded == [implementation]

@@ -28,7 +28,8 @@ from rmsnorm_deploy.contract.inputs import activations, gain_weights
 from rmsnorm_deploy.contract.spec import named_specs
 from rmsnorm_deploy.errors import LoweringError, SpecError, UserError
 from rmsnorm_deploy.graph.function import is_rmsnorm_node, rmsnorm_node
-from rmsnorm_deploy.tensorrt import plugin
+from rmsnorm_deploy.graph.function import PLUGIN_VERSION
+from rmsnorm_deploy.tensorrt import plugin, plugin_loader
 
 REPO = Path(__file__).resolve().parents[2]
 SPECS = {
@@ -191,7 +192,7 @@ def test_the_plugin_graph_addresses_the_registration_with_the_right_inputs(name)
     (node,) = [n for n in model.graph.node if is_rmsnorm_node(n)]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     namespace = attrs["plugin_namespace"].decode()
-    assert (namespace, attrs["plugin_version"].decode()) == (plugin.plugin_namespace(spec), plugin.PLUGIN_VERSION)
+    assert (namespace, attrs["plugin_version"].decode()) == (plugin.plugin_namespace(spec), PLUGIN_VERSION)
     assert len(node.input) == len(plugin.REGISTRATIONS[namespace])
     assert node.op_type == plugin.PLUGIN_NAME
     assert any(f.name == node.op_type and f.domain == node.domain for f in model.functions)
@@ -234,12 +235,12 @@ def test_the_qdp_definitions_declare_exactly_the_plugin_fields():
 
 def test_load_plugin_refuses_a_missing_library(tmp_path):
     with pytest.raises(UserError, match="plugin library .*nope.so does not exist"):
-        plugin.load_plugin(tmp_path / "nope.so")
+        plugin_loader.load_plugin(tmp_path / "nope.so")
 
 
 def test_load_plugin_refuses_an_unknown_implementation():
     with pytest.raises(UserError, match="unknown plugin implementation 'cpp'; choose one of aot, jit"):
-        plugin.load_plugin(implementation="cpp")
+        plugin_loader.load_plugin(implementation="cpp")
 
 
 def test_load_plugin_without_tensorrt_names_the_install():
@@ -250,7 +251,7 @@ def test_load_plugin_without_tensorrt_names_the_install():
     else:
         pytest.skip("tensorrt is installed here; the missing-dependency message cannot be observed")
     with pytest.raises(UserError, match="the TensorRT RMSNorm plugin needs tensorrt, which is not installed"):
-        plugin.load_plugin()
+        plugin_loader.load_plugin()
 
 
 def test_plugin_info_for_the_builder():
@@ -437,4 +438,4 @@ def test_an_ahead_of_time_plugin_on_tensorrt_10_8_names_10_9_and_the_jit_choice(
     _fake_tensorrt(monkeypatch, "10.8.0.43", aot=False)
     with pytest.raises(UserError, match=r"TensorRT 10.8.0.43 cannot compile Python plugins ahead of time \(they exist "
                        r"from TensorRT 10.9\); use TensorRT >= 10.9, or --plugin-impl jit"):
-        plugin.load_plugin(implementation="aot")
+        plugin_loader.load_plugin(implementation="aot")

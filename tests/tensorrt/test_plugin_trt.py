@@ -50,7 +50,7 @@ def trt():
 
 @pytest.fixture(scope="module")
 def plugins(trt):
-    from rmsnorm_deploy.tensorrt.plugin import load_plugin
+    from rmsnorm_deploy.tensorrt.plugin_loader import load_plugin
 
     return {impl: load_plugin(implementation=impl) for impl in ("aot", "jit")}
 

@@ -29,11 +29,9 @@ import torch
 from filelock import FileLock
 
 from rmsnorm_deploy.cli import main
-from rmsnorm_deploy.graph.audit import (
-    audit_after_onnxruntime,
-    audit_model,
-    low_precision_reductions,
-)
+from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.graph.reductions import low_precision_reductions
+from rmsnorm_deploy.validate.audit import audit_after_onnxruntime
 from rmsnorm_deploy.validate.run import validate_model
 
 pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'rmsnorm-deploy[onnxruntime]'")

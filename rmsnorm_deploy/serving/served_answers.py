@@ -1,4 +1,4 @@
-"""The parity client: a served model's answers over KServe v2 (HTTP and gRPC) against the same ONNX
+"""Served answers checked: a served model's answers over KServe v2 (HTTP and gRPC) against the same ONNX
 model run here in ONNX Runtime.
 
 For any Triton serving our export: the embedded server (``serve``) or the standalone one with a
@@ -8,7 +8,7 @@ a few shapes (batch 1 and 3, odd sequence lengths). The tolerance is the table's
 entry for the serving backend and dtype (``contract/tolerances.py``); ``--exact`` demands equal
 bits (the embedded server runs the very session this client compares with).
 
-    python -m rmsnorm_deploy.serving.parity_client MODEL.onnx --http 127.0.0.1:8000 --grpc 127.0.0.1:8001
+    python -m rmsnorm_deploy.serving.served_answers MODEL.onnx --http 127.0.0.1:8000 --grpc 127.0.0.1:8001
         [--model-name model] [--backend onnxruntime|tensorrt] [--exact]
 
 Exit 0 when every answer passes, 1 when one does not, 2 on bad input or an unreachable server.
@@ -22,8 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from rmsnorm_deploy.contract.compare import compare
+from rmsnorm_deploy.contract.tolerances import tolerance_for
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.serving.signature import Signature, model_path, read_signature
+from rmsnorm_deploy.table import format_table
 
 #: (rows, sequence) of each request; odd sizes on purpose
 SHAPES = ((1, 1), (1, 7), (3, 19))
@@ -55,7 +61,6 @@ def feeds(signature: Signature, token_high: dict[str, int], *, seed: int = 0) ->
 
 
 def _client_call(protocol: str, url: str, model_name: str, signature: Signature):
-    from rmsnorm_deploy.optional import require
 
     module = require(f"tritonclient.{protocol}", "the parity client")
     client = module.InferenceServerClient(url)
@@ -76,11 +81,6 @@ def check(model: str | Path, *, http: str | None, grpc: str | None, model_name: 
     """Compare every output of every feed over each given protocol; print a table; True if all pass."""
     import onnx
 
-    from rmsnorm_deploy.contract.compare import compare
-    from rmsnorm_deploy.contract.tolerances import tolerance_for
-    from rmsnorm_deploy.graph.metadata import ModelMetadata
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
-    from rmsnorm_deploy.table import format_table
 
     path = model_path(model)
     signature = read_signature(path)
@@ -113,7 +113,7 @@ def check(model: str | Path, *, http: str | None, grpc: str | None, model_name: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rmsnorm_deploy.serving.parity_client",
+    parser = argparse.ArgumentParser(prog="python -m rmsnorm_deploy.serving.served_answers",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="the ONNX model the server serves (or the engine's source model)")
     parser.add_argument("--http", metavar="HOST:PORT")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if check(args.model, http=args.http, grpc=args.grpc, model_name=args.model_name,
                           backend=args.backend, exact=args.exact) else 1
     except UserError as exc:
-        print(f"parity_client: error: {exc}", file=sys.stderr)
+        print(f"served_answers: error: {exc}", file=sys.stderr)
         return 2
 
 

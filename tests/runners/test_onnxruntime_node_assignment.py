@@ -20,7 +20,7 @@ from rmsnorm_deploy.contract.spec import named_specs
 from rmsnorm_deploy.errors import ProviderError
 from rmsnorm_deploy.graph.onnx_file import save_onnx
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
-from rmsnorm_deploy.runners.onnxruntime import RECORD_ASSIGNMENT, NodePlacement, OnnxRuntimeRunner
+from rmsnorm_deploy.runners.onnxruntime import RECORD_ASSIGNMENT, NodeAssignment, OnnxRuntimeRunner
 
 ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'rmsnorm-deploy[onnxruntime]'")
 CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
@@ -31,20 +31,20 @@ CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecu
 @pytest.mark.parametrize("shape", [(1, 1), (199, 7), (3, 760)], ids=lambda s: "x".join(map(str, s)))
 def test_every_node_of_a_cpu_session_is_counted_on_cpu(lowering, shape):
     if not hasattr(ort.InferenceSession, "get_provider_graph_assignment_info"):
-        pytest.skip(f"onnxruntime {ort.__version__} cannot report node placement")
+        pytest.skip(f"onnxruntime {ort.__version__} cannot report node assignment")
     model = rmsnorm_model(named_specs()["llama"], dtype="float32", shape=shape, lowering=lowering)
     with OnnxRuntimeRunner(model, ["cpu"], optimization="disable", require_all_nodes_on_provider=True) as runner:
-        placement = runner.placement
+        assignment = runner.node_assignment
     # optimizations off: ONNX Runtime runs the graph's nodes, functions expanded, Constants made initializers
     nodes = model.graph.node if lowering != "function" else model.functions[0].node
     expected = sum(n.op_type != "Constant" for n in nodes)
-    assert placement.counts == {"cpu": expected}
-    assert {n.provider for n in placement.nodes} == {CPU}
+    assert assignment.counts == {"cpu": expected}
+    assert {n.provider for n in assignment.nodes} == {CPU}
 
 
 def test_validate_reports_nodes_per_provider(tmp_path, capsys):
     if not hasattr(ort.InferenceSession, "get_provider_graph_assignment_info"):
-        pytest.skip(f"onnxruntime {ort.__version__} cannot report node placement")
+        pytest.skip(f"onnxruntime {ort.__version__} cannot report node assignment")
     path = save_onnx(rmsnorm_model(named_specs()["llama"], dtype="float16", shape=(3, 760)), tmp_path / "m.onnx")
     assert main(["validate", str(path), "--json", "--require-all-nodes-on-provider"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -132,31 +132,31 @@ def test_a_compute_node_on_the_cpu_under_cuda_is_refused_by_name(monkeypatch):
     assert "shape0" not in text and "Memcpy" not in text
 
 
-def test_without_the_option_the_placement_is_reported_not_refused(monkeypatch):
+def test_without_the_option_the_node_assignment_is_reported_not_refused(monkeypatch):
     _fake_ort(monkeypatch, ON_GPU)
     with OnnxRuntimeRunner(_model(), ["cuda"]) as runner:
-        assert runner.placement.counts == {"cpu": 3, "cuda": 2}
-        assert runner.placement.describe() == "3 on cpu, 2 on cuda"
-        assert [n.name for n in runner.placement.off_providers([CUDA], _model())] == ["mul_on_cpu", "fused_norm"]
+        assert runner.node_assignment.counts == {"cpu": 3, "cuda": 2}
+        assert runner.node_assignment.describe() == "3 on cpu, 2 on cuda"
+        assert [n.name for n in runner.node_assignment.off_providers([CUDA], _model())] == ["mul_on_cpu", "fused_norm"]
 
 
 def test_all_compute_nodes_on_the_requested_providers_pass(monkeypatch):
     _fake_ort(monkeypatch, {TRT: [("mul_on_gpu", "Mul")], CUDA: [("mul_on_cpu", "Mul")], CPU: [("shape0", "Shape")]})
     with OnnxRuntimeRunner(_model(), ["tensorrt", "cuda"], require_all_nodes_on_provider=True) as runner:
-        assert runner.placement.counts == {"cpu": 1, "cuda": 1, "tensorrt": 1}
+        assert runner.node_assignment.counts == {"cpu": 1, "cuda": 1, "tensorrt": 1}
 
 
-def test_an_onnxruntime_that_cannot_report_placement_cannot_require_it(monkeypatch):
+def test_an_onnxruntime_that_cannot_report_node_assignment_cannot_require_it(monkeypatch):
     _fake_ort(monkeypatch, None)
     with pytest.raises(ProviderError, match=r"onnxruntime 1.31.1 cannot report which provider runs each node"):
         OnnxRuntimeRunner(_model(), ["cuda"], require_all_nodes_on_provider=True).activate()
     with OnnxRuntimeRunner(_model(), ["cuda"]) as runner:
-        assert runner.placement is None
+        assert runner.node_assignment is None
 
 
 def test_a_node_of_unknown_type_is_never_excused():
-    placement = NodePlacement((types.SimpleNamespace(name="x", op_type="Gather", domain="", provider=CPU),))
-    assert placement.off_providers([CUDA]) == list(placement.nodes)
+    assignment = NodeAssignment((types.SimpleNamespace(name="x", op_type="Gather", domain="", provider=CPU),))
+    assert assignment.off_providers([CUDA]) == list(assignment.nodes)
 
 
 # -- preload_dlls ------------------------------------------------------------------------------
