@@ -112,15 +112,30 @@ def weight_files(path: Path) -> list[Path]:
     return shards
 
 
-def load_folder(folder: str | os.PathLike, dtype: str) -> LoadedModel:
-    """The causal LM saved in ``folder``, in ``dtype``, in eval mode."""
+def read_folder(folder: str | os.PathLike) -> tuple[Path, Any, Any]:
+    """A folder's checked config and its causal-LM class, every safetensors header read (no weights):
+    ``(path, config, model class)``, or a one-line error saying what is wrong."""
     path = check_folder(folder)
     transformers = require("transformers", "exporting a Hugging Face model")
     require("safetensors", "exporting a Hugging Face model")
     config = _load_config(path, transformers)
     model_cls = _causal_lm_class(config, transformers, str(path))
     _check_safetensors(path)
-    _check_size(model_cls, config, dtype, str(path))
+    return path, config, model_cls
+
+
+def folder_source(path: Path, config: Any) -> dict[str, Any]:
+    """The metadata ``source`` of a model read from a folder."""
+    return {"kind": "hf", "path": str(path.resolve()), "model_type": config.model_type}
+
+
+def load_folder(folder: str | os.PathLike, dtype: str, *, peak_factor: float = 1.0,
+                fix: str = "choose a smaller model or a machine with more memory") -> LoadedModel:
+    """The causal LM saved in ``folder``, in ``dtype``, in eval mode. ``peak_factor``: how many times
+    its weights the caller's run needs at its peak; checked against the memory budget before any
+    weight is read, refused with ``fix``."""
+    path, config, model_cls = read_folder(folder)
+    _check_size(model_cls, config, dtype, str(path), factor=peak_factor, fix=fix)
     try:
         model = model_cls.from_pretrained(
             str(path), config=config, local_files_only=True, use_safetensors=True, dtype=torch_dtype(dtype),
@@ -128,8 +143,7 @@ def load_folder(folder: str | os.PathLike, dtype: str) -> LoadedModel:
         )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise HFModelError(f"{path}: transformers cannot load the weights ({one_line(exc)})") from None
-    source = {"kind": "hf", "path": str(path.resolve()), "model_type": config.model_type}
-    return _loaded(model, config, dtype, name=path.resolve().name, source=source)
+    return loaded_model(model, config, dtype, name=path.resolve().name, source=folder_source(path, config))
 
 
 def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = None) -> LoadedModel:
@@ -146,17 +160,19 @@ def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = No
         _perturb_norm_gains(model, seed)
     model = model.to(torch_dtype(dtype))
     source = {"kind": "hf", "config": json.loads(config.to_json_string(use_diff=False)), "seed": int(seed)}
-    return _loaded(model, config, dtype, name=name or f"hf-{config.model_type}", source=source)
+    return loaded_model(model, config, dtype, name=name or f"hf-{config.model_type}", source=source)
 
 
-def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None) -> None:
-    """The model's weights against the memory budget: first a lower bound from the config's dims
-    (``hf_files.estimated_parameters``), then counted on the meta device (nothing allocated)."""
-    per_param = per_param or torch_dtype(dtype).itemsize
-    fix = "choose a smaller model or a machine with more memory"
+def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None,
+                factor: float = 1.0, fix: str = "choose a smaller model or a machine with more memory") -> None:
+    """The model's weights (times ``factor``, the caller's peak in weights) against the memory budget:
+    first a lower bound from the config's dims (``hf_files.estimated_parameters``), then counted on
+    the meta device (nothing allocated)."""
+    per_param = (per_param or torch_dtype(dtype).itemsize) * factor
+    peak = f" ({factor:g}x the weights at the run's peak)" if factor != 1.0 else ""
     bound = estimated_parameters(config)
     if bound is not None:
-        check_memory(bound * per_param, f"{where}: at least {bound:,} parameters in {dtype}", fix)
+        check_memory(bound * per_param, f"{where}: at least {bound:,} parameters in {dtype}{peak}", fix)
     try:
         with torch.device("meta"):
             model = model_cls(config)
@@ -164,7 +180,7 @@ def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_para
         raise HFModelError(f"{where}: transformers cannot build this config ({type(exc).__name__}: "
                            f"{one_line(exc)})") from None
     count = sum(p.numel() for p in model.parameters())
-    check_memory(count * per_param, f"{where}: {count:,} parameters in {dtype}", fix)
+    check_memory(count * per_param, f"{where}: {count:,} parameters in {dtype}{peak}", fix)
 
 
 def _check_safetensors(path: Path) -> None:
@@ -180,7 +196,8 @@ def _check_safetensors(path: Path) -> None:
                                "with safetensors") from None
 
 
-def _loaded(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
+def loaded_model(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
+    """``model`` (a transformers causal LM) in eval mode, wrapped to the export's signature."""
     model.eval()
     max_pos = getattr(config, "max_position_embeddings", None) or 2048
     return LoadedModel(

@@ -29,6 +29,13 @@ MAX_BATCH = 8
 MAX_SEQ = 4096
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
 REPORT_NAME = "report.json"
+#: The traced export's peak memory in weights: torch.onnx holds the model, the parity check runs it
+#: in float64 a weight at a time, and ONNX Runtime holds its own copy (2.8x measured for a 1.24B
+#: float16 model: benchmarks/results/export_scale.md). A model that would pass it is refused first.
+TRACED_PEAK_FACTOR = 3.0
+#: What a model too large for the traced export can use instead.
+STREAMING_FIX = ("export --kv-cache --target onnxruntime (optionally --quantize int4) reads the weights tensor by "
+                 "tensor, whatever the model's size")
 
 
 class ExportError(UserError):
@@ -79,10 +86,13 @@ def is_folder_ref(ref: str) -> bool:
 
 
 def load_torch_model(ref: str, dtype: str) -> LoadedModel:
-    """MODEL of the CLI: a preset name, a preset TOML path, or a Hugging Face folder."""
+    """MODEL of the CLI's traced export: a preset name, a preset TOML path, or a Hugging Face folder.
+    A folder is refused before its weights are read when the traced export's peak
+    (:data:`TRACED_PEAK_FACTOR` times its weights) exceeds the memory budget, naming the streaming export."""
 
     if is_folder_ref(ref):
-        return hf.load_folder(ref, dtype)
+        fix = f"choose a smaller model or a machine with more memory, or {STREAMING_FIX}"
+        return hf.load_folder(ref, dtype, peak_factor=TRACED_PEAK_FACTOR, fix=fix)
     return presets.build_preset(presets.load_preset(ref), dtype)
 
 
