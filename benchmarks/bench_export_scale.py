@@ -10,7 +10,9 @@ exported file in a fresh process. Target: peak RSS under 3x the weight bytes.
 
     python benchmarks/bench_export_scale.py [--layers 16] [--keep]
 
-Writes benchmarks/results/export_scale.json and .md.
+Writes benchmarks/results/export_scale.json and .md. ``--model 8b`` measures the streamed,
+quantized export of a model of Llama-3-8B's shape instead (``export_scale_8b.py``; results in
+``export_scale_8b.{json,md}``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,55 @@ def onnxruntime_alone(model: Path, env: dict) -> int | None:
     return int(done.stdout.split()[-1]) * 1024 if done.returncode == 0 and done.stdout.strip() else None
 
 
+def measure(cmd: list[str], env: dict, cwd: str | Path) -> dict:
+    """Run ``cmd`` (an ``rmsnorm-deploy`` command) as a child, sampling its resident memory every 0.1 s
+    and attributing each sample to the stage its progress lines say it is in: wall time, exit code,
+    peak RSS (the larger of the samples and the kernel's high-water mark), stages, output."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    child = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stages: list[dict] = []
+    current = {"name": "python start-up and imports", "peak_kib": 0, "start_s": 0.0}
+    stages.append(current)
+    lock = threading.Lock()
+    stderr_lines: list[str] = []
+
+    def read_stderr() -> None:
+        nonlocal current
+        assert child.stderr is not None
+        for line in child.stderr:
+            stderr_lines.append(line.rstrip())
+            m = _STAGE.match(line.rstrip())
+            if m and not m.group(3):
+                with lock:
+                    current = {"name": m.group(2), "peak_kib": 0, "start_s": time.perf_counter() - start}
+                    stages.append(current)
+            elif m:
+                with lock:
+                    current["seconds"] = float(m.group(4))
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    peak = 0
+    while child.poll() is None:
+        value = rss_kib(child.pid)
+        if value:
+            peak = max(peak, value)
+            with lock:
+                current["peak_kib"] = max(current["peak_kib"], value)
+        time.sleep(0.1)
+    stdout = child.stdout.read() if child.stdout else ""
+    reader.join()
+    # ru_maxrss of the waited-for children: the kernel's own high-water mark, in KiB on Linux (of any
+    # child so far: it counts only when it is above what the children before reached).
+    kernel_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    kernel_peak = kernel_peak if kernel_peak > before else 0
+    return {"exit_code": child.returncode, "wall_s": time.perf_counter() - start, "peak_kib": max(peak, kernel_peak),
+            "stages": stages, "stdout": stdout, "stderr": stderr_lines}
+
+
 def run(layers: int, keep: bool) -> dict:
     sys.path.insert(0, str(ROOT))
     from rmsnorm_deploy.exporter.presets import parse_preset
@@ -95,45 +146,9 @@ def run(layers: int, keep: bool) -> dict:
         cmd = [sys.executable, "-m", "rmsnorm_deploy", "export", str(preset_path), "-o", str(out),
                "--dtype", "float16", "--force"]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        start = time.perf_counter()
-        child = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        stages: list[dict] = []
-        current = {"name": "python start-up and imports", "peak_kib": 0, "start_s": 0.0}
-        stages.append(current)
-        lock = threading.Lock()
-        stderr_lines: list[str] = []
-
-        def read_stderr() -> None:
-            nonlocal current
-            assert child.stderr is not None
-            for line in child.stderr:
-                stderr_lines.append(line.rstrip())
-                m = _STAGE.match(line.rstrip())
-                if m and not m.group(3):
-                    with lock:
-                        current = {"name": m.group(2), "peak_kib": 0, "start_s": time.perf_counter() - start}
-                        stages.append(current)
-                elif m:
-                    with lock:
-                        current["seconds"] = float(m.group(4))
-
-        reader = threading.Thread(target=read_stderr, daemon=True)
-        reader.start()
-        peak = 0
-        while child.poll() is None:
-            value = rss_kib(child.pid)
-            if value:
-                peak = max(peak, value)
-                with lock:
-                    current["peak_kib"] = max(current["peak_kib"], value)
-            time.sleep(0.1)
-        stdout = child.stdout.read() if child.stdout else ""
-        reader.join()
-        wall = time.perf_counter() - start
-        # ru_maxrss of the waited-for children: the kernel's own high-water mark, in KiB on Linux.
-        import resource
-
-        kernel_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        run_ = measure(cmd, env, tmp)
+        stages, stdout, stderr_lines, wall = run_["stages"], run_["stdout"], run_["stderr"], run_["wall_s"]
+        peak, kernel_peak = run_["peak_kib"], 0
         files = {p.name: p.stat().st_size for p in out.glob("*")} if out.exists() else {}
         report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
         ort_alone = onnxruntime_alone(out / "model.onnx", env) if (out / "model.onnx").exists() else None
@@ -150,7 +165,7 @@ def run(layers: int, keep: bool) -> dict:
         "command": " ".join(["rmsnorm-deploy"] + cmd[3:4] + ["<llama-1b.toml>"] + cmd[5:6] + ["<out>"] + cmd[7:]),
         "model": {"shape": "LLaMA-3.2-1B", "layers": layers, "parameters": args.parameter_count(), "dtype": "float16",
                   "weight_bytes": weight_bytes},
-        "exit_code": child.returncode,
+        "exit_code": run_["exit_code"],
         "wall_s": round(wall, 1),
         "peak_rss_bytes": peak_bytes,
         "peak_rss_over_weights": round(peak_bytes / weight_bytes, 3),
@@ -226,10 +241,25 @@ def write(result: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--keep", action="store_true", help="keep the exported model under export/bench-llama-1b/")
+    parser.add_argument("--model", choices=("1b", "8b"), default="1b",
+                        help="1b: the traced float16 export of a 1.24B model (default); 8b: Llama-3-8B's shape "
+                             "streamed and quantized (export_scale_8b.py)")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default 16 for 1b, 32 for 8b)")
+    parser.add_argument("--keep", action="store_true", help="keep the exported model (1b: under export/bench-llama-1b/)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not update benchmarks/results")
+    parser.add_argument("--work", type=Path, default=None, help="8b: folder for the checkpoint and exports "
+                        "(about 36 GB; default a temporary folder)")
+    parser.add_argument("--schemes", default="int4,int8", help="8b: --quantize schemes, comma-separated")
     ns = parser.parse_args()
+    if ns.model == "8b":
+        from export_scale_8b import run_8b
+
+        work = ns.work or Path(tempfile.mkdtemp(prefix="bench-export-8b-"))
+        result = run_8b(work, ns.schemes.split(","), ns.keep, ns.layers, write=not ns.no_write)
+        print(json.dumps({k: {kk: v[kk] for kk in ("exit_code", "wall_s", "export_peak_rss_gib", "target_met")}
+                          for k, v in result["schemes"].items()}, indent=1))
+        return 0 if all(v["exit_code"] == 0 and v["target_met"] for v in result["schemes"].values()) else 1
+    ns.layers = ns.layers or 16
     result = run(ns.layers, ns.keep)
     print(json.dumps({k: result[k] for k in ("wall_s", "peak_rss_bytes", "peak_rss_over_weights",
                                              "export_peak_rss_over_weights", "target_met_by_export",

@@ -153,14 +153,14 @@ def save_hf(loaded: Any, folder: Path) -> None:
                                          pad_token="t0").save_pretrained(folder)
 
 
-def build_genai(hf_dir: Path, out: Path, cache: Path) -> Path:
+def build_genai(hf_dir: Path, out: Path, cache: Path, precision: str = "fp32") -> Path:
     clock = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
-                           "-p", "fp32", "-e", "cpu", "-c", str(cache)], capture_output=True, text=True)
+                           "-p", precision, "-e", "cpu", "-c", str(cache)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"onnxruntime-genai's builder failed: {proc.stderr.strip().splitlines()[-1:]}")
     genai_session_options(out)
-    log(f"  genai builder: {time.perf_counter() - clock:.1f}s")
+    log(f"  genai builder ({precision}): {time.perf_counter() - clock:.1f}s")
     return out
 
 
@@ -304,7 +304,8 @@ def graph_ops(path: Path) -> dict[str, Any]:
 def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Callable[[dict[str, Any]], None],
                 workers: list[OptimumWorker]) -> dict[str, Any]:
     from rmsnorm_deploy.exporter import hf
-    from rmsnorm_deploy.decoder.ort_graph import audit_norms, build_decoder
+    from rmsnorm_deploy.decoder.ort_graph import build_decoder
+    from rmsnorm_deploy.decoder.ort_parity import audit_norms
     from rmsnorm_deploy.graph.onnx_file import save_onnx
 
     log(f"{key}: {LABELS[key]}")
@@ -534,7 +535,15 @@ def main(argv: list[str] | None = None) -> int:
                              "generate on our portable folder and on optimum's own graph")
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--quantized", action="store_true",
+                        help="weight-only int8/int4: our exports against onnxruntime-genai's int4 and llama.cpp "
+                             "(kv_decode_quantized.py); --models tiny,125m,1b")
+    parser.add_argument("--llama-cpp", metavar="DIR", help="--quantized: the llama.cpp source tree with build/bin/"
+                        "llama-bench and llama-quantize (default $LLAMA_CPP_DIR)")
+    parser.add_argument("--rounds-1b", type=int, default=2, help="--quantized: interleaved rounds, 1B model")
     args = parser.parse_args(argv)
+    if args.quantized:
+        return main_quantized(args)
     args.batches = [int(b) for b in args.batches.split(",")]
     optimum_versions = {}
     if args.optimum_python:
@@ -580,6 +589,24 @@ def main(argv: list[str] | None = None) -> int:
                 for worker in workers:
                     worker.close()
     print(markdown(results))
+    return 0
+
+
+def main_quantized(args: argparse.Namespace) -> int:
+    from kv_decode_quantized import markdown_quantized, run_quantized
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(THREADS)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_quantized(results: dict[str, Any]) -> None:
+        (args.out_dir / "kv_decode_quantized_cpu.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out_dir / "kv_decode_quantized_cpu.md").write_text(markdown_quantized(results))
+
+    rounds = {"tiny": args.rounds, "125m": args.rounds_125m, "1b": args.rounds_1b}
+    with tempfile.TemporaryDirectory(prefix="bench-kv-quantized-") as tmp:
+        results = run_quantized(args.models.split(","), rounds, args.llama_cpp, Path(tmp), write_quantized)
+    print(markdown_quantized(results))
     return 0
 
 

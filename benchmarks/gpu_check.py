@@ -312,7 +312,7 @@ def compare_model(path: Path, device: str) -> dict[str, Any]:
     feed, _, _ = generate_feed(model, meta, kind="normal", seed=0, dims=None)
     with OnnxRuntimeRunner(path, ["cpu"]) as ort_runner:
         ort_out = ort_runner.infer(feed)
-        placement = ort_runner.placement.describe() if ort_runner.placement else "not reported"
+        placement = ort_runner.node_assignment.describe() if ort_runner.node_assignment else "not reported"
     with TorchRunner(rebuild_source(meta), device=device) as torch_runner:
         torch_out = torch_runner.infer(feed)
     parts, passed, outputs = [], True, 0

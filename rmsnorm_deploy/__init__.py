@@ -15,11 +15,11 @@ __all__ = ["RMSNormSpec", "UserError", "rmsnorm_model", "reference", "oracle", "
 def __getattr__(name: str):
     # Heavier pieces load on first use so that `import rmsnorm_deploy` stays light.
     if name == "rmsnorm_model":
-        from rmsnorm_deploy.graph.standalone import rmsnorm_model
+        from rmsnorm_deploy.graph.standalone import rmsnorm_model  # start-up: onnxscript loads on first use
 
         return rmsnorm_model
     if name in ("reference", "oracle"):
-        from rmsnorm_deploy.contract import reference as _reference
+        from rmsnorm_deploy.contract import reference as _reference  # start-up: torch loads on first use
 
         return getattr(_reference, name)
     raise AttributeError(f"module 'rmsnorm_deploy' has no attribute {name!r}")

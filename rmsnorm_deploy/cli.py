@@ -4,17 +4,29 @@ Each subcommand lives in ``rmsnorm_deploy/commands/<name>.py`` with ``add_argume
 and ``run(args) -> int``; building the parser imports no optional dependency, so ``--help``
 works with only torch, onnx and onnxscript installed. Errors the user can fix print one line
 and exit with code 2; a failed parity check exits with code 1.
+
+Whatever happens inside :func:`main`, the terminal gets one line, never a traceback: Ctrl-C
+anywhere (start-up included) exits 130 and SIGTERM 143, both unwinding the stack so that
+staging folders and temporary files are removed; a refusal of the file system (a name too long,
+a folder under ``/proc``) exits 2 naming the path; a closed pipe (``| head``) ends quietly with
+141, as the shell's own tools do; text that the terminal's encoding cannot show is escaped.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
+import errno
 import importlib
+import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
+from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.resources import __version__
-from rmsnorm_deploy.errors import UserError
 
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,23 +75,119 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
-    if args.command in RENAMED:
-        print(f"rmsnorm-deploy: note: `{args.command}` is now `{RENAMED[args.command]}`; the old name still works "
-              "but will be removed", file=sys.stderr)
+#: exit codes of a command stopped from outside, as the shell reports a process killed by the signal
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C)
+EXIT_BROKEN_PIPE = 141  # SIGPIPE: the reader of stdout went away
+EXIT_TERMINATED = 143  # SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it cleans up exactly as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+def _signal_again(unraisable: Any, previous: Callable[[Any], None]) -> None:
+    """``sys.unraisablehook`` while a command runs: a Ctrl-C or SIGTERM raised inside a finalizer
+    (a weakref callback, a ``__del__``), where Python can only print and drop it, is raised again a
+    moment later in the program's own code, so the command still stops and cleans up."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        previous(unraisable)
+        return
+    signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+    timer = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
+    timer.daemon = True
+    timer.start()
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while the command runs (in the main thread only: signal
+    handlers can be set nowhere else); the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: _signal_again(unraisable, previous_hook)
     try:
-        return int(args._run(args) or 0)
+        yield
+    finally:
+        sys.unraisablehook = previous_hook
+        # None: the previous handler was not set from Python; the default is the nearest to it
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _escape_unprintable() -> None:
+    """Text the output's encoding cannot show (a path in an ASCII terminal) is escaped, not an error."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
+
+
+def _silence_stdout() -> None:
+    """After the reader of our stdout went away: point it at /dev/null, so that the flush at exit
+    does not complain a second time."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+_OS_ERROR_FIXES = {
+    errno.ENAMETOOLONG: "shorten the path (a file name holds at most 255 bytes)",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; choose another path",
+    errno.EACCES: "choose a path you may write, or change its permissions",
+    errno.EPERM: "choose a path you may write, or change its permissions",
+    errno.EROFS: "choose a path on a writable file system",
+    errno.ENOSPC: "free some disk space or choose another path",
+}
+
+
+def os_error_line(exc: OSError) -> str:
+    """An operating-system refusal as one line: the path, the system's reason, and what to do."""
+    where = " -> ".join(str(name) for name in (exc.filename, exc.filename2) if name is not None)
+    reason = exc.strerror or one_line(exc)
+    fix = _OS_ERROR_FIXES.get(exc.errno, "check the path and the file system")
+    return f"{where + ': ' if where else ''}{reason}; {fix}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _escape_unprintable()
+    prog = "rmsnorm-deploy"
+    try:
+        with _sigterm_unwinds():
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "_run", None):
+                parser.print_help()
+                return 2
+            if args.command in RENAMED:
+                print(f"rmsnorm-deploy: note: `{args.command}` is now `{RENAMED[args.command]}`; the old name still "
+                      "works but will be removed", file=sys.stderr)
+            prog = f"rmsnorm-deploy {args.command}"
+            code = int(args._run(args) or 0)
+            sys.stdout.flush()  # a closed pipe is found here, not at interpreter exit
+            return code
     except UserError as exc:
-        print(f"rmsnorm-deploy {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
-        print(f"rmsnorm-deploy {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        print(f"{prog}: error: {os_error_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -179,6 +179,50 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path)
     assert _imports(source, "x.m", modules) == {"rmsnorm_deploy.exporter.plan"}
 
 
+#: where an import inside a function is CLI start-up time by rule (commands/__init__ says so)
+_START_UP_MODULES = ("rmsnorm_deploy.commands", "rmsnorm_deploy.cli")
+
+
+def lazy_import_findings(path: Path, module: str) -> list[str]:
+    """Imports of project modules inside functions that do not say why (a ``# optional: ...`` or
+    ``# start-up: ...`` comment on their line), and any that re-import a module the top imports."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    tree = ast.parse(text)
+    top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith(NAME)):
+                continue
+            where = f"{module}:{node.lineno} {node.module}"
+            if node.module in top:
+                found.append(f"{where}: already imported at the top")
+            elif not module.startswith(_START_UP_MODULES) and \
+                    not re.search(r"#\s*(optional|start-up):", lines[node.end_lineno - 1]):
+                found.append(f"{where}: an import inside a function says why (# optional: / # start-up:)")
+    return found
+
+
+def test_an_import_inside_a_function_is_an_optional_dependency_or_start_up_time_and_says_so():
+    found = [f for m, p in sorted(_modules().items()) for f in lazy_import_findings(p, m)]
+    assert found == []
+
+
+def test_the_lazy_import_check_fails_on_an_unexplained_one(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from rmsnorm_deploy.errors import UserError\n\ndef f():\n"
+                      "    from rmsnorm_deploy.graph import audit\n    from rmsnorm_deploy.errors import UserError\n"
+                      "    from rmsnorm_deploy.kernels import triton_rmsnorm  # optional: it imports triton\n")
+    assert lazy_import_findings(source, "rmsnorm_deploy.exporter.m") == [
+        "rmsnorm_deploy.exporter.m:4 rmsnorm_deploy.graph: an import inside a function says why (# optional: / "
+        "# start-up:)",
+        "rmsnorm_deploy.exporter.m:5 rmsnorm_deploy.errors: already imported at the top",
+    ]
+
+
 def test_every_package_is_in_the_order():
     packages = {_package_of(m) for m in _modules()}
     assert packages <= set(RANK), sorted(packages - set(RANK))

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from rmsnorm_deploy.commands import add_result_options
+from rmsnorm_deploy.commands import add_result_options, check_result_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,13 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here, not at the top: `rmsnorm-deploy --help` must not load onnx and onnxruntime
     from rmsnorm_deploy.errors import UserError
-    from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable
+    from rmsnorm_deploy.graph.onnx_file import atomic_path
     from rmsnorm_deploy.validate.audit import audit_file
 
-    if args.output:
-        ensure_writable(args.output, force=args.force)
+    check_result_output(args, args.model, args.model + ".data")
     levels = [lvl for lvl in (args.optimization or ["all"]) if lvl != "none"]
     if args.optimization and "none" in args.optimization and levels:
         raise UserError("--optimization none audits the graph as written only; do not combine it with levels")

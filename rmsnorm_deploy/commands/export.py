@@ -14,7 +14,14 @@ from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
 from rmsnorm_deploy.decoder.convention import TARGETS
-from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ
+from rmsnorm_deploy.decoder.quantize import (
+    BLOCK_SIZES,
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    SCHEMES,
+    Quantization,
+)
+from rmsnorm_deploy.exporter.plan import DEFAULT_BATCH, DEFAULT_SEQ, ExportOptions, load_torch_model, plan_export
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
@@ -41,6 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--share-buffer", action="store_true",
                         help="--target onnxruntime: past and present share one max-length buffer "
                              "(onnxruntime-genai's past_present_share_buffer)")
+    parser.add_argument("--quantize", choices=SCHEMES,
+                        help="--target onnxruntime: weight-only int8 or int4 projections (ONNX Runtime's MatMulNBits, "
+                             "quantized by its own quantizer); every norm stays exact, in float32")
+    parser.add_argument("--block-size", type=int, metavar="N",
+                        help=f"--quantize: weights per scale, one of {', '.join(map(str, BLOCK_SIZES))} "
+                             f"(default {DEFAULT_BLOCK_SIZE})")
+    parser.add_argument("--accuracy-level", type=int, metavar="L",
+                        help="--quantize: MatMulNBits' accuracy_level: 0 or 1 compute in float32, 4 in int8 "
+                             f"(default {DEFAULT_ACCURACY_LEVEL}: the fastest)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="--quantize: the LM head too (default: kept in the graph's dtype)")
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
@@ -53,26 +71,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here, not at the top: `rmsnorm-deploy --help` must not load torch
-    from rmsnorm_deploy.decoder.export import DecoderOptions, plan_decoder_export, run_decoder_export
+    from rmsnorm_deploy.decoder.export import DecoderOptions, open_model, plan_decoder_export, run_decoder_export
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.exporter.pipeline import run_export
-    from rmsnorm_deploy.exporter.plan import (
-        ExportOptions,
-        load_torch_model,
-        plan_export,
-    )
     from rmsnorm_deploy.progress import Progress
     from rmsnorm_deploy.table import format_table
 
     options = ExportOptions(dtype=args.dtype, lowering=args.lowering, opset=args.opset, batch=args.batch,
                             seq=args.seq, force=args.force, release_model=True, fuse_attention=args.fuse_attention,
                             norm_specs=tuple(args.norm_spec))
-    if not args.kv_cache and (args.target is not None or args.share_buffer):
-        flag = f"--target {args.target}" if args.target is not None else "--share-buffer"
+    if not args.kv_cache and (args.target is not None or args.share_buffer or args.quantize):
+        flag = (f"--target {args.target}" if args.target is not None else
+                "--share-buffer" if args.share_buffer else f"--quantize {args.quantize}")
         raise UserError(f"{flag} is an option of the KV-cache decoder graph; add --kv-cache")
     if args.kv_cache:
-        decoder = DecoderOptions(target=args.target or "portable", share_buffer=args.share_buffer)
+        decoder = DecoderOptions(target=args.target or "portable", share_buffer=args.share_buffer,
+                                 quantization=_quantization(args))
         decoder_plan = plan_decoder_export(options, decoder, model_ref=args.model, output=args.output)
         plan = decoder_plan.export
     else:
@@ -80,11 +94,14 @@ def run(args: argparse.Namespace) -> int:
     target = plan.model_path
 
     progress = Progress(prefix="export ")
+    if args.kv_cache and decoder.target == "onnxruntime":
+        with progress.stage(f"reading {args.model} in {options.dtype} (a folder's weights stay on disk)") as st:
+            loaded, tensors = open_model(args.model, decoder_plan)
+            st.note(f"{loaded.parameter_count() / 1e6:.1f}M parameters")
+        return _run_ort_decoder(loaded, decoder_plan, progress, tensors)
     with progress.stage(f"loading {args.model} in {options.dtype}") as st:
         loaded = load_torch_model(args.model, options.dtype)
         st.note(f"{loaded.parameter_count() / 1e6:.1f}M parameters")
-    if args.kv_cache and decoder.target == "onnxruntime":
-        return _run_ort_decoder(loaded, decoder_plan, progress)
     if args.kv_cache:
         result = run_decoder_export(loaded, decoder_plan, progress=progress)
     else:
@@ -120,22 +137,41 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result.parity_failed else 0
 
 
-def _run_ort_decoder(loaded, decoder_plan, progress) -> int:
-    from rmsnorm_deploy.decoder.export import run_decoder_export  # start-up time, as in run()
+def _quantization(args: argparse.Namespace) -> Quantization | None:
+    """``--quantize`` and its options, checked; None without ``--quantize``."""
+    from rmsnorm_deploy.errors import UserError
 
-    plan, share_buffer = decoder_plan.export, decoder_plan.decoder.share_buffer
+    if args.quantize is None:
+        given = [flag for flag, value in (("--block-size", args.block_size), ("--accuracy-level", args.accuracy_level),
+                                          ("--quantize-lm-head", args.quantize_lm_head or None)) if value is not None]
+        if given:
+            raise UserError(f"{given[0]} is an option of --quantize; add --quantize int8 or --quantize int4")
+        return None
+    return Quantization(args.quantize, DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size,
+                        DEFAULT_ACCURACY_LEVEL if args.accuracy_level is None else args.accuracy_level,
+                        args.quantize_lm_head)
+
+
+def _run_ort_decoder(loaded, decoder_plan, progress, tensors) -> int:
+    from rmsnorm_deploy.decoder.export import run_decoder_export
+
+    plan, decoder = decoder_plan.export, decoder_plan.decoder
     options = plan.options
-    result = run_decoder_export(loaded, decoder_plan, progress=progress)
+    result = run_decoder_export(loaded, decoder_plan, progress=progress, tensors=tensors)
     dec = result.decoder
     size = plan.model_path.stat().st_size + _size(plan.model_path.parent / (plan.model_path.name + ".data"))
-    print(f"exported {plan.model_path} ({size / 2**20:.1f} MiB, {options.dtype}, target onnxruntime, "
+    weights = decoder.quantization.describe() if decoder.quantization is not None else options.dtype
+    print(f"exported {plan.model_path} ({size / 2**20:.1f} MiB, {weights}, target onnxruntime, "
           f"{len(dec.model.graph.node)} nodes, {dec.norm_nodes} norm nodes ({options.lowering}), "
-          f"LM head {dec.lm_head}, {'shared' if share_buffer else 'separate'} past/present); beside it: "
+          f"LM head {dec.lm_head}, {'shared' if decoder.share_buffer else 'separate'} past/present); beside it: "
           f"{', '.join(result.serving_files)} (run it: rmsnorm-deploy generate {plan.model_path.parent})")
     if result.parity is not None:
         print()
         print(result.parity.table())
+    if result.report_path is not None:
         print(f"report: {result.report_path}")
+    if result.layer_by_layer:
+        print(f"checked layer by layer: {result.layer_by_layer}")
     return 1 if result.parity_failed else 0
 
 

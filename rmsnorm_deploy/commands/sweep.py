@@ -31,9 +31,10 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.errors import UserError
     from rmsnorm_deploy.validate.lowering_sweep import (
         cases,
-        sweep_table,
+        check_case_memory,
         run_case,
         summary_table,
+        sweep_table,
     )
 
     if args.json:
@@ -44,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
         shape = tuple(int(d) for d in args.shape.lower().split("x"))
     except ValueError:
         raise UserError(f"--shape {args.shape!r} is not a shape; write it like 199x760") from None
+    if not shape or min(shape) < 1:
+        raise UserError(f"--shape {args.shape!r}: every dim must be an integer >= 1, e.g. 199x760")
+    check_case_memory(shape, f"--shape {args.shape}")
     specs = named_specs()
     if args.spec:
         specs = {k: specs[k] for k in args.spec}

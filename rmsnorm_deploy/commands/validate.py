@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rmsnorm_deploy.commands import add_result_options
+from rmsnorm_deploy.commands import add_result_options, check_result_output
 
 _BACKEND_HELP = (
     "comma-separated backends: cpu, cuda, tensorrt (ONNX Runtime's CPU, CUDA and TensorRT execution providers), "
@@ -63,14 +63,13 @@ def parse_provider_options(items: list[str]) -> dict[str, dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.graph.onnx_file import atomic_path, ensure_writable
+    from rmsnorm_deploy.graph.onnx_file import atomic_path
     from rmsnorm_deploy.validate.backends import parse_backends
     from rmsnorm_deploy.validate.feeds import parse_dims
     from rmsnorm_deploy.validate.run import validate_model
 
     backends = parse_backends(args.providers)
-    if args.output:
-        ensure_writable(args.output, force=args.force)
+    check_result_output(args, args.model, args.model + ".data", args.feed)
     if any(b in ("cpu", "cuda", "tensorrt") for b in backends):
         from rmsnorm_deploy.runners.onnxruntime import set_onnxruntime_log_level
 

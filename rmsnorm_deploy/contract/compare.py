@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from rmsnorm_deploy.contract.dtypes import PRECISION_BITS, dtype_name
+from rmsnorm_deploy.contract.dtypes import PRECISION_BITS, dtype_name, to_numpy
 from rmsnorm_deploy.contract.tolerances import Tolerance
 
 # Smallest normal exponent of each dtype: below it the spacing stops shrinking.
@@ -180,7 +180,6 @@ def _as_array(value: Any) -> np.ndarray:
         import torch
 
         if isinstance(value, torch.Tensor):
-            from rmsnorm_deploy.contract.dtypes import to_numpy
 
             return to_numpy(value)
     except ImportError:  # pragma: no cover - torch is a core dependency

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from rmsnorm_deploy.contract import formula
-from rmsnorm_deploy.contract.dtypes import torch_dtype
+from rmsnorm_deploy.contract.dtypes import to_torch, torch_dtype
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 
 
@@ -131,7 +131,6 @@ class SpecRMSNorm(torch.nn.Module):
 
 
 def _as_tensors(x: Any, weight: Any, gate: Any = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    from rmsnorm_deploy.contract.dtypes import to_torch
 
     def conv(a: Any) -> torch.Tensor | None:
         if a is None or isinstance(a, torch.Tensor):

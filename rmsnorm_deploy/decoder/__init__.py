@@ -11,8 +11,26 @@ kv_model            ``KVCacheLM``: a causal LM over the flat past/present tensor
                     graph traces, and a KV-cache graph's rebuilt source)
 portable            ``KVExport``: the portable graph through the norm export pipeline (feeds, export
                     call, metadata, serving files)
-ort_graph           ``--target onnxruntime``: the graph written from the module tree (fused QKV,
-                    GroupQueryAttention, exact norm nodes), its norm audit and per-step parity
+ort_graph           ``--target onnxruntime``: the graph (fused QKV, GroupQueryAttention, exact norm
+                    nodes, optionally int8/int4 MatMulNBits) and ``build_decoder``, its entry point
+ort_model           what that graph needs from a model: dimensions, LM head, rotary tables, refusals,
+                    its metadata; read from the module tree, never from the projections' weights
+ort_builder         ``OrtDecoderBuilder``: the graph written part by part (``make_embedding``,
+                    ``make_attention``, ``make_mlp``, ``make_norm``, ``make_lm_head`` ...)
+ort_writer          ``GraphWriter``: unique names, and the initializers kept in memory or appended to
+                    the external-data file block by block (``ExternalData``)
+weights             tensor sources the builder reads: the modules, or a checkpoint's safetensors files
+                    (sharded, memory-mapped, block by block)
+quantize            ``--quantize``: ONNX Runtime's weight-only quantizer per tensor, what MatMulNBits
+                    computes (dequantized weights, int8 activations) and the reference built from it
+streaming           a Hugging Face folder opened without its weights (parameters on the meta device,
+                    the norms' real gains) for an export whose memory does not grow with the model
+ort_parity          the graph's norm audit and its per-step parity with transformers (with the
+                    dequantized weights for a quantized graph) and what quantization cost
+layer_parity        the parity of a model too large to load whole: each layer alone on the graph's own
+                    residual stream, then the final logits, one layer of weights in memory at a time
+ort_export          ``export --kv-cache --target onnxruntime``: written streaming, audited, published,
+                    checked
 genai_config        ``genai_config.json`` and the Hugging Face config and tokenizer files beside a model
 loop                ``decode_loop``: the one decode loop (mask, positions, token choice, end of
                     sequence, timings) over a backend's step; ``OrtStep``: ONNX Runtime's step through

@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.errors import UserError
 
 INPUT_IDS = "input_ids"
@@ -259,7 +260,6 @@ def left_padded(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[np.nd
 
 def empty_past(layout: KVCacheLayout, batch: int) -> dict[str, np.ndarray]:
     """Zero-length past tensors for a prefill (``past = 0``)."""
-    from rmsnorm_deploy.contract.dtypes import numpy_dtype
 
     dtype = numpy_dtype(layout.dtype)
     return {n: np.zeros((batch, layout.kv_heads, 0, layout.head_dim), dtype=dtype) for n in layout.past_names()}

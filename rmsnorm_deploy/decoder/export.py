@@ -7,7 +7,9 @@ that will be published beside the model), then written by the target's writer:
 - ``portable``: the norm export pipeline tracing :class:`~rmsnorm_deploy.decoder.kv_model.KVCacheLM`
   (``portable.KVExport`` is the graph it hands the pipeline);
 - ``onnxruntime``: the graph written from the module tree (``ort_graph``: GroupQueryAttention,
-  fused projections, exact norm nodes).
+  fused projections, exact norm nodes), optionally with weight-only int8/int4 MatMuls
+  (``quantize``); a Hugging Face folder is not loaded but streamed tensor by tensor
+  (:func:`open_model`, ``streaming``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,24 @@ import os
 from typing import Any
 
 from rmsnorm_deploy.decoder.convention import ORT_DTYPES, TARGETS
-from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG, HF_FILES
-from rmsnorm_deploy.decoder.ort_graph import export_ort_decoder
+from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG
+from rmsnorm_deploy.decoder.ort_export import export_ort_decoder
 from rmsnorm_deploy.decoder.portable import KVExport
+from rmsnorm_deploy.decoder.quantize import Quantization
+from rmsnorm_deploy.decoder.streaming import open_folder
+from rmsnorm_deploy.decoder.weights import TensorSource
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.hf_files import HF_FILES
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.exporter.pipeline import run_export
-from rmsnorm_deploy.exporter.plan import ExportOptions, ExportPlan, check_options, plan_export
+from rmsnorm_deploy.exporter.plan import (
+    ExportOptions,
+    ExportPlan,
+    check_options,
+    is_folder_ref,
+    load_torch_model,
+    plan_export,
+)
 from rmsnorm_deploy.progress import Progress
 
 
@@ -37,6 +50,8 @@ class DecoderOptions:
     #: ``onnxruntime`` target: past and present as one [batch, kv_heads, max_length, head_dim]
     #: buffer (onnxruntime-genai's ``past_present_share_buffer: true``).
     share_buffer: bool = False
+    #: ``onnxruntime`` target: weight-only int8/int4 projections (``export --quantize``).
+    quantization: Quantization | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +78,9 @@ def check_decoder_options(options: ExportOptions, decoder: DecoderOptions) -> No
                             f"{options.dtype} CPU kernel); use --target portable for {options.dtype}")
     if decoder.share_buffer and decoder.target != "onnxruntime":
         raise UserError("--share-buffer is a mode of the --target onnxruntime graph")
+    if decoder.quantization is not None and decoder.target != "onnxruntime":
+        raise UserError("--quantize writes ONNX Runtime's MatMulNBits, which the portable graph is written without "
+                        "(TensorRT has no such kernel); add --target onnxruntime")
 
 
 def plan_decoder_export(options: ExportOptions, decoder: DecoderOptions = DecoderOptions(), *,
@@ -75,11 +93,23 @@ def plan_decoder_export(options: ExportOptions, decoder: DecoderOptions = Decode
     return DecoderPlan(plan, decoder)
 
 
-def run_decoder_export(loaded: LoadedModel, plan: DecoderPlan, *, progress: Progress | None = None) -> Any:
+def open_model(ref: str, plan: DecoderPlan) -> tuple[LoadedModel, TensorSource | None]:
+    """MODEL of the CLI for ``plan``: for the onnxruntime target a Hugging Face folder is opened
+    without its weights, which are streamed from its checkpoint (``streaming``); anything else is
+    loaded, and a folder too large for the traced export is refused before its weights are read."""
+    dtype = plan.export.options.dtype
+    if plan.decoder.target == "onnxruntime" and is_folder_ref(ref):
+        return open_folder(ref, dtype)
+    return load_torch_model(ref, dtype), None
+
+
+def run_decoder_export(loaded: LoadedModel, plan: DecoderPlan, *, progress: Progress | None = None,
+                       tensors: TensorSource | None = None) -> Any:
     """Write the planned decoder graph: an ``exporter.pipeline.ExportResult`` (portable) or an
-    ``ort_graph.OrtDecoderExport`` (onnxruntime)."""
+    ``ort_export.OrtDecoderExport`` (onnxruntime; ``tensors``: where a streamed model's weights are)."""
     if plan.decoder.target == "onnxruntime":
-        return export_ort_decoder(loaded, plan.export, progress=progress, share_buffer=plan.decoder.share_buffer)
+        return export_ort_decoder(loaded, plan.export, progress=progress, share_buffer=plan.decoder.share_buffer,
+                                  quantization=plan.decoder.quantization, tensors=tensors)
     return run_export(loaded, plan.export, progress=progress, graph=KVExport.of)
 
 

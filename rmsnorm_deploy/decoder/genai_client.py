@@ -2,7 +2,7 @@
 
 A folder written by ``export --kv-cache`` carries a ``genai_config.json``, so onnxruntime-genai
 runs it unmodified; this is the one place that asks it for tokens (the generation parity test and
-``benchmarks/kv_cache_parity.py``). onnxruntime-genai is optional and loaded here, lazily.
+``benchmarks/sweeps/kv_cache_parity.py``). onnxruntime-genai is optional and loaded here, lazily.
 """
 
 from __future__ import annotations

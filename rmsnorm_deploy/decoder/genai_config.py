@@ -26,13 +26,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from rmsnorm_deploy.decoder.convention import KVCacheLayout
+from rmsnorm_deploy.exporter.hf_files import HF_FILES, SideFileError, read_side_json, side_file, special_token_fields
 from rmsnorm_deploy.graph.onnx_file import atomic_path
 
 GENAI_CONFIG = "genai_config.json"
-#: Files of a Hugging Face folder that tokenizers, transformers and optimum read beside a model.
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-            "chat_template.jinja")
 #: Decoder-only model types onnxruntime-genai 0.18 knows (its ``model.type``).
 GENAI_TYPES = frozenset({"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gpt2", "granite", "llama",
                          "mistral", "nemotron", "olmo", "phi", "phi3", "qwen2", "qwen3", "smollm3"})
@@ -42,31 +39,36 @@ def genai_type(model_type: str | None) -> str:
     return model_type if model_type in GENAI_TYPES else "llama"
 
 
-def _token_id(value: Any) -> int | list[int] | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, (list, tuple)):
-        ids = [v for v in value if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-        return ids or None
-    return None
+def special_tokens(hf_config: Mapping[str, Any] | None, *, where: str = "config.json",
+                   generation: Mapping[str, Any] | None = None,
+                   generation_where: str = "generation_config.json") -> dict[str, Any]:
+    """``bos``/``eos``/``pad`` token ids of a transformers config dict, ``generation``'s (the
+    ``generation_config.json`` that transformers' own ``generate`` uses) where it sets them;
+    ``None`` where absent. Ids of the wrong type are a one-line error (``hf_files.token_ids``)."""
+    tokens = special_token_fields(hf_config, where)
+    for key, value in special_token_fields(generation, generation_where).items():
+        if value is not None:
+            tokens[key] = value
+    return tokens
 
 
-def special_tokens(hf_config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``bos``/``eos``/``pad`` token ids of a transformers config dict (``None`` where absent)."""
-    cfg = dict(hf_config) if isinstance(hf_config, Mapping) else {}  # untrusted: anything else has no tokens
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), Mapping) else {}
-    out = {}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        out[key] = _token_id(cfg.get(key, text.get(key)))
-    return out
+def check_in_vocabulary(tokens: Mapping[str, Any], vocab_size: int, where: str) -> None:
+    """Every special-token id lies in ``[0, vocab_size)``: a pad id past the embedding table would be
+    gathered from outside it, an end-of-sequence id past it would never match."""
+    for key, value in tokens.items():
+        for token in [value] if isinstance(value, int) else value or []:
+            if token >= vocab_size:
+                raise SideFileError(f"{where}: {key} {token} is outside the model's vocabulary [0, {vocab_size}); "
+                                    "fix the file")
 
 
 def genai_config(layout: KVCacheLayout, *, model_file: str = "model.onnx", model_type: str | None = None,
-                 hf_config: Mapping[str, Any] | None = None, provider: str = "cpu") -> dict[str, Any]:
-    """The ``genai_config.json`` of a KV-cache model (see the module docstring)."""
-    tokens = special_tokens(hf_config)
+                 hf_config: Mapping[str, Any] | None = None, generation: Mapping[str, Any] | None = None,
+                 provider: str = "cpu") -> dict[str, Any]:
+    """The ``genai_config.json`` of a KV-cache model (see the module docstring); its special tokens
+    come from ``hf_config`` and ``generation`` (:func:`special_tokens`)."""
+    tokens = special_tokens(hf_config, generation=generation)
+    check_in_vocabulary(tokens, layout.vocab_size, "the model's config")
     eos = tokens["eos_token_id"]
     # No end-of-sequence token: an empty list, which onnxruntime-genai accepts and never matches
     # (generation runs to max_length, as transformers does with eos_token_id None); -1 is refused.
@@ -128,13 +130,13 @@ def write_json(path: Path, data: Any, *, force: bool) -> None:
 
 
 def copy_hf_files(source: str | os.PathLike, folder: Path, *, force: bool) -> list[str]:
-    """Copy the config and tokenizer files of a Hugging Face folder (regular files only, no links
-    that leave it) into ``folder``; returns the names copied."""
-    src = Path(source)
+    """Copy the config and tokenizer files of a Hugging Face folder into ``folder`` (what a link
+    points to, when it stays inside the folder or its hub-cache repository: ``hf_files.side_file``);
+    returns the names copied."""
     copied = []
     for name in HF_FILES:
-        path = src / name
-        if not path.is_file() or path.is_symlink() and not path.resolve().is_relative_to(src.resolve()):
+        path = side_file(source, name)
+        if path is None:
             continue
         with atomic_path(folder / name, force=force) as tmp:
             shutil.copyfile(path, tmp)
@@ -153,22 +155,23 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
     folder = model_path.parent
     folder.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
-    hf_config: dict[str, Any] | None = None
+    generation: dict[str, Any] | None = None
     if source.get("kind") == "hf" and source.get("path"):
         written += copy_hf_files(source["path"], folder, force=force)
-        try:
-            hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            hf_config = None
+        hf_config = read_side_json(folder, "config.json")
+        generation = read_side_json(folder, "generation_config.json")
     elif source.get("kind") == "hf" and isinstance(source.get("config"), Mapping):
         hf_config = dict(source["config"])
         write_json(folder / "config.json", hf_config, force=force)
         written.append("config.json")
     else:
-        write_json(folder / "config.json", layout_config(layout), force=force)
+        hf_config = layout_config(layout)
+        write_json(folder / "config.json", hf_config, force=force)
         written.append("config.json")
-    model_type = (hf_config or {}).get("model_type") if isinstance(hf_config, Mapping) else None
-    data = genai_config(layout, model_file=model_path.name, model_type=model_type, hf_config=hf_config)
+    model_type = (hf_config or {}).get("model_type")
+    model_type = model_type if isinstance(model_type, str) else None
+    data = genai_config(layout, model_file=model_path.name, model_type=model_type, hf_config=hf_config,
+                        generation=generation)
     write_json(folder / GENAI_CONFIG, data, force=force)
     written.append(GENAI_CONFIG)
     return written
@@ -176,15 +179,32 @@ def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping
 
 def read_genai_config(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The folder's ``genai_config.json``, or ``None``; damaged files are a one-line error."""
-    from rmsnorm_deploy.decoder.convention import KVCacheError
-
-    path = Path(folder) / GENAI_CONFIG
-    if not path.is_file():
+    data = read_side_json(folder, GENAI_CONFIG, kind=object)
+    if data is None:
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise KVCacheError(f"{path}: not readable JSON ({exc}); export the model again") from None
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-        raise KVCacheError(f"{path}: has no 'model' object; export the model again")
+        raise SideFileError(f"{Path(folder) / GENAI_CONFIG}: has no 'model' object; export the model again")
     return data
+
+
+def folder_tokens(folder: str | os.PathLike, vocab_size: int) -> dict[str, Any]:
+    """The special tokens of an exported folder, every side file that holds them checked when the
+    folder is opened (``KVCacheModel``: ``generate``, and ``serve`` before any port opens):
+    ``genai_config.json``'s when there is one, else ``config.json``'s with
+    ``generation_config.json``'s first; each id of each file inside the vocabulary."""
+    base = Path(folder)
+    config = read_side_json(base, "config.json")
+    generation = read_side_json(base, "generation_config.json")
+    found = {
+        "config.json": special_tokens(config, where=str(base / "config.json")),
+        "generation_config.json": special_tokens(None, generation=generation,
+                                                 generation_where=str(base / "generation_config.json")),
+    }
+    genai = read_genai_config(base)
+    if genai is not None:
+        found[GENAI_CONFIG] = special_token_fields(genai["model"], f"{base / GENAI_CONFIG}: model")
+    for name, tokens in found.items():
+        check_in_vocabulary(tokens, vocab_size, str(base / name))
+    if genai is not None:
+        return found[GENAI_CONFIG]
+    return special_tokens(config, generation=generation)

@@ -4,9 +4,12 @@
 from the metadata (``decoder.convention``; a model without it is refused), checks the graph's
 real inputs and outputs against it, and creates the session through
 :class:`~rmsnorm_deploy.runners.onnxruntime.OnnxRuntimeRunner` (the requested provider or a
-one-line error, never a silent fallback). Special tokens come from the folder's
-``genai_config.json`` (else ``config.json``), the tokenizer from ``tokenizer.json`` through
-``tokenizers`` when the folder has one.
+one-line error, never a silent fallback). Opening it checks every side file that holds special
+tokens (``decoder.genai_config.folder_tokens``: types, nesting, ids inside the vocabulary), so
+``serve``, which opens a KV-cache folder through this class, refuses a damaged folder before any
+port opens. The tokens come from the folder's ``genai_config.json`` (else ``config.json`` and
+``generation_config.json``), the tokenizer from ``tokenizer.json`` through ``tokenizers`` when
+the folder has one.
 
 :func:`generate` is the entry point of generation: it checks the prompts against the model,
 takes the special tokens from the folder, and runs the one decode loop,
@@ -22,7 +25,6 @@ same loop makes them (the streaming endpoint of ``serve``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -30,9 +32,15 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from rmsnorm_deploy.contract.dtypes import numpy_dtype
-from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
+from rmsnorm_deploy.decoder.genai_config import folder_tokens
 from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.errors import InputError, UserError, one_line
+from rmsnorm_deploy.exporter.hf_files import side_file
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "FROM_FOLDER", "GenerationResult", "KVCacheModel", "Sampling", "generate",
            "model_file"]
@@ -85,9 +93,6 @@ class KVCacheModel:
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] = ("cpu",), *,
                  intra_op_threads: int | None = None):
-        from rmsnorm_deploy.graph.metadata import ModelMetadata
-        from rmsnorm_deploy.graph.onnx_file import load_onnx
-        from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
         self.path = model_file(path)
         self.folder = self.path.parent
@@ -99,7 +104,7 @@ class KVCacheModel:
         inputs, outputs = graph_io(graph)
         check_io(self.layout, inputs, outputs, what=str(self.path))
         del graph
-        self.special = _special_tokens(self.folder)
+        self.special = folder_tokens(self.folder, self.layout.vocab_size)
         self.tokenizer = _tokenizer(self.folder)
         self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads)
         self._device = "cuda" if any(provider_name(p) != "CPUExecutionProvider" for p in providers) else "cpu"
@@ -122,6 +127,17 @@ class KVCacheModel:
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise UserError(f"{self.folder} has no tokenizer.json; give token ids with --input-ids instead of --prompt")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 reach Python as lone surrogates
+            bad = prompt[exc.start:exc.end]
+            try:
+                raw = bad.encode("utf-8", "surrogateescape")
+                shown = ("byte " if len(raw) == 1 else "bytes ") + raw.hex(" ")
+            except UnicodeEncodeError:
+                shown = repr(bad)
+            raise InputError(f"the prompt is not UTF-8 text ({shown} at character {exc.start}); give UTF-8 text, "
+                             "or token ids with --input-ids") from None
         ids = self.tokenizer.encode(prompt).ids
         if not ids:
             raise InputError("the prompt encodes to no tokens")
@@ -220,30 +236,12 @@ def stream(model: KVCacheModel, prompt: Sequence[int], *, max_new_tokens: int = 
     return (int(token[0]) for token, _ in steps)
 
 
-def _special_tokens(folder: Path) -> dict[str, Any]:
-    """bos/eos/pad ids from ``genai_config.json`` (else ``config.json``); damaged files are an error."""
-    from rmsnorm_deploy.decoder.genai_config import read_genai_config, special_tokens
-
-    genai = read_genai_config(folder)
-    if genai is not None:
-        return special_tokens(genai["model"])
-    path = folder / "config.json"
-    if path.is_file():
-        try:
-            return special_tokens(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{path}: not readable JSON ({exc})") from None
-    return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-
-
 def _tokenizer(folder: Path) -> Any:
-    path = folder / "tokenizer.json"
-    if not path.is_file():
+    path = side_file(folder, "tokenizer.json")
+    if path is None:
         return None
-    from rmsnorm_deploy.optional import require
-
     tokenizers = require("tokenizers", "reading the model folder's tokenizer.json")
     try:
         return tokenizers.Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises its own exception type
-        raise UserError(f"{path}: tokenizers cannot read it ({one_line(exc)})") from None
+        raise UserError(f"{folder / 'tokenizer.json'}: tokenizers cannot read it ({one_line(exc)})") from None

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.decoder.convention import (
     ATTENTION_MASK,
     BATCH,
@@ -37,7 +37,9 @@ from rmsnorm_deploy.decoder.convention import (
     TOTAL,
     KVCacheLayout,
     layout_of,
+    position_ids_for,
 )
+from rmsnorm_deploy.errors import UserError
 
 
 class KVCacheLM(torch.nn.Module):
@@ -105,8 +107,6 @@ def example_feed(layout: KVCacheLayout, *, batch: int, sequence: int, past: int,
     ``left_pad`` slots, positions from the mask, and random past keys and values."""
     import numpy as np
 
-    from rmsnorm_deploy.contract.inputs import token_ids
-    from rmsnorm_deploy.decoder.convention import position_ids_for
 
     total = past + sequence
     mask = np.ones((batch, total), dtype=np.int64)

@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from rmsnorm_deploy.contract.dtypes import torch_dtype
-from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.decoder.convention import KVCacheLayout
+from rmsnorm_deploy.decoder.genai_config import write_serving_files
 from rmsnorm_deploy.decoder.kv_model import KVCacheLM, PositionalKVCacheLM, example_feed, export_args
+from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.exporter.plan import MAX_BATCH
 
 #: The past length of the traced example (0 and 1 would be specialized by torch.export).
 TRACE_PAST = 3
@@ -93,7 +95,6 @@ class KVExport:
 
     def describe(self, meta: Any, report: dict[str, Any]) -> None:
         """The metadata and report entries of a KV-cache graph."""
-        from rmsnorm_deploy.exporter.plan import MAX_BATCH
 
         meta.inputs = self.layout.metadata_inputs()
         meta.dims = self.layout.dims(batch=self.batch, sequence=self.seq, max_batch=MAX_BATCH)
@@ -101,6 +102,5 @@ class KVExport:
         report["kv_cache"] = self.layout.to_dict()
 
     def write_serving_files(self, target: Path) -> list[str]:
-        from rmsnorm_deploy.decoder.genai_config import write_serving_files
 
         return write_serving_files(target, self.layout, self.loaded.source, force=self.force)

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from rmsnorm_deploy.errors import InputError
 from rmsnorm_deploy.decoder.loop import Generation, decode_loop, forced, greedy
+from rmsnorm_deploy.errors import InputError
 
 
 class TransformersStep:

@@ -30,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.contract.reference import SpecRMSNorm
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.resources import check_memory
 
 Activation = Literal["silu", "gelu_tanh"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
@@ -269,7 +271,6 @@ class Transformer(nn.Module):
 
     def __init__(self, args: ModelArgs, dtype: Any = torch.float32, device: Any = None):
         super().__init__()
-        from rmsnorm_deploy.contract.dtypes import torch_dtype
 
         dtype = torch_dtype(dtype)
         self.args = args
@@ -314,7 +315,6 @@ def build_model(args: ModelArgs, dtype: Any = "float32", *, seed: int = 0) -> Tr
     Built on the meta device and materialized once in ``dtype``, so a 1B-parameter model never
     holds a float32 copy or a default initialization it would overwrite.
     """
-    from rmsnorm_deploy.resources import check_memory
 
     with torch.device("meta"):
         model = Transformer(args, dtype)

@@ -23,10 +23,23 @@ import torch
 
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
+from rmsnorm_deploy.exporter.hf_files import (
+    HF_FILES,
+    SHARD_INDEX,
+    check_config_fields,
+    estimated_parameters,
+    read_side_json,
+    resolve_inside,
+    side_file,
+    special_token_fields,
+)
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
+from rmsnorm_deploy.exporter.probing import NOT_NORMS
 from rmsnorm_deploy.exporter.rebuild import source_builder
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.resources import check_memory
 
 #: The gain noise of random-weight models (see the module docstring).
 NORM_GAIN_NOISE = 0.1
@@ -58,29 +71,71 @@ class HFTokenLogits(TokenLogits):
 
 
 def check_folder(folder: str | os.PathLike) -> Path:
-    """A folder with config.json and safetensors weights, or a one-line error saying what is missing."""
+    """A folder with config.json and safetensors weights, or a one-line error saying what is missing.
+
+    Every file is followed only inside the folder or its hub-cache repository
+    (``hf_files.model_roots``); a shard index is checked before any shard is opened."""
     path = Path(folder)
     if not path.is_dir():
         raise HFModelError(f"{path}: not a folder; give a Hugging Face model folder (config.json + *.safetensors)")
-    if not (path / "config.json").is_file():
+    if side_file(path, "config.json") is None:
         raise HFModelError(f"{path}: no config.json; give a Hugging Face model folder with config.json and "
                            "*.safetensors weights")
-    if not any(path.glob("*.safetensors")):
+    for name in HF_FILES:  # the files an export copies beside a KV-cache model: refused now, not after the export
+        side_file(path, name)
+    if not weight_files(path):
         bins = sorted(p.name for p in path.glob("*.bin"))
         hint = f" (found {', '.join(bins[:3])}: pickled weights are not loaded; convert them to safetensors)" if bins else ""
         raise HFModelError(f"{path}: no *.safetensors weights{hint}")
     return path
 
 
-def load_folder(folder: str | os.PathLike, dtype: str) -> LoadedModel:
-    """The causal LM saved in ``folder``, in ``dtype``, in eval mode."""
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files transformers reads from ``path`` (those of its shard index, else every
+    ``*.safetensors``), each resolved inside ``hf_files.model_roots``; a one-line refusal otherwise."""
+    index = read_side_json(path, SHARD_INDEX)
+    if index is None:
+        return [resolve_inside(f, path) for f in sorted(path.glob("*.safetensors"))]
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HFModelError(f"{path / SHARD_INDEX}: its weight_map is not an object of shard file names; the file is "
+                           "damaged")
+    shards = []
+    for name in sorted(set(weight_map.values())):
+        if not name or "\x00" in name or os.path.isabs(name) or Path(name).drive or ".." in Path(name).parts:
+            raise HFModelError(f"{path / SHARD_INDEX}: its weight_map names {name!r}, not a file name inside the "
+                               "folder; refusing to read it: the index must name the shards beside it")
+        shard = side_file(path, name)
+        if shard is None:
+            raise HFModelError(f"{path / SHARD_INDEX}: names the shard {name!r}, which is missing from {path}")
+        shards.append(shard)
+    return shards
+
+
+def read_folder(folder: str | os.PathLike) -> tuple[Path, Any, Any]:
+    """A folder's checked config and its causal-LM class, every safetensors header read (no weights):
+    ``(path, config, model class)``, or a one-line error saying what is wrong."""
     path = check_folder(folder)
     transformers = require("transformers", "exporting a Hugging Face model")
     require("safetensors", "exporting a Hugging Face model")
     config = _load_config(path, transformers)
     model_cls = _causal_lm_class(config, transformers, str(path))
     _check_safetensors(path)
-    _check_size(model_cls, config, dtype, str(path))
+    return path, config, model_cls
+
+
+def folder_source(path: Path, config: Any) -> dict[str, Any]:
+    """The metadata ``source`` of a model read from a folder."""
+    return {"kind": "hf", "path": str(path.resolve()), "model_type": config.model_type}
+
+
+def load_folder(folder: str | os.PathLike, dtype: str, *, peak_factor: float = 1.0,
+                fix: str = "choose a smaller model or a machine with more memory") -> LoadedModel:
+    """The causal LM saved in ``folder``, in ``dtype``, in eval mode. ``peak_factor``: how many times
+    its weights the caller's run needs at its peak; checked against the memory budget before any
+    weight is read, refused with ``fix``."""
+    path, config, model_cls = read_folder(folder)
+    _check_size(model_cls, config, dtype, str(path), factor=peak_factor, fix=fix)
     try:
         model = model_cls.from_pretrained(
             str(path), config=config, local_files_only=True, use_safetensors=True, dtype=torch_dtype(dtype),
@@ -88,8 +143,7 @@ def load_folder(folder: str | os.PathLike, dtype: str) -> LoadedModel:
         )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise HFModelError(f"{path}: transformers cannot load the weights ({one_line(exc)})") from None
-    source = {"kind": "hf", "path": str(path.resolve()), "model_type": config.model_type}
-    return _loaded(model, config, dtype, name=path.resolve().name, source=source)
+    return loaded_model(model, config, dtype, name=path.resolve().name, source=folder_source(path, config))
 
 
 def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = None) -> LoadedModel:
@@ -106,13 +160,19 @@ def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = No
         _perturb_norm_gains(model, seed)
     model = model.to(torch_dtype(dtype))
     source = {"kind": "hf", "config": json.loads(config.to_json_string(use_diff=False)), "seed": int(seed)}
-    return _loaded(model, config, dtype, name=name or f"hf-{config.model_type}", source=source)
+    return loaded_model(model, config, dtype, name=name or f"hf-{config.model_type}", source=source)
 
 
-def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None) -> None:
-    """The model's weights against the memory budget, counted on the meta device (nothing allocated)."""
-    from rmsnorm_deploy.resources import check_memory
-
+def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_param: int | None = None,
+                factor: float = 1.0, fix: str = "choose a smaller model or a machine with more memory") -> None:
+    """The model's weights (times ``factor``, the caller's peak in weights) against the memory budget:
+    first a lower bound from the config's dims (``hf_files.estimated_parameters``), then counted on
+    the meta device (nothing allocated)."""
+    per_param = (per_param or torch_dtype(dtype).itemsize) * factor
+    peak = f" ({factor:g}x the weights at the run's peak)" if factor != 1.0 else ""
+    bound = estimated_parameters(config)
+    if bound is not None:
+        check_memory(bound * per_param, f"{where}: at least {bound:,} parameters in {dtype}{peak}", fix)
     try:
         with torch.device("meta"):
             model = model_cls(config)
@@ -120,15 +180,14 @@ def _check_size(model_cls: Any, config: Any, dtype: str, where: str, *, per_para
         raise HFModelError(f"{where}: transformers cannot build this config ({type(exc).__name__}: "
                            f"{one_line(exc)})") from None
     count = sum(p.numel() for p in model.parameters())
-    check_memory(count * (per_param or torch_dtype(dtype).itemsize), f"{where}: {count:,} parameters in {dtype}",
-                 "choose a smaller model or a machine with more memory")
+    check_memory(count * per_param, f"{where}: {count:,} parameters in {dtype}{peak}", fix)
 
 
 def _check_safetensors(path: Path) -> None:
-    """Every ``*.safetensors`` file's header parses (only headers are read), or a one-line error naming the file."""
+    """Every weight file's header parses (only headers are read), or a one-line error naming the file."""
     from safetensors import safe_open
 
-    for file in sorted(path.glob("*.safetensors")):
+    for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 f.keys()
@@ -137,7 +196,8 @@ def _check_safetensors(path: Path) -> None:
                                "with safetensors") from None
 
 
-def _loaded(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
+def loaded_model(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
+    """``model`` (a transformers causal LM) in eval mode, wrapped to the export's signature."""
     model.eval()
     max_pos = getattr(config, "max_position_embeddings", None) or 2048
     return LoadedModel(
@@ -148,28 +208,33 @@ def _loaded(model: torch.nn.Module, config: Any, dtype: str, *, name: str, sourc
 
 
 def _load_config(path: Path, transformers: Any) -> Any:
-    try:
-        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise HFModelError(f"{path}/config.json: not readable JSON ({one_line(exc)})") from None
-    if not isinstance(raw, dict) or "model_type" not in raw:
+    """config.json (and generation_config.json, which transformers reads with the weights) through
+    ``hf_files``: JSON objects of sound fields and token ids, before transformers parses them."""
+    raw = read_side_json(path, "config.json")
+    if "model_type" not in raw:
         raise HFModelError(f"{path}/config.json: has no model_type; is this a transformers model folder?")
+    check_config_fields(raw, f"{path}/config.json")
+    special_token_fields(raw, f"{path}/config.json")
+    special_token_fields(read_side_json(path, "generation_config.json"), f"{path}/generation_config.json")
     try:
         return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as exc:
-        raise HFModelError(f"{path}: unsupported architecture {raw.get('model_type')!r} ({one_line(exc)})") from None
+    except Exception as exc:  # transformers raises ValueError, KeyError, TypeError and its own errors
+        raise HFModelError(f"{path}: unsupported architecture {raw.get('model_type')!r}: transformers cannot read its "
+                           f"config.json ({type(exc).__name__}: {one_line(exc)})") from None
 
 
 def _config_from(config: Any, transformers: Any) -> Any:
     if isinstance(config, dict):
         data = dict(config)
+        check_config_fields(data, "the config")
         model_type = data.pop("model_type", None)
-        if not model_type:
+        if not model_type or not isinstance(model_type, str):
             raise HFModelError("a config dict needs a model_type (e.g. 'llama')")
         try:
             return transformers.AutoConfig.for_model(model_type, **data)
-        except (ValueError, KeyError) as exc:
-            raise HFModelError(f"unsupported architecture {model_type!r} ({one_line(exc)})") from None
+        except Exception as exc:  # transformers raises ValueError, KeyError, TypeError and its own errors
+            raise HFModelError(f"unsupported architecture or config {model_type!r} ({type(exc).__name__}: "
+                               f"{one_line(exc)})") from None
     return config
 
 
@@ -190,8 +255,6 @@ def _perturb_norm_gains(model: torch.nn.Module, seed: int) -> None:
     modules detection probes), embeddings and linear layers excepted."""
     import re
 
-    from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
-    from rmsnorm_deploy.exporter.probing import NOT_NORMS
 
     gen = torch.Generator().manual_seed(seed + 7919)
     for _, module in model.named_modules():

@@ -42,6 +42,10 @@ from rmsnorm_deploy.contract.tolerances import (
     tolerance_for,
 )
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.routing import TopKRecorder, diagnose_routing, has_topk
+from rmsnorm_deploy.exporter.upcast import float64_outputs
+from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.table import format_table
 
 BACKEND = "onnxruntime"
@@ -131,8 +135,6 @@ def torch_expectations(
     """The PyTorch side of the parity check, computed once so the module can be freed before
     ONNX Runtime loads its own copy of the weights. ``torch_outputs``: outputs of ``module``
     already computed for the first feeds; ``torch_topk``: their recorded topk calls."""
-    from rmsnorm_deploy.exporter.routing import TopKRecorder
-    from rmsnorm_deploy.exporter.upcast import float64_outputs
 
     expected = []
     for i, feed in enumerate(feeds):
@@ -218,7 +220,6 @@ def _diagnose_routing(parity: ModelParity, path: Path, failed_feeds: list[tuple[
     """For a graph with TopK nodes: whether each failed feed is a routing tie (``routing.py``).
     When every one is, the status becomes ``routing tie``; otherwise what the routing says is
     added to the reason."""
-    from rmsnorm_deploy.exporter.routing import diagnose_routing, has_topk
 
     if not failed_feeds or not has_topk(path):
         return
@@ -241,8 +242,6 @@ def _run_onnxruntime(path: Path, feeds: list[dict[str, np.ndarray]]) -> tuple[li
     """ONNX Runtime CPU outputs per feed, and the norm reductions of the graph it ran (small models only)."""
     import onnx
 
-    from rmsnorm_deploy.graph.audit import audit_model
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     data = path.parent / (path.name + ".data")
     audit = path.stat().st_size + (data.stat().st_size if data.is_file() else 0) < AUDIT_LIMIT_BYTES

@@ -63,6 +63,7 @@ import onnx
 import torch
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.errors import LoweringError, UserError, one_line
 from rmsnorm_deploy.exporter.detect import (
     DetectedNorm,
@@ -76,8 +77,11 @@ from rmsnorm_deploy.exporter.detect import (
 from rmsnorm_deploy.exporter.fusions import (
     FusionCounts,
     FusionError,
+    fuse_attention,
 )
 from rmsnorm_deploy.exporter.loaded_model import INPUT_NAME, OUTPUT_NAME, LoadedModel
+from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime, torch_expectations
+from rmsnorm_deploy.exporter.placement import check_placements, torch_placements
 from rmsnorm_deploy.exporter.plan import (
     MAX_BATCH,
     MAX_SEQ,
@@ -94,7 +98,12 @@ from rmsnorm_deploy.exporter.surgery import (
     release_weights,
     swapped_modules,
 )
+from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE, ExportRMSNorm, norm_name_of
+from rmsnorm_deploy.exporter.upcast import experts_implementation
+from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.function import (
+    DOMAIN,
+    OP_TYPE,
     is_rmsnorm_node,
     rmsnorm_node,
     spec_from_node,
@@ -110,6 +119,7 @@ from rmsnorm_deploy.graph.onnx_file import (
     save_onnx,
     staging_folder,
 )
+from rmsnorm_deploy.graph.placement import graph_placements
 from rmsnorm_deploy.graph.standalone import ir_version_for
 from rmsnorm_deploy.progress import Progress
 from rmsnorm_deploy.resources import check_memory
@@ -145,7 +155,6 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
     failure is not an exception: see ``ExportResult.parity_failed``. ``graph``: a factory
     ``graph(loaded, options)`` of another graph to trace (``decoder.portable.KVExport.of``).
     """
-    from rmsnorm_deploy.exporter.torch_op import ExportRMSNorm
 
     options = plan.options
     progress = progress or Progress(enabled=False)
@@ -219,7 +228,6 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
                     st.note(", ".join(serving_files))
             result = ExportResult(target, None, detection, report, timings=timings, fusions=fusions)
             if expected is not None:
-                from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime
 
                 with progress.stage("parity: ONNX Runtime CPU vs PyTorch and vs float64") as st:
                     result.parity = compare_with_onnxruntime(staged_target, expected, dtype=dtype)
@@ -271,7 +279,6 @@ def _parity_torch_side(loaded: LoadedModel, options: ExportOptions, module: torc
                        progress: Progress) -> tuple[Any, float]:
     """The PyTorch side of the parity check (step 7): the module in its dtype and in float64."""
     dtype = options.dtype
-    from rmsnorm_deploy.exporter.parity import torch_expectations
 
     if kv is not None:
         feeds, torch_outputs, torch_topk = kv.parity_feeds(), [], []
@@ -377,7 +384,6 @@ def second_shape(batch: int, seq: int, max_seq: int) -> tuple[int, int]:
 
 
 def example_input_ids(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
-    from rmsnorm_deploy.contract.inputs import token_ids
 
     return torch.from_numpy(token_ids((batch, seq), vocab, seed=seed))
 
@@ -389,8 +395,6 @@ def _torch_export(module: torch.nn.Module, norms: list[DetectedNorm], input_ids:
     """``torch.onnx.export`` of ``module`` with its norms swapped for our op. By default the
     ``input_ids -> logits`` signature; a KV-cache export passes its own call (``kv_export``):
     ``exported`` (a module sharing ``module``'s submodules), its arguments, names and shapes."""
-    from rmsnorm_deploy.exporter.torch_op import TRANSLATION_TABLE
-    from rmsnorm_deploy.exporter.upcast import experts_implementation
 
     if exported is None:
         exported, kwargs = module, {INPUT_NAME: input_ids}
@@ -417,8 +421,6 @@ def _fuse_attention(program: Any, name: str) -> FusionCounts:
     ``Attention`` (the option would otherwise do nothing, silently)."""
     import onnxscript.optimizer
 
-    from rmsnorm_deploy.exporter.fusions import fuse_attention
-    from rmsnorm_deploy.graph.function import DOMAIN, OP_TYPE
 
     counts = fuse_attention(program.model, norm_op=(DOMAIN, OP_TYPE))
     if counts.attention == 0:
@@ -504,7 +506,6 @@ def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype
 
     Returns the number of norm nodes: one per call of a detected norm, each norm at least once.
     """
-    from rmsnorm_deploy.exporter.torch_op import norm_name_of
 
     expected = {n.path: n for n in detection.norms}
     types = {vi.name: vi.type.tensor_type.elem_type for vi in
@@ -547,7 +548,6 @@ def norm_node_count(model: onnx.ModelProto) -> int:
 
 def _check_norms(model: onnx.ModelProto, norm_nodes: int, options: ExportOptions, stage: Any = None) -> list[Any]:
     """As many RMSNorm reductions as norm calls, every one accumulating in float32 or wider; returns them."""
-    from rmsnorm_deploy.graph.audit import audit_model
 
     reductions = [r for r in audit_model(model) if r.kind == "RMSNorm"]
     if len(reductions) != norm_nodes:
@@ -568,7 +568,6 @@ _PLACEMENT_TOKENS = 8
 
 
 def _source_placements(module: torch.nn.Module, detection: Detection, input_ids: torch.Tensor) -> dict[str, str]:
-    from rmsnorm_deploy.exporter.placement import torch_placements
 
     ids = input_ids[:1, :_PLACEMENT_TOKENS]
     # LayerNorms stay in the graph as LayerNorms, which the graph side sees as norms too.
@@ -591,8 +590,6 @@ def _count_placements(placements: dict[str, str]) -> str:
 def _check_placements(model: onnx.ModelProto, reductions: list[Any], outputs: dict[str, str],
                       source: dict[str, str]) -> None:
     """The graph places every norm call where the PyTorch model does (``ExportError`` naming the first that differs)."""
-    from rmsnorm_deploy.exporter.placement import check_placements
-    from rmsnorm_deploy.graph.placement import graph_placements
 
     names = set(outputs.values())
     placed = graph_placements(model, reductions, names=outputs)

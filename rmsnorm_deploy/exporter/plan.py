@@ -13,9 +13,11 @@ from pathlib import Path
 
 from rmsnorm_deploy.contract.dtypes import MODEL_DTYPES
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter import hf, presets
 from rmsnorm_deploy.exporter.detect import NormSpecOverride, parse_norm_spec
 from rmsnorm_deploy.exporter.fusions import FUSED_OPSET, check_fusion_opset
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.exporter.presets import find_preset
 from rmsnorm_deploy.graph.function import check_opset
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.onnx_file import check_folder_writable, ensure_writable
@@ -27,6 +29,13 @@ MAX_BATCH = 8
 MAX_SEQ = 4096
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
 REPORT_NAME = "report.json"
+#: The traced export's peak memory in weights: torch.onnx holds the model, the parity check runs it
+#: in float64 a weight at a time, and ONNX Runtime holds its own copy (2.8x measured for a 1.24B
+#: float16 model: benchmarks/results/export_scale.md). A model that would pass it is refused first.
+TRACED_PEAK_FACTOR = 3.0
+#: What a model too large for the traced export can use instead.
+STREAMING_FIX = ("export --kv-cache --target onnxruntime (optionally --quantize int4) reads the weights tensor by "
+                 "tensor, whatever the model's size")
 
 
 class ExportError(UserError):
@@ -65,7 +74,6 @@ def is_folder_ref(ref: str) -> bool:
     refused: which one was meant cannot be known, and reading the wrong one silently would
     export another model. ``./tiny`` (any path) is the folder.
     """
-    from rmsnorm_deploy.exporter import presets
 
     if not Path(ref).is_dir():
         return False
@@ -78,11 +86,13 @@ def is_folder_ref(ref: str) -> bool:
 
 
 def load_torch_model(ref: str, dtype: str) -> LoadedModel:
-    """MODEL of the CLI: a preset name, a preset TOML path, or a Hugging Face folder."""
-    from rmsnorm_deploy.exporter import hf, presets
+    """MODEL of the CLI's traced export: a preset name, a preset TOML path, or a Hugging Face folder.
+    A folder is refused before its weights are read when the traced export's peak
+    (:data:`TRACED_PEAK_FACTOR` times its weights) exceeds the memory budget, naming the streaming export."""
 
     if is_folder_ref(ref):
-        return hf.load_folder(ref, dtype)
+        fix = f"choose a smaller model or a machine with more memory, or {STREAMING_FIX}"
+        return hf.load_folder(ref, dtype, peak_factor=TRACED_PEAK_FACTOR, fix=fix)
     return presets.build_preset(presets.load_preset(ref), dtype)
 
 
@@ -132,7 +142,6 @@ def norm_overrides(options: ExportOptions) -> tuple[NormSpecOverride, ...]:
 
 def model_name(ref: str) -> str:
     """The name of MODEL in the default output path, found without loading the model."""
-    from rmsnorm_deploy.exporter.presets import find_preset
 
     path = Path(ref)
     if is_folder_ref(ref):

@@ -22,7 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.blocks import ModelArgs, build_model
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
 from rmsnorm_deploy.exporter.rebuild import source_builder
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 
@@ -96,8 +99,6 @@ def load_preset(ref: str) -> Preset:
 
 def parse_preset(text: str, *, name: str, path: Path | None = None) -> Preset:
     """A preset from its TOML text; every mistake is one line naming the file and the field."""
-    from rmsnorm_deploy.contract.spec import RMSNormSpec
-    from rmsnorm_deploy.exporter.blocks import ModelArgs
 
     where = str(path) if path else f"preset {name!r}"
     try:
@@ -125,8 +126,6 @@ def parse_preset(text: str, *, name: str, path: Path | None = None) -> Preset:
 
 def build_preset(preset: Preset, dtype: str):
     """The preset's model in ``dtype``: a :class:`LoadedModel` with seeded random weights."""
-    from rmsnorm_deploy.exporter.blocks import build_model
-    from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
 
     module = TokenLogits(build_model(preset.args, dtype, seed=preset.seed)).eval()
     return LoadedModel(

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from rmsnorm_deploy.contract.reference import reference
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 
@@ -94,7 +95,6 @@ class StandaloneNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                 z: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        from rmsnorm_deploy.contract.reference import reference
 
         if self.spec.has_gate and z is None:
             raise UserError(f"the standalone model's spec ({self.spec.describe()}) is gated but it has no input 'z'")

@@ -46,6 +46,7 @@ from rmsnorm_deploy.contract.compare import CompareResult, compare, ulp_of
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.tolerances import Tolerance
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
 #: At most this many bytes of topk scores are recorded per run (beyond: the routing is not compared).
 RECORD_LIMIT_BYTES = 256 << 20
@@ -262,7 +263,6 @@ def _run(model: Any, folder: Path, feed: dict[str, np.ndarray]) -> dict[str, np.
     external data resolves), removed afterwards."""
     import onnx
 
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     fd, name = tempfile.mkstemp(prefix=".routing-", suffix=".onnx", dir=folder)
     os.close(fd)

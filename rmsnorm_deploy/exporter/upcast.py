@@ -41,6 +41,7 @@ from rmsnorm_deploy.contract.reference import oracle
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.exporter.gated import check_gate_call
+from rmsnorm_deploy.exporter.surgery import swapped_modules
 
 #: At most this many bytes of a Linear weight are widened to float64 at once.
 CHUNK_BYTES = 64 << 20
@@ -119,7 +120,6 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
     ``norms``: :class:`~rmsnorm_deploy.exporter.detect.DetectedNorm` objects (``path``, ``spec``,
     ``weight``) whose modules become :class:`OracleRMSNorm`.
     """
-    from rmsnorm_deploy.exporter.surgery import swapped_modules
 
     replacements = {n.path: OracleRMSNorm(n.spec, n.weight, n.path) for n in norms}
     patched: list[torch.nn.Module] = []

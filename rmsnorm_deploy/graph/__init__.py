@@ -13,6 +13,8 @@ audit        every normalization reduction of any graph and the dtype it accumul
              pattern matchers (fused ops, our nodes, decomposed chains)
 reductions   what the audit finds: ``Reduction``, ``NormTensors``, low-precision and broken ones
 onnx_reading a graph as the audit reads it: functions inlined, dtypes and ranks, constants, attributes
+quantized    every MatMul with constant weights and how they are held: a float dtype, or
+             MatMulNBits' bits, block size and accuracy level (the dtype it computes in)
 placement    where each norm stands (pre, post, sublayer_output, qk, final, other): the rules
              on an op graph, its ONNX side; a LayerNorm standing for an RMSNorm
 ===========  ================================================================================

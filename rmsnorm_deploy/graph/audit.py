@@ -44,6 +44,7 @@ from rmsnorm_deploy.graph.onnx_reading import (
     safe_dtype,
 )
 from rmsnorm_deploy.graph.reductions import DTYPE_WIDTH, LOW_PRECISION, NormTensors, Reduction
+from rmsnorm_deploy.resources import package_version
 
 #: ONNX Runtime's CUDA kernels of the Skip*LayerNormalization ops accumulated in the input dtype
 #: before this release (onnxruntime issue 29034, fixed by pull request 28682).
@@ -117,7 +118,6 @@ def _body_owners(inlined: onnx.ModelProto, ours: dict[str, onnx.NodeProto]) -> d
 
 
 def _ort_version() -> tuple[int, ...] | None:
-    from rmsnorm_deploy.resources import package_version
 
     for dist in ("onnxruntime", "onnxruntime-gpu"):
         version = package_version(dist)

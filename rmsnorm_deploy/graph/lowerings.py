@@ -23,6 +23,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper
 
+from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import LoweringError
 from rmsnorm_deploy.graph.function import (
@@ -165,7 +166,6 @@ def _site(node: onnx.NodeProto, model: onnx.ModelProto) -> NormNode:
 
 
 def _value_dtype(model: onnx.ModelProto, name: str) -> str | None:
-    from rmsnorm_deploy.contract.dtypes import dtype_name
 
     g = model.graph
     for vi in list(g.input) + list(g.value_info) + list(g.output):

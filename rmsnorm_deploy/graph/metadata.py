@@ -38,6 +38,11 @@ kv_cache           only in KV-cache graphs (``export --kv-cache``): the I/O conv
                    vocabulary, maximum length, dtype, graph ``target``: portable or onnxruntime,
                    ``past_present_share_buffer``); read back through
                    ``KVCacheLayout.from_dict``, which checks every field
+quantization       only in weight-only quantized graphs (``export --quantize``): the scheme,
+                   bits, block size, ``accuracy_level`` and the dtype it computes in, whether the
+                   LM head is quantized, and per ``MatMulNBits`` its packed weight, scales and the
+                   Linear modules (with their rows) it holds; read back through
+                   ``decoder.quantize.quantization_of``, which checks every field
 =================  ==========================================================================
 """
 
@@ -52,10 +57,11 @@ import onnx
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import ModelFileError
+from rmsnorm_deploy.resources import __version__, package_version
 
 PREFIX = "rmsnorm_deploy."
 FORMAT = "1"
-_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "placements", "kv_cache")
+_JSON_KEYS = ("specs", "source", "inputs", "dims", "versions", "placements", "kv_cache", "quantization")
 _TEXT_KEYS = ("format", "lowering", "dtype")
 
 
@@ -71,6 +77,8 @@ class ModelMetadata:
     placements: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     #: KV-cache graphs only: the I/O convention (``decoder.convention``); ``None`` otherwise.
     kv_cache: dict[str, Any] | None = None
+    #: Weight-only quantized graphs only (``decoder.quantize``); ``None`` otherwise.
+    quantization: dict[str, Any] | None = None
 
     def to_props(self) -> dict[str, str]:
         props = {
@@ -87,6 +95,8 @@ class ModelMetadata:
             props["placements"] = json.dumps(self.placements, sort_keys=True)
         if self.kv_cache is not None:
             props["kv_cache"] = json.dumps(self.kv_cache, sort_keys=True)
+        if self.quantization is not None:
+            props["quantization"] = json.dumps(self.quantization, sort_keys=True)
         return props
 
     def write(self, model: onnx.ModelProto) -> None:
@@ -124,6 +134,7 @@ class ModelMetadata:
             versions=parsed.get("versions", {}),
             placements=placements,
             kv_cache=parsed.get("kv_cache"),
+            quantization=parsed.get("quantization"),
         )
 
 
@@ -166,6 +177,7 @@ def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
         # 0 is a size: a KV-cache graph's past starts empty
         need(isinstance(rng, list) and len(rng) == 3 and all(is_int(d) for d in rng) and 0 <= rng[0] <= rng[1] <= rng[2],
              f"dims.{name}", "[min, opt, max] with 0 <= min <= opt <= max")
+    need(parsed.get("quantization") is None or isinstance(parsed["quantization"], dict), "quantization", "an object")
     versions = parsed.get("versions", {})
     need(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), "versions",
          "an object of version strings")
@@ -173,8 +185,6 @@ def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _versions() -> tuple[tuple[str, str], ...]:
-    from rmsnorm_deploy.resources import __version__
-    from rmsnorm_deploy.resources import package_version
 
     versions = {"rmsnorm-deploy": __version__}
     for dist in ("torch", "onnx", "onnxscript", "transformers"):

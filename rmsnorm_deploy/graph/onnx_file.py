@@ -1,23 +1,26 @@
 """Reading and writing ONNX files safely.
 
-Reading: a path that is not a file, a file that is not ONNX or is truncated, and external
-data that points outside the model's folder are one-line errors, checked before any
-runtime opens the file. Writing: atomically (a temporary file in the same folder, then a
-rename), never over an existing file unless ``force``, with external data past 2 GB.
+Reading: a path that is not a file, a file that is not ONNX or is truncated, a node with
+fewer or more inputs or outputs than its op takes, and external data that points outside the
+model's folder are one-line errors, checked before any runtime opens the file. Writing:
+atomically (a temporary file in the same folder, then a rename), never over an existing file
+unless ``force``, with external data past 2 GB.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import onnx
 from onnx import external_data_helper
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, one_line
+
 
 def _read_umask() -> int:
     # os.umask can only be read by setting it; done once, at import, before any thread writes files.
@@ -30,6 +33,8 @@ def _read_umask() -> int:
 #: not ``tempfile.mkstemp``'s 0600.
 UMASK = _read_umask()
 FILE_MODE = 0o666 & ~UMASK
+#: The mode of a folder we publish (``tempfile.mkdtemp`` makes them 0700).
+DIR_MODE = 0o777 & ~UMASK
 
 #: Protobuf cannot serialize a message of 2 GB or more: past this, weights go to a side file.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
@@ -70,7 +75,53 @@ def _parse(p: Path, *, load_external: bool) -> onnx.ModelProto:
         raise ModelFileError(f"{p}: parses as protobuf but holds no ONNX graph; the file may be truncated or not ONNX")
     if not model.opset_import:
         raise ModelFileError(f"{p}: has no opset import, so it is not a valid ONNX model")
+    check_node_arity(model, p)
     return model
+
+
+#: ONNX Runtime's own norm ops, which have no ONNX schema: the inputs and outputs a node needs at least.
+_ORT_OP_ARITY = {"SimplifiedLayerNormalization": (2, 1), "SkipSimplifiedLayerNormalization": (3, 1),
+                 "SkipLayerNormalization": (3, 1)}
+_UNBOUNDED = 2**31 - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _arity(op_type: str, domain: str, version: int) -> tuple[int, int, int, int] | None:
+    """``(min inputs, max inputs, min outputs, max outputs)`` of an op at an opset version (else
+    its latest schema), or ``None`` for an op without an ONNX schema that we do not know."""
+    for args in ((op_type, version, domain), (op_type, domain)):
+        try:
+            s = onnx.defs.get_schema(*args)
+        except onnx.defs.SchemaError:
+            continue
+        return s.min_input, s.max_input, s.min_output, s.max_output
+    if domain in ("", "ai.onnx", "com.microsoft") and op_type in _ORT_OP_ARITY:
+        min_in, min_out = _ORT_OP_ARITY[op_type]
+        return min_in, _UNBOUNDED, min_out, _UNBOUNDED
+    return None
+
+
+def check_node_arity(model: onnx.ModelProto, p: Path) -> None:
+    """Every node of the graph and of its functions has as many inputs and outputs as its op takes
+    (and at least one output): what every reader of a node's first input or output relies on."""
+    def check(nodes: Iterable[onnx.NodeProto], opsets: dict[str, int]) -> None:
+        for node in nodes:
+            label = f"node {node.name or (node.output[0] if node.output else '?')!r} ({node.op_type})"
+            if not node.output:
+                raise ModelFileError(f"{p}: {label} has no output; the model is damaged: re-export it")
+            arity = _arity(node.op_type, node.domain, opsets.get(node.domain or "", opsets.get("ai.onnx", 1)))
+            if arity is None:
+                continue
+            for what, count, low, high in (("inputs", len(node.input), *arity[:2]),
+                                           ("outputs", len(node.output), *arity[2:])):
+                if not low <= count <= high:
+                    takes = f"at least {low}" if high >= _UNBOUNDED else f"{low} to {high}" if low != high else str(low)
+                    raise ModelFileError(f"{p}: {label} has {count} {what} but {node.op_type} takes {takes}; the "
+                                         "model is damaged: re-export it")
+
+    check(model.graph.node, {o.domain: o.version for o in model.opset_import})
+    for function in model.functions:
+        check(function.node, {o.domain: o.version for o in function.opset_import})
 
 
 def _has_external_data(model: onnx.ModelProto) -> bool:

@@ -75,9 +75,9 @@ import onnx
 from onnx import numpy_helper
 
 from rmsnorm_deploy.graph.audit import audit_model
+from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_reading import inline_for_analysis
 from rmsnorm_deploy.graph.reductions import Reduction
-from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 PLACEMENTS: tuple[str, ...] = ("pre", "post", "sublayer_output", "qk", "final", "other")
 #: a KV-cache graph's ``present.{i}.key/value`` outputs: a key or value projection of a normalized

@@ -39,7 +39,7 @@ def rms_norm(
     interpreter).
     """
     require("triton", "the Triton RMSNorm kernel")
-    from rmsnorm_deploy.kernels import triton_rmsnorm as kernel
+    from rmsnorm_deploy.kernels import triton_rmsnorm as kernel  # optional: it imports triton
 
     x2d = _rows(spec, x, weight).detach()
     if out is None:
@@ -79,7 +79,7 @@ def _rows(spec: RMSNormSpec, x: torch.Tensor, weight: torch.Tensor | None) -> to
         raise InputError("spec gain 'none' takes no weight; pass weight=None")
     if hidden == 0:
         raise InputError(f"x has an empty normalized shape {list(normalized_shape)}")
-    from rmsnorm_deploy.kernels.triton_rmsnorm import check_hidden
+    from rmsnorm_deploy.kernels.triton_rmsnorm import check_hidden  # optional: it imports triton
 
     check_hidden(hidden)
     x2d = x.reshape(-1, hidden)

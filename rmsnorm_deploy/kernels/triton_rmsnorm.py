@@ -34,6 +34,9 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.errors import InputError
+
 #: Largest row the kernel holds in registers (elements). Larger rows are refused.
 MAX_HIDDEN = 65536
 #: Elements one program aims to handle when rows are small (rows are packed up to this).
@@ -159,7 +162,6 @@ def launch_config(n_cols: int, *, rows_per_program: int | None = None, num_warps
 
 
 def check_hidden(n_cols: int) -> None:
-    from rmsnorm_deploy.errors import InputError
 
     if not 1 <= n_cols <= MAX_HIDDEN:
         raise InputError(
@@ -224,8 +226,6 @@ def launch(spec: Any, x2d: Any, weight: Any, y2d: Any, config: LaunchConfig | No
     Triton interprets, any tensors run in the interpreter; CPU tensors otherwise are an
     error, never a silent fallback.
     """
-    from rmsnorm_deploy.contract.dtypes import dtype_name
-    from rmsnorm_deploy.errors import InputError
 
     n_rows, n_cols = x2d.shape
     config = config or launch_config(n_cols)

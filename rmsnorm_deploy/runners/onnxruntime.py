@@ -37,6 +37,7 @@ import onnx
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.errors import InputError, ProviderError, UserError, one_line
+from rmsnorm_deploy.graph.onnx_file import check_model_file
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.base import Runner
 
@@ -181,6 +182,25 @@ def provider_name(short: str) -> str:
     raise UserError(f"unknown provider {short!r}; choose from {', '.join(PROVIDERS)}")
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads: Any, flag: str = "--threads") -> None:
+    """Intra-op threads: an integer from 1 to the CPUs this process may use (more only slows the
+    kernels down, and ONNX Runtime takes an int32); ``None`` leaves ONNX Runtime's default."""
+    if threads is None:
+        return
+    cpus = usable_cpus()
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= cpus:
+        raise UserError(f"{flag} {threads!r}: give an integer from 1 to {cpus} (the CPUs this process may use), or "
+                        "leave it out for ONNX Runtime's default")
+
+
 class OnnxRuntimeRunner(Runner):
     """Runs an ONNX model with ONNX Runtime on the requested providers, or refuses.
 
@@ -218,6 +238,7 @@ class OnnxRuntimeRunner(Runner):
             raise UserError(f"options given for {', '.join(unused)}, which was not requested; requested: "
                             f"{', '.join(self.requested)}")
         self.optimized_model_path = optimized_model_path
+        check_threads(intra_op_threads)
         self.intra_op_threads = intra_op_threads
         self.require_all_nodes_on_provider = require_all_nodes_on_provider
         self.session: Any = None
@@ -385,7 +406,6 @@ def _session_source(model: str | os.PathLike | bytes | onnx.ModelProto) -> str |
         return model.SerializeToString()
     if isinstance(model, bytes):
         return model
-    from rmsnorm_deploy.graph.onnx_file import check_model_file
 
     return str(check_model_file(Path(model)))
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from rmsnorm_deploy.contract.dtypes import dtype_name, to_numpy, to_torch
+from rmsnorm_deploy.contract.dtypes import dtype_name, to_numpy, to_torch, torch_dtype
+from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.errors import ProviderError, UserError
 from rmsnorm_deploy.runners.base import Runner
 
@@ -89,7 +90,6 @@ def float64_copy(module: Any) -> Any:
     """A float64 copy of ``module`` whose RMSNorm specs accumulate in float64 (their oracle)."""
     import torch
 
-    from rmsnorm_deploy.contract.spec import RMSNormSpec
 
     wide = copy.deepcopy(module).to(torch.float64)
     for sub in wide.modules():
@@ -100,6 +100,5 @@ def float64_copy(module: Any) -> Any:
 
 
 def _torch_dtype(name: str) -> Any:
-    from rmsnorm_deploy.contract.dtypes import torch_dtype
 
     return torch_dtype(name)

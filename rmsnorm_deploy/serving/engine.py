@@ -36,10 +36,10 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, FROM_FOLDER, check_max_new_tokens
+from rmsnorm_deploy.decoder.loop import Sampling, token_picker
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.resources import check_memory
-from rmsnorm_deploy.decoder.loop import Sampling, token_picker
-from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, FROM_FOLDER, check_max_new_tokens
 from rmsnorm_deploy.serving.slots import SlotBatch, TurnBatch, slots_refusal
 
 __all__ = ["Engine", "EngineBusy", "EngineOptions", "EngineUnavailable", "Stream", "StreamCancelled", "StreamFailed"]

@@ -34,7 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, UserError, one_line
-from rmsnorm_deploy.serving.signature import Signature, TensorSpec, read_signature
+from rmsnorm_deploy.graph.onnx_file import DIR_MODE, check_folder_writable, load_onnx
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.serving.server import check_model_name
+from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
+from rmsnorm_deploy.tensorrt.sidecar import check_engine_hash, read_sidecar, sidecar_path
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 #: the dynamic batcher may hold a request this long to fill a batch
@@ -133,7 +137,6 @@ def _sequence_batching(sig: Signature) -> str:
 
 def parse_config(text: str) -> Any:
     """Parse ``text`` into Triton's ``ModelConfig`` message; a one-line error naming the problem."""
-    from rmsnorm_deploy.optional import require
 
     pb2 = require("tritonclient.grpc.model_config_pb2", "checking a Triton model config")
     text_format = require("google.protobuf.text_format", "checking a Triton model config")
@@ -166,8 +169,6 @@ def model_source(path: str | os.PathLike, options: RepoOptions) -> ModelSource:
     p = Path(path)
     if p.is_file() and p.suffix in (".engine", ".plan"):
         return _engine_source(p, options)
-    from rmsnorm_deploy.graph.onnx_file import load_onnx
-    from rmsnorm_deploy.serving.signature import model_path
 
     onnx_path = model_path(p)
     signature = read_signature(onnx_path, max_batch=options.max_batch)
@@ -190,7 +191,6 @@ def _external_locations(model: Any) -> set[str]:
 
 
 def _engine_source(engine: Path, options: RepoOptions) -> ModelSource:
-    from rmsnorm_deploy.tensorrt.sidecar import check_engine_hash, read_sidecar, sidecar_path
 
     sidecar = read_sidecar(engine)
     check_engine_hash(sidecar, engine)
@@ -217,23 +217,27 @@ def _profile_batch_max(profiles: dict[str, Any]) -> int | None:
 
 def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: RepoOptions, *,
                      force: bool = False) -> Path:
-    """Write ``out/<name>/`` (config and ``1/``) in one rename; an existing one only with ``force``."""
-    from rmsnorm_deploy.serving.server import check_model_name
+    """Write ``out/<name>/`` (config and ``1/``) in one rename; an existing one (or a link of that
+    name: the link is replaced, not what it points to) only with ``force``."""
 
     check_model_name(options.model_name)
     source = model_source(model, options)
     text = config_text(source, options)
     check_config(parse_config(text), source)
     repo = Path(out)
-    if repo.exists() and not repo.is_dir():
-        raise OutputExistsError(f"{repo} is a file; -o names the repository folder")
+    check_folder_writable(repo)
     target = repo / options.model_name
-    if target.exists() and not force:
+    if (target.exists() or target.is_symlink()) and not force:
         raise OutputExistsError(f"{target} exists; pass --force to replace it or choose another -o/--model-name")
-    repo.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{options.model_name}.", dir=repo))
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{options.model_name}.", dir=repo))
+    except OSError as exc:
+        raise OutputExistsError(f"cannot create the repository folder {repo}: {exc.strerror or one_line(exc)}; "
+                                "choose another -o") from None
     old: Path | None = None
     try:
+        os.chmod(staging, DIR_MODE)  # the user's umask, as any folder of theirs (mkdtemp makes it 0700)
         version = staging / "1"
         version.mkdir()
         shutil.copyfile(source.path, version / source.filename)
@@ -241,7 +245,7 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: 
             (version / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, version / name)
         (staging / "config.pbtxt").write_text(text)
-        if target.exists():
+        if target.exists() or target.is_symlink():
             old = Path(tempfile.mkdtemp(prefix=f".{options.model_name}.old.", dir=repo))
             os.rmdir(old)
             os.replace(target, old)
@@ -254,6 +258,14 @@ def write_repository(model: str | os.PathLike, out: str | os.PathLike, options: 
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-        if old is not None and old.exists():
-            shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            _remove(old)
     return target
+
+
+def _remove(path: Path) -> None:
+    """Remove a replaced model: a link itself (never what it points to), or a folder tree."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)

@@ -22,8 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from rmsnorm_deploy.contract.compare import compare
+from rmsnorm_deploy.contract.tolerances import tolerance_for
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.serving.signature import Signature, model_path, read_signature
+from rmsnorm_deploy.table import format_table
 
 #: (rows, sequence) of each request; odd sizes on purpose
 SHAPES = ((1, 1), (1, 7), (3, 19))
@@ -55,7 +61,6 @@ def feeds(signature: Signature, token_high: dict[str, int], *, seed: int = 0) ->
 
 
 def _client_call(protocol: str, url: str, model_name: str, signature: Signature):
-    from rmsnorm_deploy.optional import require
 
     module = require(f"tritonclient.{protocol}", "the parity client")
     client = module.InferenceServerClient(url)
@@ -76,11 +81,6 @@ def check(model: str | Path, *, http: str | None, grpc: str | None, model_name: 
     """Compare every output of every feed over each given protocol; print a table; True if all pass."""
     import onnx
 
-    from rmsnorm_deploy.contract.compare import compare
-    from rmsnorm_deploy.contract.tolerances import tolerance_for
-    from rmsnorm_deploy.graph.metadata import ModelMetadata
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
-    from rmsnorm_deploy.table import format_table
 
     path = model_path(model)
     signature = read_signature(path)

@@ -1,28 +1,31 @@
-"""``serve``: a real Triton Inference Server (embedded through PyTriton) in front of our ONNX Runtime runner.
+"""``serve``: a real Triton Inference Server (embedded through PyTriton) behind our checking fronts,
+in front of our ONNX Runtime runner.
 
 Long: one server process: its ports, its Triton models and its stop, which share their state.
 
 The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
-batcher. Triton checks each request against the model's config (input names, datatypes, ranks,
-fixed dims, batch size) and answers a bad one with HTTP 400 / gRPC INVALID_ARGUMENT and a
-message before it reaches us. Inference runs through :class:`OnnxRuntimeRunner`, so the
-provider checks (never a silent fallback) hold here too.
+batcher. Clients reach it through ``serving.front``: our HTTP (Starlette on uvicorn) and gRPC
+fronts on the public ports check every inference request against the served models
+(``serving.request_check``: names, datatypes, shapes, sizes, the data carried) before Triton, on
+internal 127.0.0.1 ports, sees it; Triton 2.51 trusts a claimed shape and one request could take it
+down. Triton checks again and answers with its own errors, which the fronts pass on unchanged.
+Inference runs through :class:`OnnxRuntimeRunner`, so the provider checks (never a silent
+fallback) hold here too; the callables check what only the model knows (token ids within the
+vocabulary) and refuse with HTTP 400 / gRPC INVALID_ARGUMENT and one line.
 
 Safe by default: every endpoint binds to 127.0.0.1 unless ``host`` says otherwise (Triton's own
 default is every interface). The endpoints that change the server (model repository, shared
-memory, trace and log settings) need PyTriton's per-process access token; statistics stay
-readable, since they are how a user sees batching at work.
+memory, trace and log settings) are not served by the fronts, and need PyTriton's per-process
+access token on Triton's own ports; statistics stay readable, since they are how a user sees
+batching at work. After any stop, a crash included, nothing of the server is left on disk
+(``serving.leftovers``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import logging
-import re
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -31,176 +34,32 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, KVCacheModel
 from rmsnorm_deploy.errors import InputError, UserError, one_line
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
+from rmsnorm_deploy.serving.engine import Engine, EngineBusy, EngineUnavailable, StreamCancelled, StreamFailed
+from rmsnorm_deploy.serving.front import Front, FrontPorts
+from rmsnorm_deploy.serving.leftovers import new_workspace, remove_leftovers
+from rmsnorm_deploy.serving.process import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServeOptions,
+    ServeProcess,
+    check_model_name,
+    check_options,
+    check_port_free,
+    free_ports,
+    start_serve_process,
+)
+from rmsnorm_deploy.serving.pytriton_env import CANCELLED, REQUEST_NUMBER, prepare_process, refusal
+from rmsnorm_deploy.serving.request_check import ExpectedInput, Refused, ServedModel, numpy_check
 from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
+from rmsnorm_deploy.validate.feeds import check_token_ids, token_bounds
 
 #: Triton's endpoints that only an operator should reach (PyTriton's token guards them).
 PROTECTED_ENDPOINTS = ["model-repository", "shared-memory", "trace", "logging"]
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    providers: tuple[str, ...] = ("cpu",)
-    model_name: str = "model"
-    max_batch: int | None = None
-    #: how long the dynamic batcher may hold a request to fill a batch
-    queue_delay_us: int = 500
-    #: how long Triton waits for in-flight requests when stopping
-    exit_timeout_s: int = 5
-    #: a generation model's engine (``serving.engine.EngineOptions``; its max_batch is ``max_batch``)
-    max_queue: int = 64
-    max_tokens_in_flight: int | None = None
-    prefill_chunk: int = 32
-    drain_timeout_s: float = 30.0
-
-    def engine_options(self) -> Any:
-        """The generation engine's options (``--max-batch`` is its number of slots, default 16)."""
-        from rmsnorm_deploy.serving.engine import EngineOptions
-
-        if self.max_batch == 0:
-            raise UserError("--max-batch 0: a generation model runs at least one stream; give 1 or more")
-        return EngineOptions(max_batch=EngineOptions.max_batch if self.max_batch is None else self.max_batch,
-                             max_queue=self.max_queue, max_tokens_in_flight=self.max_tokens_in_flight,
-                             prefill_chunk=self.prefill_chunk, drain_timeout_s=self.drain_timeout_s)
-
-    def endpoints(self) -> dict[str, str]:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return {
-            "http": f"http://{host}:{self.http_port}",
-            "grpc": f"{host}:{self.grpc_port}",
-            "metrics": f"http://{host}:{self.metrics_port}/metrics",
-        }
-
-
-def check_model_name(name: str) -> None:
-    if not _NAME.match(name):
-        raise UserError(f"--model-name {name!r}: use letters, digits, '_', '.', '-' (at most 128)")
-
-
-def check_options(options: ServeOptions) -> None:
-    """Refuse bad names and ports before anything starts."""
-    check_model_name(options.model_name)
-    ports = {"--http-port": options.http_port, "--grpc-port": options.grpc_port, "--metrics-port": options.metrics_port}
-    for flag, port in ports.items():
-        if not 1 <= port <= 65535:
-            raise UserError(f"{flag} {port}: a port is a number from 1 to 65535")
-    seen: dict[int, str] = {}
-    for flag, port in ports.items():
-        if port in seen:
-            raise UserError(f"{flag} and {seen[port]} are both {port}; give each endpoint its own port")
-        seen[port] = flag
-    for flag, port in ports.items():
-        check_port_free(options.host, port, flag)
-
-
-def check_port_free(host: str, port: int, flag: str) -> None:
-    """A one-line error if ``host:port`` cannot be bound (in use, or an address not on this machine)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise UserError(f"--host {host!r} is not an address of this machine ({exc.strerror})") from None
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise UserError(f"port {port} on {host} is in use ({flag}); stop what holds it or choose another "
-                                f"port with {flag}") from None
-            raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports the system reports free on ``host`` now (for ``--http-port`` and the
-    others when any port will do: tests, benchmarks). Another process may still take one before it
-    is bound; :func:`check_options` then refuses it in one line."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-@dataclasses.dataclass
-class ServeProcess:
-    """An ``rmsnorm-deploy serve`` child process on loopback ports, and everything it printed."""
-
-    process: Any  # subprocess.Popen
-    http: int
-    grpc: int
-    metrics: int
-    log: list[str]
-    startup_s: float = 0.0  # from the start to ready
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http}{path}"
-
-    def stop(self, timeout_s: float = 40) -> None:
-        """SIGTERM (the server stops cleanly), then SIGKILL if it is still there after ``timeout_s``."""
-        import subprocess
-
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-
-
-def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = (),
-                        wait: bool = True) -> ServeProcess:
-    """``rmsnorm-deploy serve MODEL_DIR [ARGS]`` as a child process (this package, this Python) on free
-    loopback ports, returned once it is ready both on the wire (``/v2/health/ready``) and in its own
-    output (it prints ``ready`` after the server is up), or at once without ``wait``. Raises
-    :class:`UserError` with what it printed when it exits first or is not ready within ``timeout_s``
-    (then it is killed)."""
-    import os
-    import subprocess
-    import sys
-    import urllib.error
-    import urllib.request
-
-    http, grpc, metrics = free_ports(3)
-    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very package
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rmsnorm_deploy", "serve", str(model_dir), "--http-port", str(http),
-         "--grpc-port", str(grpc), "--metrics-port", str(metrics), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    log: list[str] = []
-    threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
-    served = ServeProcess(process, http, grpc, metrics, log)
-    if not wait:
-        return served
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise UserError(f"serve exited with {process.returncode} before it was ready:\n{''.join(log)}")
-        try:
-            with urllib.request.urlopen(served.url("/v2/health/ready"), timeout=2) as response:
-                if response.status == 200 and any(line.startswith("ready") for line in log):
-                    served.startup_s = time.perf_counter() - started
-                    return served
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        time.sleep(0.2)
-    process.kill()
-    process.wait(timeout=30)
-    raise UserError(f"serve was not ready within {timeout_s:g} s:\n{''.join(log)}")
 
 
 class BatchedInference:
@@ -212,19 +71,24 @@ class BatchedInference:
     same way alone or stacked (the serving tests check this bit for bit).
     """
 
-    def __init__(self, runner: Any, signature: Signature):
+    def __init__(self, runner: Any, signature: Signature, served: ServedModel | None = None,
+                 token_bounds: dict[str, int] | None = None):
         self.runner = runner
         self.signature = signature
         self.input_names = [t.name for t in signature.inputs]
         self.lock = threading.Lock()
+        self.served = served
+        self.token_bounds = token_bounds or {}
 
     def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         feeds = [{name: np.asarray(request[name]) for name in self.input_names} for request in requests]
+        results: list[dict[str, np.ndarray] | None] = [self.refusal(feed) for feed in feeds]
         if not self.signature.batched:
-            return [self._run(feed) for feed in feeds]
-        results: list[dict[str, np.ndarray] | None] = [None] * len(feeds)
+            return [result or self._run(feed) for result, feed in zip(results, feeds)]
         groups: dict[tuple, list[int]] = {}
         for index, feed in enumerate(feeds):
+            if results[index] is not None:
+                continue
             key = tuple((name, feed[name].dtype.str, feed[name].shape[1:]) for name in self.input_names)
             groups.setdefault(key, []).append(index)
         for members in groups.values():
@@ -244,7 +108,22 @@ class BatchedInference:
         with self.lock:
             return self.runner.infer(feed)
 
+    def refusal(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The refusal (HTTP 400, one line) of a request the model cannot answer, else ``None``: dims
+        outside the model's ranges (an empty sequence), token ids outside the vocabulary (ONNX
+        ``Gather`` would wrap a negative one round to the table's end and answer 200)."""
 
+        try:
+            if self.served is not None:
+                numpy_check(self.served, feed)
+            check_token_ids(feed, self.token_bounds)
+        except (Refused, InputError) as exc:
+            return refusal(str(exc))
+        return None
+
+
+#: the largest OpenAI request body: JSON parsed into Python objects (a prompt longer than any model fits)
+OPENAI_MAX_REQUEST_BYTES = 8 << 20
 #: The generation model's interface (a KV-cache graph is served as this, under ``--model-name``).
 GENERATION_INPUTS = (("input_ids", [-1], False), ("max_new_tokens", [1], True))  # (name, dims, optional)
 GENERATION_OUTPUT = "output_ids"
@@ -299,8 +178,6 @@ class GenerationInference:
 
     def submit(self, request: Any) -> Any:
         """The request's ``Stream`` in the engine, or the refusal to answer it with."""
-        from rmsnorm_deploy.serving.engine import EngineBusy, EngineUnavailable
-        from rmsnorm_deploy.serving.pytriton_env import refusal
 
         try:
             prompt, max_new_tokens = parse_generation_request(request)
@@ -322,7 +199,6 @@ class GenerationInference:
     def cancel_notice(self, request: Any) -> bool:
         """True when ``request`` is the proxy's notice that Triton cancelled requests; their streams
         are cancelled (the engine frees their slots at its next step)."""
-        from rmsnorm_deploy.serving.pytriton_env import CANCELLED
 
         if CANCELLED not in request.keys():
             return False
@@ -368,7 +244,6 @@ class StreamingGenerationInference(GenerationInference):
 def parse_generation_request(request: Any) -> tuple[list[int], int]:
     """The prompt and ``max_new_tokens`` of one KServe request (``InputError`` when malformed);
     the engine checks them against the model."""
-    from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS
 
     if "input_ids" not in request.keys():
         raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
@@ -385,8 +260,6 @@ def parse_generation_request(request: Any) -> tuple[list[int], int]:
 def stream_refusal(exc: BaseException) -> dict[str, np.ndarray]:
     """The answer to a stream that did not end normally: a failed step is a server fault (500), a
     stream cancelled by the server (a drain out of time) is unavailable (503)."""
-    from rmsnorm_deploy.serving.engine import StreamCancelled, StreamFailed
-    from rmsnorm_deploy.serving.pytriton_env import refusal
 
     if isinstance(exc, StreamCancelled):
         return refusal(str(exc), "unavailable")
@@ -396,7 +269,6 @@ def stream_refusal(exc: BaseException) -> dict[str, np.ndarray]:
 
 
 def _request_number(request: Any) -> int | None:
-    from rmsnorm_deploy.serving.pytriton_env import REQUEST_NUMBER
 
     number = (getattr(request, "parameters", None) or {}).get(REQUEST_NUMBER)
     return number if isinstance(number, int) else None
@@ -413,7 +285,6 @@ def generation_endpoint(path: Path, signature: Signature, providers: Sequence[st
     """
     if not signature.is_kv_cache:
         return None
-    from rmsnorm_deploy.decoder.generate import KVCacheModel
 
     return KVCacheModel(path, providers)
 
@@ -424,6 +295,25 @@ def _pytriton_tensor(spec: TensorSpec, batched: bool):
     return Tensor(name=spec.name, dtype=np.dtype(spec.dtype), shape=tuple(spec.dims(batched=batched)))
 
 
+def _token_bounds(path: Path) -> dict[str, int]:
+    """The vocabulary bound of each token-id input (``validate.feeds.token_bounds``: metadata, else
+    the embedding table the graph gathers from)."""
+
+    model = load_onnx(path, load_external=False)
+    return token_bounds(model, ModelMetadata.read(model))
+
+
+def served_models(signature: Signature, name: str, *, generation: bool) -> list[ServedModel]:
+    """What the fronts check each served model's requests against: the same tensors Triton is given."""
+    if generation:
+        inputs = tuple(ExpectedInput(n, "INT64", tuple(d if d > 0 else "n" for d in dims))
+                       for n, dims, _ in GENERATION_INPUTS)
+        return [ServedModel(name, inputs), ServedModel(name + STREAM_SUFFIX, inputs)]
+    inputs = tuple(ExpectedInput(t.name, t.kserve_type, t.shape) for t in signature.inputs)
+    ranges = {d: r for d, r in signature.ranges.items() if d != signature.batch_dim}
+    return [ServedModel(name, inputs, signature.max_batch if signature.batched else 0, ranges)]
+
+
 def _describe(tensors: Sequence[TensorSpec]) -> str:
     return ", ".join(f"{t.name} {t.dtype}[{', '.join(str(d) for d in t.shape)}]" for t in tensors)
 
@@ -432,7 +322,6 @@ class Server:
     """A running embedded Triton: ``start()``, ``wait()`` until a signal or the server dies, ``stop()``."""
 
     def __init__(self, model: str | Path, options: ServeOptions, *, say: Callable[[str], None] = print):
-        from rmsnorm_deploy.optional import require
 
         require("pytriton", "serve")
         self.options = options
@@ -447,7 +336,16 @@ class Server:
         self.generator = generation_endpoint(self.path, self.signature, options.providers)
         if self.generator is not None:
             options.engine_options().check()
+        from rmsnorm_deploy.serving.openai_serve import openai_placement  # optional: pydantic, starlette
+
+        self.openai_place, self.openai_note = openai_placement(self.generator, enabled=options.openai,
+                                                               port=options.openai_port)
         check_options(options)
+        self.models = served_models(self.signature, options.model_name, generation=self.generator is not None)
+        self.front: Any = None
+        self.workspace: Path | None = None
+        self.internal: tuple[int, int] = (0, 0)  # Triton's own HTTP and gRPC ports, on 127.0.0.1
+        self.openai: Any = None
         self.engine: Any = None
         self.triton: Any = None
         self.runner: Any = None
@@ -456,8 +354,6 @@ class Server:
         self._stop = threading.Event()
 
     def start(self) -> None:
-        from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
-        from rmsnorm_deploy.serving.pytriton_env import prepare_process
 
         set_onnxruntime_log_level()
         # The runner first: a provider that cannot run is refused before any server starts.
@@ -468,7 +364,6 @@ class Server:
             self.runner = OnnxRuntimeRunner(self.path, o.providers)
         self.runner.activate()
         if self.generator is not None:
-            from rmsnorm_deploy.serving.engine import Engine
 
             # Warm before Triton loads the models: a model Triton reports ready answers at once.
             self.engine = Engine(self.generator, o.engine_options()).start()
@@ -477,12 +372,15 @@ class Server:
         from pytriton.model_config import DynamicBatcher, ModelConfig
         from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 
+        remove_leftovers()  # of earlier serve processes that were killed
         # Triton's own log goes to a file (PyTriton would echo it to our stdout line by line).
         self.log_dir = tempfile.mkdtemp(prefix="rmsnorm-deploy-serve-")
         self.log_path = Path(self.log_dir) / "tritonserver.log"
+        # Triton's HTTP and gRPC only on loopback: clients reach them through the fronts
+        self.internal = (http, grpc) = tuple(free_ports(2))
         config = TritonConfig(
             log_file=self.log_path,
-            http_address=o.host, http_port=o.http_port, grpc_address=o.host, grpc_port=o.grpc_port,
+            http_address="127.0.0.1", http_port=http, grpc_address="127.0.0.1", grpc_port=grpc,
             metrics_address=o.host, metrics_port=o.metrics_port, allow_gpu_metrics=False,
             exit_timeout_secs=o.exit_timeout_s, log_verbose=0,
         )
@@ -505,11 +403,12 @@ class Server:
                 batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
                 batcher=DynamicBatcher(max_queue_delay_microseconds=o.queue_delay_us),
             )
-            infer_func = BatchedInference(self.runner, sig)
+            infer_func = BatchedInference(self.runner, sig, self.models[0], _token_bounds(self.path))
             inputs = [_pytriton_tensor(t, sig.batched) for t in sig.inputs]
             outputs = [_pytriton_tensor(t, sig.batched) for t in sig.outputs]
         try:
-            self.triton = Triton(config=config,
+            self.workspace = new_workspace()
+            self.triton = Triton(config=config, workspace=self.workspace,
                                  security_config=TritonSecurityConfig(restricted_endpoints=list(PROTECTED_ENDPOINTS)))
             self.triton.bind(model_name=o.model_name, infer_func=infer_func, inputs=inputs, outputs=outputs,
                              config=model_config, strict=False)
@@ -519,6 +418,33 @@ class Server:
         except Exception as exc:
             self.stop()
             raise UserError(f"Triton Inference Server did not start: {one_line(exc)}{self._log_tail()}") from None
+        self.start_front()
+        if self.openai_place == "port":
+            self.start_openai()
+
+    def start_front(self) -> None:
+        """The public fronts, once Triton serves on its internal ports (``serving.front``)."""
+
+        o = self.options
+        ports = FrontPorts(o.host, o.http_port, o.grpc_port, *self.internal)
+        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes)
+        try:
+            self.front.start()
+        except UserError:
+            self.stop()
+            raise
+
+    def start_openai(self) -> None:
+        """The OpenAI API on its own port, over the warm engine (``serving.openai_serve``)."""
+        from rmsnorm_deploy.serving.openai_serve import OpenAIServer, engine_app  # optional: pydantic, starlette
+
+        o = self.options
+        try:
+            app, self.openai_note = engine_app(self.engine, o.model_name, max_request_bytes=OPENAI_MAX_REQUEST_BYTES)
+            self.openai = OpenAIServer(app, o.host, o.openai_port).start()
+        except UserError:
+            self.stop()
+            raise
 
     def _log_tail(self) -> str:
         try:
@@ -543,10 +469,20 @@ class Server:
             ins, outs = _describe(sig.inputs), _describe(sig.outputs)
             batching = (f"dynamic batching up to {sig.max_batch} rows along {sig.batch_dim!r}" if sig.batched
                         else "no batching (the graph has no shared leading batch dim)")
+        http, grpc = self.internal
+        openai = ""
+        if self.openai is not None:
+            openai = (f"  OpenAI   {ends['openai']}/v1 (completions, chat completions; {self.openai_note}; the same "
+                      "engine as the KServe models)\n")
+        elif self.openai_note:
+            openai = f"  OpenAI   {self.openai_note}\n"
         self.say(f"serving {self.path} as {what} {o.model_name!r} on ONNX Runtime "
                  f"[{', '.join(self.runner.actual_providers)}]\n"
                  f"  HTTP     {ends['http']}/v2/models/{o.model_name}\n"
                  f"  gRPC     {ends['grpc']}\n"
+                 f"  front    checks every request (HTTP: Starlette on uvicorn, gRPC: grpcio; at most "
+                 f"{o.max_request_bytes} bytes), then Triton on 127.0.0.1:{http} (HTTP), 127.0.0.1:{grpc} (gRPC)\n"
+                 f"{openai}"
                  f"  metrics  {ends['metrics']}\n"
                  f"  inputs   {ins}\n"
                  f"  outputs  {outs}\n"
@@ -561,6 +497,10 @@ class Server:
         """Block until a stop is requested (True) or the server dies on its own (False)."""
         while not self._stop.wait(0.5):
             if self.triton is not None and not self.triton.is_alive():
+                return False
+            if self.front is not None and not self.front.is_alive():
+                return False
+            if self.openai is not None and not self.openai.is_alive():
                 return False
         return True
 
@@ -580,14 +520,24 @@ class Server:
                  f"{counts['error']} failed; {counts['refused_busy']} refused with the queue full")
 
     def stop(self, *, keep_log: bool = False) -> None:
+
+        if self.front is not None:
+            front, self.front = self.front, None
+            front.stop()  # no new requests; those in flight finish first
         if self.engine is not None:
             self.engine.drain(0)
+        if self.openai is not None:
+            openai, self.openai = self.openai, None
+            openai.stop()
         if self.triton is not None:
             triton, self.triton = self.triton, None
             try:
                 triton.stop()
             except Exception:  # noqa: BLE001 - stopping must not mask why we stop
                 pass
+        if self.workspace is not None:
+            remove_leftovers(own=self.workspace)  # what a crashed Triton could not remove itself
+            self.workspace = None
         if self.runner is not None:
             self.runner.deactivate()
         if self.log_dir is not None and keep_log:
@@ -620,4 +570,6 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
 
 __all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference",
            "StreamingGenerationInference", "check_options", "free_ports",
-           "generation_endpoint", "InputError"]
+           "generation_endpoint", "InputError", "served_models",
+           # kept importable from here (serving.process holds them)
+           "DEFAULT_MAX_REQUEST_BYTES", "ServeProcess", "check_model_name", "check_port_free", "start_serve_process"]

@@ -22,9 +22,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from rmsnorm_deploy.errors import ModelFileError, UserError
+from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx
 
 #: ONNX element type -> (numpy dtype name, Triton config type, KServe v2 datatype)
 _TYPES: dict[int, tuple[str, str, str]] = {
@@ -74,6 +77,8 @@ class Signature:
     max_batch: int
     #: ``[(past input, present output)]`` pairs of a KV-cache graph, in layer order; empty otherwise
     cache: tuple[tuple[str, str], ...] = ()
+    #: ``{dim name: (min, max)}``: the range each dynamic dim has in the model's metadata (``dims``)
+    ranges: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def batched(self) -> bool:
@@ -116,8 +121,6 @@ def model_path(path: str | os.PathLike) -> Path:
 
 def read_signature(path: str | os.PathLike, *, max_batch: int | None = None) -> Signature:
     """The signature of the ONNX file (or export folder) at ``path``; external data is not loaded."""
-    from rmsnorm_deploy.graph.metadata import ModelMetadata
-    from rmsnorm_deploy.graph.onnx_file import load_onnx
 
     path = model_path(path)
     model = load_onnx(path, load_external=False)
@@ -144,7 +147,8 @@ def signature_of(model: onnx.ModelProto, *, dims: dict[str, Any] | None = None, 
     limit = 0
     if batch_dim is not None:
         limit = max_batch or _metadata_max(dims or {}, batch_dim) or DEFAULT_MAX_BATCH
-    return Signature(inputs, outputs, batch_dim, limit, _cache_pairs(inputs, outputs, where))
+    ranges = {name: (int(r[0]), int(r[2])) for name, r in (dims or {}).items() if _metadata_max(dims or {}, name)}
+    return Signature(inputs, outputs, batch_dim, limit, _cache_pairs(inputs, outputs, where), ranges)
 
 
 def _tensor(value: onnx.ValueInfoProto, where: str) -> TensorSpec:
@@ -166,6 +170,14 @@ def _tensor(value: onnx.ValueInfoProto, where: str) -> TensorSpec:
         else:
             shape.append(d.dim_param or f"{value.name}.{i}")
     return TensorSpec(value.name, _TYPES[elem][0], tuple(shape))
+
+
+def numpy_dtype_of_kserve(datatype: str) -> np.dtype | None:
+    """The numpy dtype of a KServe v2 datatype (``INT64`` -> int64), ``None`` for one no model here has."""
+    for numpy_name, _, kserve in _TYPES.values():
+        if kserve == datatype:
+            return None if numpy_name == "bfloat16" else np.dtype(numpy_name)
+    return None
 
 
 def _metadata_max(dims: dict[str, Any], name: str) -> int:

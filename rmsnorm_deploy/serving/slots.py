@@ -38,10 +38,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rmsnorm_deploy.errors import one_line
 from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
-from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.decoder.loop import CacheLayout, decode_steps
+from rmsnorm_deploy.errors import one_line
+from rmsnorm_deploy.optional import require
 
 
 def slots_refusal(model: Any) -> str | None:

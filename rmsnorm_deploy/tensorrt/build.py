@@ -46,6 +46,7 @@ from rmsnorm_deploy.graph.onnx_file import (
     ensure_writable,
     load_onnx,
 )
+from rmsnorm_deploy.resources import __version__
 from rmsnorm_deploy.table import format_table
 from rmsnorm_deploy.tensorrt.precision import (
     LayerRecord,
@@ -57,7 +58,16 @@ from rmsnorm_deploy.tensorrt.precision import (
 )
 from rmsnorm_deploy.tensorrt.prepare import PreparedModel, prepare_for_tensorrt
 from rmsnorm_deploy.tensorrt.profiles import Profiles, engine_profiles, profiles_to_dict
-from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
+from rmsnorm_deploy.tensorrt.progress import BuildProgress, progress_monitor
+from rmsnorm_deploy.tensorrt.runtime import (
+    PLUGIN_IMPLEMENTATIONS,
+    PluginError,
+    import_tensorrt,
+    make_logger,
+    register_plugin,
+    trt_dtype_name,
+    trt_version,
+)
 from rmsnorm_deploy.tensorrt.sidecar import (
     Device,
     Sidecar,
@@ -192,12 +202,6 @@ def build_engine(
     if cache_path is not None and cache_path.is_dir():
         raise UserError(f"--timing-cache {cache_path} is a folder; give a file path")
 
-    from rmsnorm_deploy.tensorrt.runtime import (
-        import_tensorrt,
-        make_logger,
-        register_plugin,
-        trt_version,
-    )
 
     trt = import_tensorrt("building a TensorRT engine")
     device = Device.current(trt_version(trt))
@@ -250,7 +254,6 @@ def _serialize(trt: Any, builder: Any, network: Any, config: Any, logger: Any, o
     """The engine's bytes and the build's seconds, with the progress bar fed by ``IProgressMonitor``."""
     bar = None
     if progress:
-        from rmsnorm_deploy.tensorrt.progress import BuildProgress, progress_monitor
 
         bar = BuildProgress()
         config.progress_monitor = progress_monitor(trt, bar)
@@ -269,7 +272,6 @@ def _serialize(trt: Any, builder: Any, network: Any, config: Any, logger: Any, o
 
 
 def _built_by() -> str:
-    from rmsnorm_deploy.resources import __version__
 
     return f"rmsnorm-deploy {__version__}"
 
@@ -283,7 +285,6 @@ def network_flags(trt: Any, plugin_info: Mapping[str, Any] | None) -> int:
     TensorRT needs it to choose between a plugin's two implementations, and a flag this TensorRT
     lacks for a requested implementation is an error, not a silent other choice.
     """
-    from rmsnorm_deploy.tensorrt.runtime import PluginError, trt_version
 
     enum = trt.NetworkDefinitionCreationFlag
     flags = 0
@@ -303,7 +304,6 @@ def network_flags(trt: Any, plugin_info: Mapping[str, Any] | None) -> int:
 
 
 def _parse(trt: Any, builder: Any, logger: Any, prepared: PreparedModel, onnx_path: Path, flags: int) -> Any:
-    from rmsnorm_deploy.tensorrt.runtime import trt_version
 
     network = builder.create_network(flags)
     if hasattr(trt, "init_libnvinfer_plugins"):
@@ -363,7 +363,6 @@ def format_parse_errors(version: str, onnx_path: Path, errors: Sequence[ParserEr
 
 
 def _network_records(trt: Any, network: Any) -> list[LayerRecord]:
-    from rmsnorm_deploy.tensorrt.runtime import trt_dtype_name
 
     records = []
     for i in range(network.num_layers):

@@ -23,8 +23,10 @@ from typing import Any, Iterable, Sequence
 
 import onnx
 
+from rmsnorm_deploy.decoder.convention import check_io, graph_io, layout_of
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.function import DOMAIN, OP_TYPE, PLUGIN_NAMESPACE
+from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 #: ONNX ops onnx-tensorrt's docs/operators.md marks "Y" in the TensorRT 10.15 release
 #: (minus those added in 10.14/10.15, listed in _ADDED below). The list is the same in the
@@ -211,8 +213,6 @@ def _kv_cache_findings(model: onnx.ModelProto, facts: ParserFacts) -> list[Findi
     """A KV-cache graph (``export --kv-cache``): its I/O must follow the convention its metadata
     records, since ``build`` makes its prefill and decode profiles from them; an ``Attention``
     taking the cache as ``past_key``/``past_value`` (``--fuse-attention``) is flagged as unverified."""
-    from rmsnorm_deploy.decoder.convention import check_io, graph_io, layout_of
-    from rmsnorm_deploy.graph.metadata import ModelMetadata
 
     try:
         meta = ModelMetadata.read(model)

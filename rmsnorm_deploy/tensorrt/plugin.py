@@ -47,6 +47,7 @@ from rmsnorm_deploy.graph.function import (
     rmsnorm_node,
     spec_from_attributes,
 )
+from rmsnorm_deploy.kernels.functional import rms_norm
 from rmsnorm_deploy.tensorrt.runtime import PLUGIN_IMPLEMENTATIONS
 
 PLUGIN_NAME = OP_TYPE
@@ -182,7 +183,7 @@ def aot_kernel(spec: RMSNormSpec, dtype: str, weight_dtype: str | None, n_cols: 
     ``arch=None`` compiles for this process's GPU (inside TensorRT's build). The PTX ISA is
     held to what the CUDA driver loads, when Triton's default is newer.
     """
-    from rmsnorm_deploy.kernels import triton_rmsnorm
+    from rmsnorm_deploy.kernels import triton_rmsnorm  # optional: it imports triton
 
     check_io(spec, dtype, weight_dtype)
     driver = triton_rmsnorm.driver_ptx_version() if arch is None else None
@@ -203,7 +204,6 @@ def run_jit(spec: RMSNormSpec, x: Any, weight: Any, y: Any, stream: int) -> None
     """The Python implementation: TensorRT's buffers as torch tensors, the kernel on TensorRT's stream."""
     import torch
 
-    from rmsnorm_deploy.kernels.functional import rms_norm
 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         w_t = _as_torch(weight) if weight is not None else None

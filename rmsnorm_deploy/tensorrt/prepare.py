@@ -30,6 +30,7 @@ import onnx
 import onnx.inliner
 
 from rmsnorm_deploy.errors import LoweringError, UserError
+from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.function import (
     DOMAIN,
     OP_TYPE,
@@ -39,6 +40,7 @@ from rmsnorm_deploy.graph.function import (
     spec_from_node,
 )
 from rmsnorm_deploy.graph.lowerings import drop_unused_domain, set_plugin_fields
+from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 REDUCTION_OPS = ("ReduceMean", "ReduceSumSquare", "ReduceL2")
 
@@ -135,7 +137,6 @@ def _checked_spec(node: onnx.NodeProto):
 
 
 def _lowering_of(model: onnx.ModelProto) -> str:
-    from rmsnorm_deploy.graph.metadata import ModelMetadata
 
     meta = ModelMetadata.read(model)
     return meta.lowering if meta and meta.lowering else "unknown"
@@ -163,7 +164,6 @@ def _body_nodes(graph: onnx.GraphProto, output: str, stop: set[str]) -> list[onn
 
 def _other_norms(model: onnx.ModelProto, taken: Iterable[str]) -> list[EngineNorm]:
     """Norms the audit finds outside our nodes: fused ops and decomposed chains."""
-    from rmsnorm_deploy.graph.audit import audit_model
 
     taken = set(taken)
     sites = []

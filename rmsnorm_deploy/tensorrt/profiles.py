@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import onnx
 
+from rmsnorm_deploy.decoder.convention import BATCH, PAST, SEQUENCE, TOTAL, layout_of
 from rmsnorm_deploy.errors import InputError, UserError
 
 _PROFILE_RE = re.compile(r"^\s*([^:\s][^:]*?)\s*:\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*$")
@@ -248,7 +249,6 @@ def kv_cache_profiles(
     ``--profile`` may give ``batch`` and ``sequence`` (its max is the longest past + sequence);
     ``past`` and ``total`` follow from them and cannot be given.
     """
-    from rmsnorm_deploy.decoder.convention import BATCH, PAST, SEQUENCE, TOTAL
 
     inputs = model_input_dims(model)
     dynamic = {d for dims in inputs.values() for d in dims if isinstance(d, str)}
@@ -308,7 +308,6 @@ def engine_profiles(model: onnx.ModelProto, meta: Any,
     (its metadata says so), else the one profile of :func:`resolve_profiles`."""
     dims = meta.dims if meta is not None else None
     if meta is not None and getattr(meta, "kv_cache", None):
-        from rmsnorm_deploy.decoder.convention import layout_of
 
         return kv_cache_profiles(model, layout_of(meta), profiles, dims)
     return [resolve_profiles(model, profiles, dims)]

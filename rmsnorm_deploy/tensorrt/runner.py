@@ -34,10 +34,19 @@ from typing import Any
 import numpy as np
 
 from rmsnorm_deploy.contract.dtypes import dtype_name, to_numpy, to_torch
+from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS, left_padded
+from rmsnorm_deploy.decoder.loop import decode_loop
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.runners.base import Runner
 from rmsnorm_deploy.tensorrt.profiles import profiles_from_dict
-from rmsnorm_deploy.tensorrt.runtime import PluginError
+from rmsnorm_deploy.tensorrt.runtime import (
+    PluginError,
+    import_tensorrt,
+    make_logger,
+    register_plugin,
+    trt_dtype_name,
+    trt_version,
+)
 from rmsnorm_deploy.tensorrt.sidecar import (
     Device,
     check_compatible,
@@ -75,12 +84,6 @@ class TensorRTRunner(Runner):
         if self.plugin and not built_with_plugin:
             raise PluginError(f"the plugin was requested but {self.engine_path} was built without it; rebuild it with "
                               "`rmsnorm-deploy build --plugin` or run it without the plugin")
-        from rmsnorm_deploy.tensorrt.runtime import (
-            import_tensorrt,
-            make_logger,
-        register_plugin,
-            trt_version,
-        )
 
         trt = import_tensorrt("the TensorRT runner")
         check_compatible(sidecar, Device.current(trt_version(trt)), engine_path=self.engine_path)
@@ -103,7 +106,6 @@ class TensorRTRunner(Runner):
         self.io = self._io_tensors()
 
     def _io_tensors(self) -> dict[str, dict[str, Any]]:
-        from rmsnorm_deploy.tensorrt.runtime import trt_dtype_name
 
         trt, engine = self.trt, self.engine
         io = {}
@@ -296,7 +298,6 @@ class TensorRTStep:
             cache: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
         import torch
 
-        from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
 
         lay = self.layout
         first = next(iter(cache.values()), None)
@@ -312,8 +313,6 @@ class TensorRTStep:
 
 def _generate(runner: TensorRTRunner, layout: Any, prompts: Any, *, max_new_tokens: int,
               eos_token_id: Any = None, pad_token_id: int = 0) -> list[list[int]]:
-    from rmsnorm_deploy.decoder.convention import left_padded
-    from rmsnorm_deploy.decoder.loop import decode_loop
 
     step = TensorRTStep(runner, layout)
     ids, mask = left_padded(prompts, pad_token_id)

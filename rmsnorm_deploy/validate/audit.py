@@ -4,7 +4,9 @@ The graph as written is read by ``graph.audit``; the graph ONNX Runtime runs aft
 optimizations comes from ``runners.onnxruntime.optimized_graph`` and is audited the same way,
 each reduction placed (``graph.placement``). The contract findings of our own exports (a
 placement that differs from the source model's, a LayerNorm where the metadata says RMSNorm)
-join them. ``AuditReport`` holds the result, its table, its JSON and the command's exit code.
+join them, and in a weight-only quantized graph the MatMuls with their bits, block size and
+accuracy level (``graph.quantized``). ``AuditReport`` holds the result, its table, its JSON and the
+command's exit code.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import load_onnx
 from rmsnorm_deploy.graph.placement import Finding, assign_placements, contract_findings
+from rmsnorm_deploy.graph.quantized import NBITS_OP, QuantizedMatMul, matmul_rows, matmul_weights
 from rmsnorm_deploy.graph.reductions import Reduction, broken_reductions, low_precision_reductions
 from rmsnorm_deploy.runners.onnxruntime import optimized_graph, set_onnxruntime_log_level
 from rmsnorm_deploy.table import format_table
@@ -47,6 +50,8 @@ class AuditReport:
     findings: list[Finding]
     #: levels that could not be audited (ONNX Runtime refused the graph), one line each
     errors: list[str]
+    #: every MatMul with constant weights and how they are held (``graph.quantized``)
+    matmuls: list[QuantizedMatMul] = dataclasses.field(default_factory=list)
 
     @property
     def low_precision(self) -> list[Reduction]:
@@ -68,6 +73,7 @@ class AuditReport:
             "model": self.model, "providers": self.providers, "onnxruntime_version": self.onnxruntime_version,
             "reductions": [r.to_dict() for r in self.reductions], "low_precision": len(self.low_precision),
             "broken": len(self.broken), "errors": self.errors, "findings": [f.to_dict() for f in self.findings],
+            "matmuls": [m.to_dict() for m in self.matmuls],
         }
 
     def table(self) -> str:
@@ -77,6 +83,9 @@ class AuditReport:
                  "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes,
                  "; ".join(t for t in (r.note, "BROKEN" if r.problem else "") if t)] for r in self.reductions]
         lines = [format_table(headers, rows) if rows else "no normalization reduction found"]
+        if any(m.op == NBITS_OP for m in self.matmuls):  # a quantized graph: its MatMuls beside its norms
+            lines.append(format_table(["matmuls", "op", "weights", "block size", "accuracy_level", "computes in"],
+                                      matmul_rows(self.matmuls)))
         lines += [f"error: {error}" for error in self.errors]
         lines += [f"error: {r.stage}: norm {r.node}: {r.problem}" for r in self.broken]
         lines += [f"{f.level}: norm {f.norm}: {f.message}" for f in self.findings]
@@ -117,4 +126,4 @@ def audit_file(path: str | os.PathLike, *, levels: Sequence[str] = ("all",), pro
         except UserError as exc:
             errors.append(f"after onnxruntime ({level}) on {','.join(providers)}: not audited: {exc}")
     return AuditReport(str(path), list(providers) if levels else [], onnxruntime_version, list(levels), reductions,
-                       findings, errors)
+                       findings, errors, matmul_weights(model))

@@ -7,7 +7,10 @@ from pathlib import Path
 from typing import Sequence
 
 from rmsnorm_deploy.errors import MissingDependencyError, UserError
+from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.base import Runner
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
+from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,6 @@ class Backend:
         backend's providers is an error (a TensorRT engine runs every layer in TensorRT).
         """
         if self.runtime == "onnxruntime":
-            from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
             wanted = {provider_name(p) for p in self.providers}
             options = {k: v for k, v in (provider_options or {}).items() if provider_name(k) in wanted}
@@ -74,7 +76,6 @@ def check_provider_options(keys: Sequence[str], provider_options: dict[str, dict
     """Options for a provider none of ``keys`` runs would be dropped: a one-line error instead."""
     if not provider_options:
         return
-    from rmsnorm_deploy.runners.onnxruntime import provider_name
 
     wanted = {provider_name(p) for k in keys for p in BACKENDS[k].providers}
     for provider, options in provider_options.items():
@@ -85,13 +86,11 @@ def check_provider_options(keys: Sequence[str], provider_options: dict[str, dict
 
 
 def _tensorrt_runner(model_path: Path, workdir: Path, *, plugin: bool) -> Runner:
-    from rmsnorm_deploy.optional import require
 
     flag = "trt-plugin" if plugin else "trt"
     require("tensorrt", f"validate --providers {flag}")
     try:
-        from rmsnorm_deploy.tensorrt.runner import TensorRTRunner
-        from rmsnorm_deploy.tensorrt.build import build_engine
+        from rmsnorm_deploy.tensorrt.build import build_engine  # optional: only the trt providers build engines
     except ImportError as exc:
         raise MissingDependencyError(
             f"validate --providers {flag} needs rmsnorm_deploy's TensorRT engine builder, which this installation "

@@ -15,6 +15,7 @@ from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.contract.inputs import INPUT_KINDS, activations, gain_weights, token_ids
 from rmsnorm_deploy.errors import InputError, ModelFileError, UserError
 from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.resources import check_memory
 
 #: size given to a dynamic dim that neither the metadata nor ``--dim`` sizes: odd, and > 2 so that
 #: stress inputs get their all-zero row
@@ -137,7 +138,6 @@ _BYTES_PER_VALUE = 32
 
 def _check_feed_size(shapes: list[list[int]]) -> None:
     """The inputs about to be generated against the memory budget, before any is allocated."""
-    from rmsnorm_deploy.resources import check_memory
 
     values = sum(math.prod(shape) for shape in shapes)
     check_memory(values * _BYTES_PER_VALUE, f"generating inputs of shapes {shapes} ({values:,} values)",
@@ -225,7 +225,13 @@ def check_feed(feed: dict[str, np.ndarray], model: onnx.ModelProto, meta: ModelM
                 if d in seen and seen[d][1] != size:
                     raise InputError(f"dim {d!r} is {seen[d][1]} in input {seen[d][0]!r} but {size} in {name!r}")
                 seen[d] = (name, size)
-    for name, high in token_bounds(model, meta).items():
+    check_token_ids(feed, token_bounds(model, meta))
+
+
+def check_token_ids(feed: dict[str, np.ndarray], bounds: dict[str, int]) -> None:
+    """Token ids inside ``[0, bound)`` for each input in ``bounds`` (:func:`token_bounds`): a
+    ``Gather`` would read past the table's end, or wrap a negative id round to it; one-line error."""
+    for name, high in bounds.items():
         array = feed.get(name)
         if array is None or array.size == 0 or array.dtype.kind not in "iu":
             continue

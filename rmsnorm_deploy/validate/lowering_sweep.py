@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -32,6 +33,8 @@ from rmsnorm_deploy.errors import (
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.lowerings import LOWERINGS
 from rmsnorm_deploy.graph.standalone import rmsnorm_model
+from rmsnorm_deploy.resources import check_memory
+from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 from rmsnorm_deploy.table import format_table
 
 
@@ -71,9 +74,19 @@ class SweepRow:
         }
 
 
+#: float64 arrays of the input's size one case holds at its peak: the generated activations (and
+#: gate), the oracle's input, square and result, and the comparison's copies.
+PEAK_FLOAT64_COPIES = 6
+
+
+def check_case_memory(shape: Sequence[int], what: str) -> None:
+    """Refuse (one line) a shape whose case would not fit the memory budget, before anything is allocated."""
+    check_memory(math.prod(int(d) for d in shape) * 8 * PEAK_FLOAT64_COPIES,
+                 f"{what} ({math.prod(int(d) for d in shape):,} elements)", "give a smaller shape")
+
+
 def run_case(case: SweepCase) -> SweepRow:
     """Build, run, compare and audit one case; never raises for a refusal or a runtime's gap."""
-    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
     try:
         model = rmsnorm_model(case.spec, dtype=case.dtype, shape=case.shape, lowering=case.lowering)

@@ -9,8 +9,14 @@ from typing import Any
 import numpy as np
 
 from rmsnorm_deploy.contract.compare import compare
-from rmsnorm_deploy.contract.tolerances import norm_tolerance, subnormal_input_allowance, tolerance_for
-from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.contract.dtypes import to_torch
+from rmsnorm_deploy.contract.reference import oracle
+from rmsnorm_deploy.contract.tolerances import (
+    accuracy_bound_for,
+    norm_tolerance,
+    subnormal_input_allowance,
+    tolerance_for,
+)
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.validate.backends import BACKENDS
 from rmsnorm_deploy.validate.feeds import FLOAT_DTYPES, array_dtype
@@ -50,11 +56,6 @@ def is_standalone(meta: ModelMetadata | None) -> bool:
 
 def _float64_bound(backend: str, dtype: str, source: np.ndarray, wide: np.ndarray) -> Any:
     """The tolerance of a whole model's output against its float64 source: a multiple of the source's own error."""
-    try:
-        from rmsnorm_deploy.contract.tolerances import accuracy_bound_for
-    except ImportError:
-        raise UserError("--reference float64 for a whole model needs the accuracy bounds of the export pipeline "
-                        "(tolerances.accuracy_bound_for), which this installation lacks; use --reference torch") from None
     source_error = float(np.max(np.abs(source.astype(np.float64) - wide.astype(np.float64)), initial=0.0))
     return accuracy_bound_for("model_vs_float64", backend, dtype).tolerance(source_error)
 
@@ -117,8 +118,6 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
     """Each norm, on each backend, against the float64 oracle computed from that backend's own input."""
     import torch
 
-    from rmsnorm_deploy.contract.dtypes import to_torch
-    from rmsnorm_deploy.contract.reference import oracle
 
     keys, labels, results, meta, ref_label = run.keys, run.labels, run.results, run.meta, run.ref_label
     standalone = is_standalone(meta)

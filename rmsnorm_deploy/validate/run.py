@@ -28,9 +28,14 @@ from typing import Any, Sequence
 import numpy as np
 from onnx import numpy_helper
 
+from rmsnorm_deploy.decoder.kv_model import kv_source
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.plan import REPORT_NAME
+from rmsnorm_deploy.exporter.rebuild import rebuild_source
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
+from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
+from rmsnorm_deploy.runners.torch import TorchRunner
 from rmsnorm_deploy.validate.backends import BACKENDS, check_provider_options, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
 from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
@@ -61,7 +66,6 @@ def validate_model(
     on another provider (a ``ProviderError`` naming the nodes); nodes per provider are reported
     either way.
     """
-    from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
 
     if reference not in REFERENCES:
         raise UserError(f"unknown reference {reference!r}; choose from {', '.join(REFERENCES)}")
@@ -119,7 +123,6 @@ def validate_model(
                 record_what_ran(optimized, label, sites, norms, optimization)
         reference_outputs = source_outputs = None
         if source_module is not None:
-            from rmsnorm_deploy.runners.torch import TorchRunner
 
             with TorchRunner(source_module, dtype="float64" if ref_label == "float64" else None) as torch_runner:
                 reference_outputs = torch_runner.infer(feed)
@@ -149,7 +152,6 @@ def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
 
     if meta is None or is_standalone(meta):
         return []
-    from rmsnorm_deploy.exporter.plan import REPORT_NAME
 
     report_path = path.parent / REPORT_NAME
     if not report_path.is_file():
@@ -180,8 +182,6 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
                             "PyTorch source); this graph has none: use --reference float64 (each norm against its "
                             "float64 oracle, backends against each other)")
         return None, "", "backends"
-    from rmsnorm_deploy.decoder.kv_model import kv_source
-    from rmsnorm_deploy.exporter.rebuild import rebuild_source
 
     kind = meta.source.get("kind", "unknown")
     try:

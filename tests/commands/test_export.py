@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rmsnorm_deploy.cli import main
-from rmsnorm_deploy.exporter import plan as plan_mod
+from rmsnorm_deploy.commands import export as export_command
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel, TokenLogits
 from rmsnorm_deploy.exporter.presets import REPO_PRESETS
 
@@ -135,7 +135,7 @@ def _user_model(cls, dtype):
 
 
 def test_a_dtype_the_model_cannot_run_in_is_exit_2_with_nothing_written(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(plan_mod, "load_torch_model", lambda ref, dtype: _user_model(FourierMixer, dtype))
+    monkeypatch.setattr(export_command, "load_torch_model", lambda ref, dtype: _user_model(FourierMixer, dtype))
     assert main(["export", "tiny", "--dtype", "float16", "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "rmsnorm-deploy export: error: user cannot run in float16 on this machine's torch: Unsupported dtype Half" in err
@@ -143,7 +143,7 @@ def test_a_dtype_the_model_cannot_run_in_is_exit_2_with_nothing_written(tmp_path
 
 
 def test_parity_failure_is_exit_1_with_the_table(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(plan_mod, "load_torch_model", lambda ref, dtype: _user_model(ExportSensitive, dtype))
+    monkeypatch.setattr(export_command, "load_torch_model", lambda ref, dtype: _user_model(ExportSensitive, dtype))
     out_dir = tmp_path / "out"
     assert main(["export", "tiny", "-o", str(out_dir)]) == 1
     out = capsys.readouterr().out

@@ -152,14 +152,29 @@ def test_genai_config_names_every_tensor_and_shares_no_buffer():
     assert bare["eos_token_id"] == [] and bare["pad_token_id"] == 0 and bare["bos_token_id"] == 0
 
 
-@pytest.mark.parametrize("config, expected", [
-    ({"eos_token_id": 2, "pad_token_id": None}, {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": None}),
-    ({"eos_token_id": True, "bos_token_id": -1}, {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}),
-    ({"text_config": {"eos_token_id": [3, "x"]}}, {"bos_token_id": None, "eos_token_id": [3], "pad_token_id": None}),
-    ("not a dict", {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}),
+@pytest.mark.parametrize("config, generation, expected", [
+    ({"eos_token_id": 2, "pad_token_id": None}, None, {"bos_token_id": None, "eos_token_id": 2, "pad_token_id": None}),
+    ({"text_config": {"eos_token_id": [3, 4]}}, None,
+     {"bos_token_id": None, "eos_token_id": [3, 4], "pad_token_id": None}),
+    ({"eos_token_id": 2, "bos_token_id": 1}, {"eos_token_id": [2, 5], "bos_token_id": None},
+     {"bos_token_id": 1, "eos_token_id": [2, 5], "pad_token_id": None}),  # generation_config's ids where it has them
 ])
-def test_special_tokens_from_untrusted_configs(config, expected):
-    assert special_tokens(config) == expected
+def test_special_tokens_of_a_config_and_its_generation_config(config, generation, expected):
+    assert special_tokens(config, generation=generation) == expected
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"eos_token_id": True}, "config.json: eos_token_id is true: a token id is an integer from 0 to 2^63-1"),
+    ({"bos_token_id": -1}, "config.json: bos_token_id is -1: a token id"),
+    ({"text_config": {"eos_token_id": [3, "x"]}}, 'config.json: eos_token_id is [3, "x"]: a token id'),
+    ({"pad_token_id": 2**63}, "config.json: pad_token_id is 9223372036854775808: a token id"),
+    ("not a dict", "config.json: holds a JSON string, not an object"),
+])
+def test_special_tokens_of_the_wrong_type_are_refused(config, message):
+    """Never dropped silently: an id that is no id says so, in one line."""
+    with pytest.raises(UserError) as exc:
+        special_tokens(config)
+    assert message in str(exc.value)
 
 
 def test_serving_files_copy_the_hf_folder_and_never_clobber(tmp_path):

@@ -16,13 +16,9 @@ torch = pytest.importorskip("torch")
 
 from rmsnorm_deploy.errors import InputError, UserError  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
-from rmsnorm_deploy.decoder.ort_graph import (  # noqa: E402
-    OrtDecoderError,
-    audit_norms,
-    build_decoder,
-    decode_parity,
-    lm_head_of,
-)
+from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
+from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, lm_head_of  # noqa: E402
+from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
 from rmsnorm_deploy.decoder.export import DecoderOptions, check_decoder_options  # noqa: E402
 from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402

@@ -21,15 +21,9 @@ from rmsnorm_deploy.contract.reference import oracle  # noqa: E402
 from rmsnorm_deploy.contract.spec import RMSNormSpec  # noqa: E402
 from rmsnorm_deploy.contract.tolerances import tolerance_for  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
-from rmsnorm_deploy.decoder.ort_graph import (  # noqa: E402
-    MS_DOMAIN,
-    SKIP_NORM_OP,
-    audit_norms,
-    build_decoder,
-    decode_parity,
-    skip_norm_node,
-    skip_refusal,
-)
+from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
+from rmsnorm_deploy.decoder.ort_model import MS_DOMAIN, SKIP_NORM_OP, skip_norm_node, skip_refusal  # noqa: E402
+from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
 from rmsnorm_deploy.graph.audit import audit_model  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import optimized_graph  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402

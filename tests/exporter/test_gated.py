@@ -3,7 +3,7 @@
 Small models hold transformers' own norm classes (a gated norm fed ``x`` and ``z`` from one
 projection; Gemma3n's value norm without a gain), export through the torch op to one
 ``rmsnorm_deploy::RMSNorm`` node per norm and run in ONNX Runtime CPU against eager. The hybrid
-families themselves export from tiny configs in ``benchmarks/gated_families.py`` (minutes each:
+families themselves export from tiny configs in ``benchmarks/sweeps/gated_families.py`` (minutes each:
 torch.onnx traces their scans), whose results are in ``benchmarks/results/gated_families.md``.
 """
 

@@ -14,7 +14,6 @@ import onnx
 import pytest
 
 from rmsnorm_deploy.cli import main
-from rmsnorm_deploy.exporter import parity as parity_mod
 from rmsnorm_deploy.exporter import pipeline as pipeline_mod
 from rmsnorm_deploy.exporter.pipeline import export_model
 from rmsnorm_deploy.exporter.plan import ExportOptions, load_torch_model
@@ -34,7 +33,7 @@ def test_an_export_killed_during_parity_leaves_no_model(tmp_path, monkeypatch, c
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(parity_mod, "compare_with_onnxruntime", killed)
+    monkeypatch.setattr(pipeline_mod, "compare_with_onnxruntime", killed)
     assert main(["export", "tiny", "-o", str(out), *SMALL]) == 130
     assert _visible(out) == [], "an unverified model must not look finished"
 
@@ -61,7 +60,7 @@ def test_two_concurrent_exports_leave_a_consistent_pair(tmp_path, monkeypatch):
     lock on the target (with it, b waits for a to publish, then publishes its own pair)."""
     target = tmp_path / "out" / "model.onnx"
     a_in_parity, b_at_lock = threading.Event(), threading.Event()
-    real_compare = parity_mod.compare_with_onnxruntime
+    real_compare = pipeline_mod.compare_with_onnxruntime
     real_lock = getattr(pipeline_mod, "output_lock", None)
     threads: dict[str, threading.Thread] = {}
 
@@ -80,7 +79,7 @@ def test_two_concurrent_exports_leave_a_consistent_pair(tmp_path, monkeypatch):
             b_at_lock.set()
         return real_lock(path)
 
-    monkeypatch.setattr(parity_mod, "compare_with_onnxruntime", compare)
+    monkeypatch.setattr(pipeline_mod, "compare_with_onnxruntime", compare)
     monkeypatch.setattr(pipeline_mod, "output_lock", lock, raising=False)
     models = {dtype: load_torch_model("tiny", dtype) for dtype in ("float32", "float16")}
     errors = []

@@ -59,9 +59,19 @@ def test_64_streams_joining_at_random_steps_are_each_exactly_generate_alone_and_
     streams, joined = [None] * len(requests), [0] * len(requests)
     pacer = random.Random(1)
 
+    def after_steps(count: int) -> None:
+        """Wait until the engine has run ``count`` more steps (or has nothing to run): joins spread
+        over the engine's steps however fast this machine runs them."""
+        target, deadline = engine.counts["steps"] + count, time.monotonic() + 5
+        while engine.counts["steps"] < target and time.monotonic() < deadline:
+            stats = engine.stats()
+            if not stats["running"] and not stats["waiting"]:
+                return
+            time.sleep(0.0005)
+
     def client(indices: list[int]) -> None:
         for i in indices:
-            time.sleep(pacer.random() * 0.004)  # join at whatever step the engine is at
+            after_steps(pacer.randint(0, 3))  # join at whatever step the engine is at
             joined[i] = engine.counts["steps"]
             prompt, n = requests[i]
             streams[i] = engine.submit(prompt, max_new_tokens=n)

@@ -146,6 +146,7 @@ def test_engine_whose_bytes_changed_is_refused(tiny_export, tmp_path, capsys):
     (["{missing}", "-o", "{repo}"], "no such file or folder"),
     (["{notonnx}", "-o", "{repo}"], "not a readable ONNX model"),
     (["{kv}", "-o", "{repo}", "--model-name", "a/b"], "--model-name"),
+    (["{kv}", "-o", "{repo}", "--model-name", "model\n"], "--model-name 'model\\n'"),
     (["{kv}", "-o", "{repo}", "--instances", "0"], "--instances 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):

@@ -54,12 +54,13 @@ def test_port_out_of_range_is_refused(tmp_path, capsys):
     (["serve", "{model}", "--http-port", "9100", "--grpc-port", "9100"], "both 9100"),
     (["serve", "{model}", "--host", "no-such-host.invalid"], "not an address of this machine"),
     (["serve", "{model}", "--model-name", "../x"], "--model-name"),
+    (["serve", "{model}", "--model-name", "model\n"], "--model-name 'model\\n'"),
     (["serve", "{model}", "--max-batch", "-1"], "--max-batch -1"),
     (["serve", "{fixed}", "--max-batch", "4"], "needs a leading dynamic batch dim"),
     # past/present pairs but no kv_cache metadata: no generation model can be built from it
     (["serve", "{kv}"], "is not a KV-cache model (its metadata records no kv_cache)"),
 ], ids=["missing", "empty-folder", "not-onnx", "unknown-provider", "provider-not-in-build", "same-port",
-        "bad-host", "bad-name", "negative-batch", "unbatchable", "kv-cache-without-metadata"])
+        "bad-host", "bad-name", "name-with-newline", "negative-batch", "unbatchable", "kv-cache-without-metadata"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
     (tmp_path / "empty").mkdir()

@@ -99,15 +99,15 @@ def test_the_build_creates_the_network_with_the_implementation_asked_for(monkeyp
 
     trt = _trt("10.9.0.34")
     trt.Builder = Builder
-    monkeypatch.setattr(runtime, "import_tensorrt", lambda feature: trt)
-    monkeypatch.setattr(runtime, "make_logger", lambda trt: object())
+    monkeypatch.setattr(build_module, "import_tensorrt", lambda feature: trt)
+    monkeypatch.setattr(build_module, "make_logger", lambda trt: object())
     monkeypatch.setattr(build_module.Device, "current", classmethod(lambda cls, v: cls(v, "fake GPU", "9.0")))
 
     def register_plugin(library=None, *, implementation="aot"):
         loaded.append(implementation)
         return _described(implementation)
 
-    monkeypatch.setattr(runtime, "register_plugin", register_plugin)
+    monkeypatch.setattr(build_module, "register_plugin", register_plugin)
     with pytest.raises(Stop):
         build_engine(model_path, plugin=True, plugin_impl=implementation, progress=False)
     assert loaded == [implementation]

@@ -8,7 +8,7 @@ fed the same tokens with its DynamicCache; onnxruntime-genai on the folder, unmo
 float16 for Llama: tokens against torch float16 on the rows where torch float16 and float32
 agree. Writes benchmarks/results/kv_cache_parity.{json,md}.
 
-    python benchmarks/kv_cache_parity.py [--out-dir DIR]
+    python -m benchmarks.sweeps.kv_cache_parity [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rmsnorm_deploy.decoder.convention import left_padded
+from rmsnorm_deploy.decoder.export import export_decoder
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate, transformers_steps
+from rmsnorm_deploy.exporter.hf import TINY_CONFIGS, from_config
+from rmsnorm_deploy.exporter.plan import ExportOptions
 
-from rmsnorm_deploy.exporter.hf import TINY_CONFIGS, from_config  # noqa: E402
-from rmsnorm_deploy.decoder.convention import left_padded  # noqa: E402
-from rmsnorm_deploy.decoder.export import export_decoder  # noqa: E402
-from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
-from rmsnorm_deploy.decoder.transformers_step import transformers_generate, transformers_steps  # noqa: E402
-from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 NEW = 32
 PROMPTS = {1: [[5, 17, 99, 3, 250, 41, 7]], 3: [[5, 17, 99, 3, 250, 41, 7], [11, 12, 13], [200, 1, 64, 64, 9]]}

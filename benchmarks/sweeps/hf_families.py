@@ -16,7 +16,7 @@ in its own process with a timeout; results are merged into benchmarks/results/hf
 (so the run can be split: ``--families a,b`` or ``--chunk 2/5``) and the table rewritten into
 hf_families.md.
 
-    python benchmarks/hf_families.py --chunk 1/4 --timeout 400
+    python -m benchmarks.sweeps.hf_families --chunk 1/4 --timeout 400
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 JSON = RESULTS / "hf_families.json"
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -299,7 +299,7 @@ def write_markdown(data: dict) -> None:
         "Tiny random configs (2 layers, hidden 64, vocabulary 256, norm gains perturbed; per-family fields in "
         "`EXTRA`), float32, `function` lowering; max abs error of ONNX Runtime CPU's logits vs transformers' "
         "eager float32 on input_ids 2x16; float16 parity is the export's own check. Each family runs in its own "
-        "process with a timeout. `python benchmarks/hf_families.py [--families a,b] [--resume]`.",
+        "process with a timeout. `python -m benchmarks.sweeps.hf_families [--families a,b] [--resume]`.",
         "",
         f"**{len(rows)} causal-LM model types**; {count('not run in this pass')} not run in this pass; "
         f"{count('no RMS norm')} have no RMS norm; {count('config failed')} have no tiny config that builds here. "
@@ -355,7 +355,6 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="skip families already in the JSON")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one family, JSON on stdout
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
     if args.one:
         try:
             row = run_family(args.one)

@@ -9,7 +9,7 @@ with the first named spec (llama, olmo2, gemma) that reproduces it bit for bit, 
 declares one with an ``rmsnorm_spec`` attribute. Each family runs in its own process with a time
 limit; a family that fails records the first line of its error.
 
-    python benchmarks/gated_families.py [FAMILY ...]
+    python -m benchmarks.sweeps.gated_families [FAMILY ...]
 
 Writes benchmarks/results/gated_families.json and .md.
 """
@@ -27,7 +27,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 TIME_LIMIT_S = int(os.environ.get("GATED_FAMILY_TIME_LIMIT_S", "900"))
 
@@ -81,7 +81,6 @@ def _declare_plain_norms(module) -> list[str]:
 
 def _run(family: str, queue) -> None:
     warnings.simplefilter("ignore")
-    sys.path.insert(0, str(ROOT))
     row: dict = {"family": family, "model_type": CONFIGS[family]["model_type"], "dtype": "float32"}
     try:
         from rmsnorm_deploy.exporter import hf
@@ -110,7 +109,6 @@ def _run(family: str, queue) -> None:
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, str(ROOT))
     from rmsnorm_deploy.graph.metadata import tool_versions
 
     families = argv or list(CONFIGS)

@@ -6,7 +6,7 @@ it with transformers' eager logits in the same dtype and with a float64 run. Rec
 and dtype, the max abs error of the logits on both parity shapes, the float64 distances, and the
 time of ``torch.onnx.export`` and of the whole export.
 
-    python benchmarks/hf_family_parity.py
+    python -m benchmarks.sweeps.hf_family_parity
 
 Writes benchmarks/results/hf_family_parity.json and .md.
 """
@@ -21,12 +21,11 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
 def main() -> int:
-    sys.path.insert(0, str(ROOT))
     warnings.simplefilter("ignore")
     from rmsnorm_deploy.exporter import hf
     from rmsnorm_deploy.exporter.pipeline import export_model

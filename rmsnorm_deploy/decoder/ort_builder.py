@@ -1,0 +1,432 @@
+"""The ONNX Runtime decoder graph written part by part: :class:`OrtDecoderBuilder`.
+
+Like onnxruntime-genai's model builder, one method per part of the model (``make_prelude``,
+``make_rotary``, ``make_embedding``, ``make_norm``, ``make_residual_norm``, ``make_attention``,
+``make_mlp``, ``make_layers``, ``make_lm_head``, ``make_model``); the graph they write is described
+in ``ort_graph``. The builder walks the module tree of the model for its structure and reads
+every projection's and the embedding's weights from a tensor source (``weights``): the modules
+themselves, or the safetensors files of a checkpoint whose module tree holds no weights
+(``streaming``). Norm weights come from the detected norms, whose specs were confirmed bit for
+bit on the real modules.
+
+Projections are one MatMul on the fused weights, or with ``quantization`` one
+``com.microsoft.MatMulNBits`` whose weights ONNX Runtime's quantizer packed (``quantize``). Large
+weights (the embedding, the LM head) are cast or quantized in blocks of rows or columns, each
+block handed to the writer's sink as it is made (``ort_writer``): with an external-data sink no
+weight is ever whole in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from rmsnorm_deploy.contract.dtypes import dtype_name, onnx_type
+from rmsnorm_deploy.decoder.convention import ORT_DTYPES
+from rmsnorm_deploy.decoder.ort_model import (
+    EMBED_OUTPUT,
+    EMBED_SCALED_OUTPUT,
+    MS_DOMAIN,
+    OPSET,
+    POST_SUBLAYER_TYPES,
+    TARGET,
+    OrtDecoderError,
+    causal_lm,
+    decoder_dims,
+    inputs_metadata,
+    kv_cache_metadata,
+    lm_head_of,
+    residual_output,
+    rotary_caches,
+    rotary_types,
+    skip_norm_node,
+    skip_refusal,
+)
+from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
+from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
+from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
+from rmsnorm_deploy.exporter.detect import Detection, detect_norms
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.graph.function import rmsnorm_node
+from rmsnorm_deploy.graph.lowerings import lower_model, refusal
+from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
+from rmsnorm_deploy.graph.standalone import ir_version_for
+
+#: Bytes of float32 one block of rows of a large weight may take while it is cast or quantized.
+BLOCK_BYTES = 64 * 2**20
+#: The same for a block of columns (an unquantized LM head, transposed): each block reads every
+#: row of the stored weight, so the blocks are larger and fewer.
+COLUMN_BLOCK_BYTES = 256 * 2**20
+
+
+class OrtDecoderBuilder:
+    """Writes the decoder graph of one Llama-family causal LM (see the module docstring).
+
+    ``loaded``: the model (its module tree; weights on the meta device when ``tensors`` holds
+    them). ``detection``: its norms, found and confirmed (done here when not given). Raises
+    :class:`OrtDecoderError` for a model or option it cannot write exactly.
+    """
+
+    def __init__(self, loaded: LoadedModel, *, tensors: TensorSource | None = None, lowering: str = "function",
+                 share_buffer: bool = False, max_length: int | None = None,
+                 quantization: Quantization | None = None, sink: InMemory | ExternalData | None = None,
+                 detection: Detection | None = None):
+        self.dtype = dtype_name(loaded.dtype)
+        if self.dtype not in ORT_DTYPES:
+            raise OrtDecoderError(f"--target onnxruntime writes {', '.join(ORT_DTYPES)} graphs (GroupQueryAttention "
+                                  f"has no {self.dtype} CPU kernel); export {self.dtype} with --target portable")
+        self.loaded, self.lm = loaded, causal_lm(loaded)
+        self.dims = decoder_dims(self.lm)
+        self.max_length = int(max_length or self.dims.max_positions)
+        if not 1 <= self.max_length <= self.dims.max_positions:
+            raise OrtDecoderError(f"max_length {self.max_length} is outside the model's 1..{self.dims.max_positions} "
+                                  "positions")
+        self.detection = detection or detect_norms(loaded.module, dtype=self.dtype)
+        self.norms = {n.path: n for n in self.detection.norms}
+        for norm in self.detection.norms:
+            reason = refusal(lowering, norm.spec, norm.spec.upcasts(self.dtype), OPSET)
+            if reason:
+                raise OrtDecoderError(f"cannot lower norm {norm.path!r} to {lowering!r}: {reason}")
+        self.lowering, self.share_buffer, self.quantization = lowering, share_buffer, quantization
+        self.paths = {id(m): p for p, m in loaded.module.named_modules()}
+        self.prefix = f"{self.paths[id(self.lm)]}." if self.paths[id(self.lm)] else ""
+        self.tensor_names = parameter_names(self.lm)
+        self.tensors = tensors if tensors is not None else ModuleTensors(self.lm)
+        self.w = GraphWriter(self.dtype, sink)
+        self.quantizer = WeightQuantizer(quantization) if quantization is not None else None
+        self.quantized: list[QuantizedLinear] = []
+        self.used_norms: list[str] = []
+        # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
+        self.skip_fusion = lowering == "ort"
+        self.layer_types = list(getattr(self.lm.config, "layer_types", None) or [None] * self.dims.layers)
+        self.head_path = ""
+
+    # -- the whole graph --------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        """The graph: prelude, rotary tables, embedding, layers, final norm, LM head."""
+        self.make_prelude()
+        self.make_rotary()
+        x = self.make_layers(self.make_embedding())
+        self.make_lm_head(x)
+        missing = [p for p in self.norms if p not in self.used_norms]
+        if missing:
+            raise OrtDecoderError(f"{len(missing)} detected norm(s) are not on the graph's path "
+                                  f"({', '.join(missing[:3])}); this model's structure is not the Llama family's")
+        return self.make_model()
+
+    # -- weights ------------------------------------------------------------------------------
+    def _tensor_name(self, param: torch.Tensor, what: str) -> str:
+        name = self.tensor_names.get(id(param))
+        if name is None:
+            raise OrtDecoderError(f"{what}: its weight is not a parameter of the model")
+        check = getattr(self.tensors, "check", None)
+        if check is not None:  # a checkpoint on disk: untrusted, checked against the module tree
+            check(name, tuple(param.shape), what)
+        return name
+
+    def _path(self, module: torch.nn.Module) -> str:
+        return self.paths[id(module)]
+
+    def _row_blocks(self, names: list[str], sizes: list[int], width: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """The rows of the tensors ``names`` stacked ([sum(sizes), width]), in blocks of at most
+        :data:`BLOCK_BYTES` as float32: (first row, block)."""
+        step = max(1, BLOCK_BYTES // (4 * width))
+        total, offsets = sum(sizes), [int(v) for v in np.cumsum([0, *sizes])]
+        for start in range(0, total, step):
+            stop = min(total, start + step)
+            pieces = [self.tensors.rows(name, max(start, lo) - lo, min(stop, hi) - lo)
+                      for name, lo, hi in zip(names, offsets[:-1], offsets[1:]) if lo < stop and start < hi]
+            yield start, torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+
+    def _transposed_blocks(self, names: list[str], rows: int, width: int) -> Iterator[np.ndarray]:
+        """``cat(W_i).T`` ([width, rows]) in blocks of its rows: columns of the stacked weights."""
+        step = max(1, COLUMN_BLOCK_BYTES // (4 * rows))
+        for start in range(0, width, step):
+            stop = min(width, start + step)
+            pieces = [self.tensors.columns(name, start, stop) for name in names]
+            block = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+            yield self.w.cast_transposed(block)
+
+    def make_linear(self, name: str, x: str, linears: list[torch.nn.Linear], base: str, *,
+                    quantize: bool = True, out: str | None = None) -> str:
+        """``x @ cat(W_i).T (+ bias)`` for Linear modules on the same input: one MatMul, or one
+        MatMulNBits when the graph is quantized (and ``quantize``)."""
+        what = f"{name} ({', '.join(self._path(lin) for lin in linears)})"
+        names = [self._tensor_name(lin.weight, what) for lin in linears]
+        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
+        if self.quantizer is not None and quantize:
+            y = self._matmul_nbits(name, x, linears, names, base, out)
+        else:
+            weight = self.w.blocks(name, (k, sum(sizes)), self.w.np_dtype, self._transposed_blocks(names, sum(sizes), k))
+            y = self._emit("MatMul", [x, weight], base, out)
+        return self._bias(base, y, linears) if out is None else y
+
+    def _emit(self, op: str, inputs: list[str], base: str, out: str | None, **attrs: Any) -> str:
+        if out is None:
+            return self.w.one(op, inputs, base, domain=MS_DOMAIN if op == "MatMulNBits" else "", **attrs)
+        self.w.nodes.append(helper.make_node(op, inputs, [out], name=self.w.name(f"{base}/{op}"),
+                                             domain=MS_DOMAIN if op == "MatMulNBits" else None, **attrs))
+        return out
+
+    def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
+                      out: str | None) -> str:
+        """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]):
+        the packed blocks go to the sink as they are made, the scales after them."""
+        assert self.quantizer is not None and self.quantization is not None
+        q = self.quantization
+        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
+        n, blocks = sum(sizes), -(-k // q.block_size)
+        scales: list[np.ndarray] = []
+
+        def packed_blocks() -> Iterator[np.ndarray]:
+            for _, rows in self._row_blocks(names, sizes, k):
+                packed, block_scales = self.quantizer(self.w.cast_transposed(rows))
+                scales.append(block_scales)
+                yield packed
+
+        packed = self.w.blocks(f"{name}_Q{q.bits}", (n, blocks, q.block_size * q.bits // 8), np.uint8, packed_blocks())
+        scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
+        self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
+            (self._path(lin), size) for lin, size in zip(linears, sizes))))
+        return self._emit("MatMulNBits", [x, packed, scale], base, out, **q.node_attributes(k, n))
+
+    def _bias(self, name: str, x: str, linears: list[torch.nn.Linear]) -> str:
+        biases = [lin.bias for lin in linears]
+        if all(b is None for b in biases):
+            return x
+        if any(b is None for b in biases):
+            raise OrtDecoderError(f"{name}: some fused projections have a bias and some do not")
+        what = f"{name} bias"
+        values = torch.cat([self.tensors.get(self._tensor_name(b, what)) for b in biases])
+        return self.w.one("Add", [x, self.w.weight(f"{name}.bias", values)], name)
+
+    # -- parts --------------------------------------------------------------------------------
+    def make_prelude(self) -> None:
+        """Each row's chunk of ``input_ids`` valid tokens first, as GroupQueryAttention reads them.
+
+        GroupQueryAttention keeps each row's cache compact: its valid tokens first, its length
+        seqlens_k + 1 = sum(attention_mask), positions = index in the row. The convention pads
+        on the left, so the chunk's tokens are reordered valid tokens first before the embedding
+        and the final hidden state put back in the input's order before the LM head: a TopK of
+        the 0/1 mask with ONNX's tie rule (equal values keep index order; for left padding a
+        rotation by the padding), and back by the inverse permutation, the ascending order of
+        those indices. Positions then equal cumsum(attention_mask) - 1, which is what the
+        convention's position_ids hold (the input is accepted; GQA's rotary derives the same).
+        """
+        w = self.w
+        one_1d, axes1 = self.i64("one_1d", [1]), self.i64("axes_1", [1])
+        seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
+        total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
+        chunk = w.one("Slice", ["attention_mask", w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d, axes1],
+                      "mask/chunk")
+        _, to_compact = w.node("TopK", [chunk, seq_1d], "mask/to_compact", outputs=2, axis=1, largest=1, sorted=1)
+        _, self.back = w.node("TopK", [to_compact, seq_1d], "mask/to_original", outputs=2, axis=1, largest=0, sorted=1)
+        self.ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
+        lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
+        self.seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
+                             to=TensorProto.INT32)
+        # GroupQueryAttention's total_sequence_length: a scalar or, as here, a one-element vector.
+        self.total_i32 = w.one("Cast", [total_1d], "mask/total_sequence_length", to=TensorProto.INT32)
+
+    def i64(self, name: str, value: Any) -> str:
+        return self.w.init(f"const/{name}", np.array(value, dtype=np.int64))
+
+    def make_rotary(self) -> None:
+        """One cos/sin pair per rotary table (Gemma3: local and global attention)."""
+        kinds = rotary_types(self.lm)
+        self.caches: dict[str | None, tuple[str, str]] = {}
+        for kind in dict.fromkeys(self.layer_types):
+            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind if kind in kinds else None)
+            tag = f"_{kind}" if kind in kinds else ""
+            self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
+
+    def make_embedding(self) -> str:
+        """Gather from the embedding, written in blocks of rows; Gemma's scale after it."""
+        embed = self.lm.get_input_embeddings()
+        name = self._tensor_name(embed.weight, "the input embedding")
+        vocab, hidden = (int(d) for d in embed.weight.shape)
+        table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
+                              (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
+        x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+        embed_scale = getattr(embed, "embed_scale", None)
+        if isinstance(embed_scale, torch.Tensor):
+            # Gemma: embedding * embed_scale, the scale rounded to the weight's dtype first (as transformers does).
+            scale = embed_scale.detach().to(embed.weight.dtype).reshape(())
+            scale_name = self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)
+            x = self.w.one("Mul", [x, scale_name], EMBED_SCALED_OUTPUT)
+        return x
+
+    def make_norm(self, module: torch.nn.Module, x: str, out: str | None = None) -> str:
+        """Our exact ``rmsnorm_deploy::RMSNorm`` node for a detected norm."""
+        path = self._path(module)
+        found = self.norms.get(path)
+        if found is None:
+            raise OrtDecoderError(f"{path}: not a detected RMSNorm; the graph writes every norm as its exact spec")
+        inputs = [x] + ([self.w.weight(f"{path}.weight", found.weight)] if found.spec.has_gain else [])
+        y = out or self.w.name(f"{path}/output")
+        self.w.nodes.append(rmsnorm_node(found.spec, self.dtype, inputs, [y], name=path))
+        self.used_norms.append(path)
+        return y
+
+    def make_residual_norm(self, module: torch.nn.Module, hidden: str, branch: str, base: str, *,
+                           keep_sum: bool = True) -> tuple[str, str]:
+        """``s = hidden + branch`` and ``norm(s)``: (normalized, s). With the ``ort`` lowering one
+        ``SkipSimplifiedLayerNormalization`` (its fourth output is ``s``), else ``Add`` and our node."""
+        path = self._path(module)
+        found = self.norms.get(path)
+        if not self.skip_fusion or found is None or skip_refusal(found.spec, self.dtype) is not None:
+            total = self.w.one("Add", [hidden, branch], base)
+            return self.make_norm(module, total), total
+        y, total = self.w.name(f"{path}/output"), self.w.name(base) if keep_sum else ""
+        self.w.nodes.append(skip_norm_node(found.spec, [hidden, branch, self.w.weight(f"{path}.weight", found.weight)],
+                                           [y, total], name=path))
+        self.used_norms.append(path)
+        return y, total
+
+    def make_head_norm(self, module: torch.nn.Module | None, x: str, heads: int, base: str) -> str:
+        """A q/k norm: per head (Qwen3's, a weight of head_dim): [B, S, H*D] -> [B, S, H, D] -> norm ->
+        back; or over all heads (OLMo2's, a weight of H*D): the norm on [B, S, H*D] as it is."""
+        if module is None:
+            return x
+        head_dim = self.dims.head_dim
+        weight = getattr(module, "weight", None)
+        width = int(weight.numel()) if isinstance(weight, torch.Tensor) else head_dim
+        if width == heads * head_dim and width != head_dim:
+            return self.make_norm(module, x)
+        if width != head_dim:
+            raise OrtDecoderError(f"{base}: a q/k norm over {width} values is neither per head ({head_dim}) nor over "
+                                  f"all {heads} heads ({heads * head_dim})")
+        to_heads = self.w.init(f"{base}/heads_shape", np.array([0, 0, heads, head_dim], dtype=np.int64))
+        flat = self.w.init(f"{base}/flat_shape", np.array([0, 0, heads * head_dim], dtype=np.int64))
+        y = self.make_norm(module, self.w.one("Reshape", [x, to_heads], f"{base}/to_heads"))
+        return self.w.one("Reshape", [y, flat], f"{base}/flat")
+
+    def make_attention(self, i: int, layer: torch.nn.Module, x: str, base: str) -> str:
+        """Fused Q/K/V, the q/k norms where the model has them, GroupQueryAttention with rotary
+        inside and the K/V heads unrepeated, the output projection."""
+        attn, dims = layer.self_attn, self.dims
+        qkv = self.make_linear(f"{base}.self_attn.qkv_proj.weight", x, [attn.q_proj, attn.k_proj, attn.v_proj],
+                               f"{base}/attn/qkv")
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is not None or k_norm is not None:
+            q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+            split = self.w.init(f"{base}/attn/split", np.array([q_size, kv_size, kv_size], dtype=np.int64))
+            q, k, v = self.w.node("Split", [qkv, split], f"{base}/attn/split", outputs=3, axis=-1)
+            q = self.make_head_norm(q_norm, q, dims.heads, f"{base}/attn/q")
+            k = self.make_head_norm(k_norm, k, dims.kv_heads, f"{base}/attn/k")
+            qkv_inputs = [q, k, v]
+        else:
+            qkv_inputs = [qkv, "", ""]  # packed
+        gqa_out = self.w.node(
+            "GroupQueryAttention",
+            qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens, self.total_i32,
+                          *self.caches[self.layer_types[i]]],
+            f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=1, rotary_interleaved=0,
+            local_window_size=-1,
+        )
+        # The present outputs carry the convention's names.
+        gqa_node = self.w.nodes[-1]
+        gqa_node.output[1], gqa_node.output[2] = f"present.{i}.key", f"present.{i}.value"
+        return self.make_linear(f"{base}.self_attn.o_proj.weight", gqa_out[0], [attn.o_proj], f"{base}/attn/o_proj")
+
+    def make_mlp(self, layer: torch.nn.Module, x: str, base: str) -> str:
+        """Gate and up as two MatMuls on the same input, not one fused MatMul and a Split: the Split
+        copies both halves every step, and ONNX Runtime runs two MatMuls as fast as one."""
+        mlp = layer.mlp
+        gate = self.make_linear(f"{base}.mlp.gate_proj.weight", x, [mlp.gate_proj], f"{base}/mlp/gate")
+        up = self.make_linear(f"{base}.mlp.up_proj.weight", x, [mlp.up_proj], f"{base}/mlp/up")
+        if self.dims.activation == "gelu_pytorch_tanh":
+            act = self.w.one("Gelu", [gate], f"{base}/mlp/gelu", approximate="tanh")
+        else:
+            act = self.w.one("Mul", [gate, self.w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
+        gated = self.w.one("Mul", [act, up], f"{base}/mlp/gated")
+        return self.make_linear(f"{base}.mlp.down_proj.weight", gated, [mlp.down_proj], f"{base}/mlp/down")
+
+    def make_layers(self, hidden: str) -> str:
+        """Every decoder layer and the final norm: the normalized last hidden state."""
+        if self.dims.model_type in POST_SUBLAYER_TYPES:
+            return self._post_sublayer_layers(hidden)
+        pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
+        layers = self.lm.model.layers
+        sandwich = hasattr(layers[0], "pre_feedforward_layernorm")
+        for i, layer in enumerate(layers):
+            base = f"{self.prefix}model.layers.{i}"
+            if pending is None:
+                x = self.make_norm(layer.input_layernorm, hidden)
+            else:
+                x, hidden = self.make_residual_norm(layer.input_layernorm, hidden, pending,
+                                                    residual_output(self.prefix, i - 1))
+            o = self.make_attention(i, layer, x, base)
+            if sandwich:  # Gemma3: norms before and after each sublayer
+                o = self.make_norm(layer.post_attention_layernorm, o)
+                x, hidden = self.make_residual_norm(layer.pre_feedforward_layernorm, hidden, o, f"{base}/attn/residual")
+                pending = self.make_norm(layer.post_feedforward_layernorm, self.make_mlp(layer, x, base))
+            else:
+                x, hidden = self.make_residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
+                pending = self.make_mlp(layer, x, base)  # added with the next norm
+        assert pending is not None
+        last = residual_output(self.prefix, self.dims.layers - 1)
+        x, _ = self.make_residual_norm(self.lm.model.norm, hidden, pending, last, keep_sum=False)
+        return x
+
+    def _post_sublayer_layers(self, hidden: str) -> str:
+        """OLMo2: h = h + norm(attn(h)); h = h + norm(mlp(h)); the final norm. Each norm comes before
+        its Add, so there is no residual to fold into a norm."""
+        for i, layer in enumerate(self.lm.model.layers):
+            base = f"{self.prefix}model.layers.{i}"
+            o = self.make_norm(layer.post_attention_layernorm, self.make_attention(i, layer, hidden, base))
+            hidden = self.w.one("Add", [hidden, o], f"{base}/attn/residual")
+            o = self.make_norm(layer.post_feedforward_layernorm, self.make_mlp(layer, hidden, base))
+            hidden = self.w.one("Add", [hidden, o], residual_output(self.prefix, i))
+        return self.make_norm(self.lm.model.norm, hidden)
+
+    def make_lm_head(self, x: str) -> None:
+        """The hidden state back in the input's order (each row of the head is computed alone: the
+        hidden size is moved, not the vocabulary), then the LM head the forward uses -> ``logits``."""
+        head_weight, self.head_path = lm_head_of(self.lm)
+        head = self.lm.get_output_embeddings()
+        back_3d = self.w.one("Unsqueeze", [self.back, self.i64("axes_last", [-1])], "mask/to_original_3d")
+        x = self.w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
+        quantize = self.quantization is not None and self.quantization.lm_head
+        self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize, out="logits")
+
+    def make_model(self) -> onnx.ModelProto:
+        """Inputs and outputs in the convention, the norms lowered, the metadata written."""
+        dims, elem = self.dims, onnx_type(self.dtype)
+        cache_len = "max_length" if self.share_buffer else "past"
+        present_len = "max_length" if self.share_buffer else "total"
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "sequence"]),
+        ]
+        outputs = [helper.make_tensor_value_info("logits", elem, ["batch", "sequence", dims.vocab])]
+        for i in range(dims.layers):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", elem,
+                                                            ["batch", dims.kv_heads, cache_len, dims.head_dim]))
+                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", elem,
+                                                             ["batch", dims.kv_heads, present_len, dims.head_dim]))
+        graph = helper.make_graph(self.w.nodes, f"{self.loaded.name}-kv-{TARGET}", inputs, outputs, self.w.inits)
+        model = helper.make_model(graph, producer_name="rmsnorm-deploy",
+                                  opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+        model.ir_version = ir_version_for(model.opset_import)
+        model = lower_model(model, self.lowering)
+        max_len = self.max_length
+        ModelMetadata(
+            specs=self.detection.specs, lowering=self.lowering, dtype=self.dtype, source=self.loaded.source,
+            inputs=inputs_metadata(dims, self.dtype, self.share_buffer, self.loaded.vocab_size),
+            dims={"batch": [1, 1, 8], "sequence": [1, 1, max_len], "past": [0, 0, max_len - 1],
+                  "total": [1, 1, max_len]},
+            versions=tool_versions(),
+            kv_cache=kv_cache_metadata(dims, self.dtype, share_buffer=self.share_buffer, max_length=max_len,
+                                       head=self.head_path),
+            quantization=(metadata_entry(self.quantization, self.quantized)
+                          if self.quantization is not None else None),
+        ).write(model)
+        return model

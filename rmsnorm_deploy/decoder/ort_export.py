@@ -1,0 +1,138 @@
+"""``export --kv-cache --target onnxruntime``: write the graph streaming, audit it, publish it, check it.
+
+The weights go straight from their source (the modules, or the checkpoint's safetensors files
+for a folder: ``streaming``) into a staged external-data file in the output folder, block by
+block; the graph itself is then small and saved atomically with that file moved in beside it
+(``graph.onnx_file.save_onnx(staged_data=...)``). Then the serving files, and the parity check
+(``ort_parity``) against the PyTorch model: the model in memory, or, for a streamed folder, the
+model loaded after the graph is written when it fits beside ONNX Runtime's session; when it does
+not, one layer at a time (``layer_parity``), and the report says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.decoder.convention import KVCacheLayout
+from rmsnorm_deploy.decoder.genai_config import write_serving_files
+from rmsnorm_deploy.decoder.layer_parity import LayerParity, layer_parity
+from rmsnorm_deploy.decoder.ort_graph import OrtDecoder, build_decoder
+from rmsnorm_deploy.decoder.ort_model import kv_cache_metadata
+from rmsnorm_deploy.decoder.ort_parity import DecodeParity, audit_norms, decode_parity
+from rmsnorm_deploy.decoder.ort_writer import ExternalData
+from rmsnorm_deploy.decoder.quantize import Quantization
+from rmsnorm_deploy.decoder.streaming import reference_fits
+from rmsnorm_deploy.decoder.weights import TensorSource
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter import hf
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.graph.metadata import tool_versions
+from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
+from rmsnorm_deploy.progress import Progress
+
+
+@dataclasses.dataclass
+class OrtDecoderExport:
+    path: Any
+    decoder: OrtDecoder
+    parity: DecodeParity | LayerParity | None
+    report_path: Any = None
+    #: written beside the model: genai_config.json and the source's Hugging Face config/tokenizer files
+    serving_files: list[str] = dataclasses.field(default_factory=list)
+    #: why the parity check ran layer by layer (a streamed model too large to load beside ONNX Runtime)
+    layer_by_layer: str = ""
+
+    @property
+    def parity_failed(self) -> bool:
+        return self.parity is not None and self.parity.failed
+
+
+def write_ort_decoder(loaded: LoadedModel, path: Path, *, force: bool, tensors: TensorSource | None = None,
+                      **build: Any) -> OrtDecoder:
+    """The graph of ``loaded`` written to ``path``, its weights streamed into ``<name>.data`` beside it
+    as they are made, its norms audited; nothing is published unless all of it succeeds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, staged = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".data.tmp", dir=path.parent)
+    os.close(fd)
+    staged_path = Path(staged)
+    sink = ExternalData(staged_path)
+    try:
+        decoder = build_decoder(loaded, tensors=tensors, sink=sink, **build)
+        sink.close()
+        audit_norms(decoder.model, decoder.norm_nodes)
+        save_onnx(decoder.model, path, force=force, staged_data=staged_path)
+    finally:
+        sink.close()
+        staged_path.unlink(missing_ok=True)
+    return decoder
+
+
+def _is_streamed(loaded: LoadedModel) -> bool:
+    return any(p.is_meta for p in loaded.module.parameters())
+
+
+def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | None = None, share_buffer: bool = False,
+                       max_length: int | None = None, quantization: Quantization | None = None,
+                       tensors: TensorSource | None = None) -> OrtDecoderExport:
+    """``export --kv-cache --target onnxruntime``: write, audit, save atomically, check parity.
+
+    ``plan``: an ``exporter.plan.ExportPlan`` (options and paths checked once). ``tensors``: where
+    the weights are read (a streamed folder's checkpoint; default: the modules). The parity failure
+    is not an exception: see ``OrtDecoderExport.parity_failed``.
+    """
+    options = plan.options
+    progress = progress or Progress(enabled=False)
+    if dtype_name(loaded.dtype) != options.dtype:
+        raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {options.dtype}")
+    what = quantization.describe() if quantization is not None else f"{options.dtype} weights"
+    source = "streamed from the checkpoint" if tensors is not None else "from the model"
+    with progress.stage(f"writing the ONNX Runtime decoder graph ({what}, {source})") as st:
+        decoder = write_ort_decoder(loaded, plan.model_path, force=options.force, tensors=tensors,
+                                    lowering=options.lowering, share_buffer=share_buffer, max_length=max_length,
+                                    quantization=quantization)
+        st.note(f"{len(decoder.model.graph.node)} nodes, {decoder.norm_nodes} norm nodes audited in float32"
+                + (f", {len(decoder.quantized)} MatMulNBits" if decoder.quantized else ""))
+    max_len = int(max_length or decoder.dims.max_positions)
+    kv_cache = kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer, max_length=max_len,
+                                 head=decoder.lm_head)
+    with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
+        serving_files = write_serving_files(plan.model_path, KVCacheLayout.from_dict(kv_cache), loaded.source,
+                                            force=options.force)
+        st.note(", ".join(serving_files))
+    result = OrtDecoderExport(plan.model_path, decoder, None, serving_files=serving_files)
+    if not options.parity:
+        return result
+    reference = loaded
+    if _is_streamed(loaded):
+        result.layer_by_layer = reference_fits(loaded) or ""
+        if not result.layer_by_layer:
+            with progress.stage("loading the PyTorch model for the parity check"):
+                reference = hf.load_folder(loaded.source["path"], options.dtype)
+    if result.layer_by_layer:
+        assert tensors is not None
+        with progress.stage(f"parity layer by layer: ONNX Runtime CPU vs transformers on {options.seq} tokens") as st:
+            result.parity = layer_parity(loaded, tensors, plan.model_path, prompt=options.seq, seed=options.seed)
+            st.note(result.parity.status)
+    else:
+        with progress.stage("parity: ONNX Runtime CPU vs transformers with its cache (prefill + 4 steps)") as st:
+            result.parity = decode_parity(reference, str(plan.model_path), batch=options.batch, prompt=options.seq,
+                                          seed=options.seed)
+            st.note(result.parity.status)
+    parity = {**result.parity.to_dict(), **({"why": result.layer_by_layer} if result.layer_by_layer else {})}
+    report = {
+        "model": str(plan.model_path), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
+        "kv_cache": kv_cache, "serving_files": serving_files,
+        "quantization": quantization.describe() if quantization is not None else None,
+        "nodes": len(decoder.model.graph.node), "norms": [n.to_dict() for n in decoder.detection.norms],
+        "parity": parity, "versions": tool_versions(),
+    }
+    with atomic_path(plan.report_path, force=options.force) as tmp:
+        tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    result.report_path = plan.report_path
+    return result

@@ -1,0 +1,243 @@
+"""What the ONNX Runtime decoder graph needs from a model, read from its module tree and config.
+
+The dimensions (:class:`DecoderDims`), the LM head its forward uses, the rotary tables as its
+``rotary_emb`` computes them, where a residual ``Add`` and the norm after it may be one
+``SkipSimplifiedLayerNormalization``, and the metadata the graph carries: each read from the model,
+never guessed, and a one-line refusal (:class:`OrtDecoderError`) for anything the writer
+(``ort_builder``) cannot write exactly. Nothing here needs the weights of the projections: a
+module tree whose Linear and Embedding weights are on the meta device (a streamed export,
+``streaming``) is read the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from rmsnorm_deploy.contract.spec import RMSNormSpec
+from rmsnorm_deploy.decoder.convention import CONVENTION
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.loaded_model import LoadedModel
+from rmsnorm_deploy.graph.lowerings import refusal
+
+#: The graph's opset: 21 has every op used here (GroupQueryAttention is com.microsoft 1).
+OPSET = 21
+MS_DOMAIN = "com.microsoft"
+TARGET = "onnxruntime"
+#: model_type -> what the builder knows of it. Only these are written; others are refused.
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text")
+#: Families whose norms follow each sublayer (``h + norm(f(h))``) instead of preceding it.
+POST_SUBLAYER_TYPES = ("olmo2",)
+#: The embedding's output (Gemma's: the scaled one after it): names the builder writes and the
+#: layer-by-layer check (``layer_parity``) reads, with :func:`residual_output`.
+EMBED_OUTPUT, EMBED_SCALED_OUTPUT = "embed", "embed/scale"
+#: Activation names (config.hidden_act) the MLP is written for.
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def residual_output(prefix: str, layer: int) -> str:
+    """The residual stream after decoder layer ``layer`` (``prefix``: the model's path in the module tree)."""
+    return f"{prefix}model.layers.{layer}/mlp/residual"
+
+
+def embedding_output(model: onnx.ModelProto) -> str:
+    """The graph's embedding output: the scaled one where the model scales its embedding."""
+    outputs = {o for node in model.graph.node for o in node.output}
+    return EMBED_SCALED_OUTPUT if EMBED_SCALED_OUTPUT in outputs else EMBED_OUTPUT
+
+
+class OrtDecoderError(UserError):
+    """A model this builder cannot write exactly, with the reason in one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderDims:
+    """What the graph needs from the config, each read from the model, never guessed."""
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_positions: int
+    scale: float  # the attention's score scale (module.scaling)
+    activation: str = "silu"  # config.hidden_act (hidden_activation for Gemma3)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+
+
+# -- the module tree ----------------------------------------------------------------------
+def causal_lm(loaded: LoadedModel) -> torch.nn.Module:
+    model = getattr(loaded.module, "model", None)
+    config = getattr(model, "config", None)
+    if model is None or config is None or not hasattr(model, "get_output_embeddings"):
+        raise OrtDecoderError(f"{loaded.name}: --target onnxruntime writes Hugging Face causal LMs "
+                              f"({', '.join(SUPPORTED_TYPES)}); this model is not one")
+    return model
+
+
+def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
+    """The dimensions of ``lm`` (a transformers ``*ForCausalLM``), or a one-line refusal."""
+    config = lm.config
+    model_type = getattr(config, "model_type", "")
+    if model_type not in SUPPORTED_TYPES:
+        raise OrtDecoderError(f"--target onnxruntime does not write {model_type!r} models yet; it writes "
+                              f"{', '.join(SUPPORTED_TYPES)} (use --target portable)")
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    if act not in _ACTIVATIONS:
+        raise OrtDecoderError(f"{model_type}: activation {act!r} is not written by --target onnxruntime "
+                              f"(it writes {', '.join(_ACTIVATIONS)})")
+    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, field, None) is not None:
+            raise OrtDecoderError(f"{model_type}: {field} ({getattr(config, field)}) is not written by --target "
+                                  "onnxruntime yet; use --target portable")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise OrtDecoderError(f"{model_type}: bidirectional attention is not a causal decoder; use --target portable")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise OrtDecoderError(f"{model_type}: sliding-window attention ({window}) is not written by "
+                              "--target onnxruntime yet; use --target portable")
+    layers = lm.model.layers
+    attn = layers[0].self_attn
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return DecoderDims(
+        model_type=model_type, layers=len(layers), hidden=int(config.hidden_size), heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, vocab=int(config.vocab_size), max_positions=int(config.max_position_embeddings),
+        scale=float(attn.scaling), activation=str(act),
+    )
+
+
+def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
+    """The LM head the model's forward uses (``get_output_embeddings()``): its [vocab, hidden]
+    weight and its path. Never chosen by matching a Linear's output size to the vocabulary."""
+    head = lm.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise OrtDecoderError(f"the model's output embedding is a {type(head).__name__}, not a Linear")
+    if head.bias is not None:
+        raise OrtDecoderError("an LM head with a bias is not written by --target onnxruntime yet")
+    path = next((p for p, m in lm.named_modules() if m is head), "lm_head")
+    embed = lm.get_input_embeddings()
+    if embed is not None and head.weight is embed.weight:
+        path = f"{path} (tied to {next(p for p, m in lm.named_modules() if m is embed)})"
+    return head.weight, path
+
+
+def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype,
+                  layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim / 2] exactly as the model's ``rotary_emb`` computes them
+    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
+    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type."""
+    rotary = getattr(lm.model, "rotary_emb", None)
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise OrtDecoderError(f"the model has no rotary_emb.{prefix}inv_freq; --target onnxruntime writes rotary models")
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type, "default")
+    if rope_type == "dynamic":
+        raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
+    if inv_freq.numel() * 2 != dims.head_dim:
+        raise OrtDecoderError(f"partial rotary embeddings ({inv_freq.numel() * 2} of {dims.head_dim} dims) are not "
+                              "written by --target onnxruntime yet")
+    positions = torch.arange(dims.max_positions, dtype=torch.float32)
+    # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
+    freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
+    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+    return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
+
+
+
+def rotary_types(lm: torch.nn.Module) -> tuple[str, ...]:
+    """The layer types with their own rotary tables (Gemma3's ``{type}_inv_freq``); () for one table."""
+    rotary = getattr(lm.model, "rotary_emb", None)
+    kinds = getattr(rotary, "layer_types", None) or ()
+    return tuple(k for k in kinds if isinstance(getattr(rotary, f"{k}_inv_freq", None), torch.Tensor))
+
+
+
+#: The op that adds the residual and normalizes in one kernel (ONNX Runtime's CPU and CUDA).
+SKIP_NORM_OP = "SkipSimplifiedLayerNormalization"
+
+
+def skip_refusal(spec: RMSNormSpec, dtype: str) -> str | None:
+    """Why ``s = x + skip; norm(s)`` cannot be one ``SkipSimplifiedLayerNormalization`` exactly, or ``None``.
+
+    ONNX Runtime 1.32 never fuses ``Add`` into ``SimplifiedLayerNormalization`` itself (its
+    ``SkipLayerNormFusion`` matches ``LayerNormalization`` only), so the graph writes the op; it
+    is written where it computes what the ``ort`` lowering of the spec computes after an exact
+    ``Add``: float32 activations (the kernel normalizes the float32 sum; in float16 the model
+    normalizes the sum rounded to float16 and the kernel does not), the gain a plain weight over
+    the last dim, epsilon inside the square root, float32 accumulation.
+    """
+    reason = refusal("ort", spec, spec.upcasts(dtype), OPSET)
+    if reason:
+        return reason
+    if dtype != "float32":
+        return (f"{SKIP_NORM_OP} normalizes the float32 sum of its inputs; a {dtype} model normalizes the sum "
+                f"rounded to {dtype}")
+    if spec.gain != "weight":
+        return f"{SKIP_NORM_OP} multiplies by a weight; this spec's gain is {spec.gain!r}"
+    if spec.normalized_dims != 1:
+        return f"{SKIP_NORM_OP} normalizes the last dim; this spec normalizes the last {spec.normalized_dims}"
+    return None
+
+
+def skip_norm_node(spec: RMSNormSpec, inputs: list[str], outputs: list[str], *, name: str) -> onnx.NodeProto:
+    """``SkipSimplifiedLayerNormalization(input, skip, weight) -> (y, [sum])`` for ``spec``
+    (check :func:`skip_refusal` first). ``outputs``: ``[y]`` or ``[y, sum]`` (``sum`` may be "")."""
+    y, *rest = outputs
+    outs = [y, "", "", rest[0]] if rest and rest[0] else [y]
+    return helper.make_node(SKIP_NORM_OP, inputs, outs, name=name, domain=MS_DOMAIN, epsilon=float(spec.epsilon))
+
+
+
+def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_length: int,
+                      head: str) -> dict[str, Any]:
+    """The ``kv_cache`` entry of the metadata: the convention's fields (the keys of
+    ``decoder.convention.KVCacheLayout``), the target, its buffer mode and the LM head used."""
+    return {
+        "convention": CONVENTION,
+        "target": TARGET,
+        "past_present_share_buffer": bool(share_buffer),
+        "num_layers": dims.layers,
+        "num_heads": dims.heads,
+        "kv_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "hidden_size": dims.hidden,
+        "vocab_size": dims.vocab,
+        "max_length": int(max_length),
+        "dtype": dtype,
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "lm_head": head,
+    }
+
+
+def inputs_metadata(dims: DecoderDims, dtype: str, share_buffer: bool, vocab: int) -> dict[str, dict[str, Any]]:
+    cache = "max_length" if share_buffer else "past"
+    meta: dict[str, dict[str, Any]] = {
+        "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"], "kind": "token_ids", "high": int(vocab)},
+        "attention_mask": {"dtype": "int64", "shape": ["batch", "total"], "kind": "attention_mask"},
+        "position_ids": {"dtype": "int64", "shape": ["batch", "sequence"], "kind": "position_ids"},
+    }
+    for i in range(dims.layers):
+        for kind in ("key", "value"):
+            meta[f"past_key_values.{i}.{kind}"] = {"dtype": dtype, "shape": ["batch", dims.kv_heads, cache, dims.head_dim],
+                                                   "kind": "kv_cache"}
+    return meta
+

@@ -1,0 +1,235 @@
+"""``export --kv-cache --target onnxruntime --quantize int8|int4``: ONNX Runtime's MatMulNBits with the
+norms still our exact float32 nodes; the reference is the model holding the dequantized weights (and,
+at int8 compute, int8-rounded inputs), held to its own row of the tolerance table, with transformers'
+greedy tokens; the cost against the unquantized model reported beside it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("transformers")
+ort = pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
+from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
+from rmsnorm_deploy.decoder.quantize import (  # noqa: E402
+    Quantization,
+    WeightQuantizer,
+    dequantize,
+    dequantized_reference,
+    quantization_of,
+    round_activations,
+)
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
+from rmsnorm_deploy.errors import UserError  # noqa: E402
+from rmsnorm_deploy.exporter import hf  # noqa: E402
+from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
+from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
+from rmsnorm_deploy.graph.quantized import matmul_rows, matmul_weights  # noqa: E402
+from tests.kv_models import random_left_padded  # noqa: E402
+
+#: 2 layers x (qkv, o, gate, up, down) MatMuls, and the LM head.
+LAYER_MATMULS, NORMS = 10, 5
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return hf.from_config(hf.TINY_CONFIGS["llama"], "float32", seed=0)
+
+
+def _nbits_model(packed: np.ndarray, scales: np.ndarray, k: int, n: int, q: Quantization) -> bytes:
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", **q.node_attributes(k, n))
+    graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["m", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
+                              [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("block", [16, 32, 128])
+def test_dequantized_weights_are_what_matmulnbits_multiplies(scheme, block):
+    """K=200 (not a multiple of the block: the last block padded). An identity through the kernel
+    computing in float32 gives the weights it multiplies by: exactly ``dequantize``'s; in int8 the
+    kernel multiplies ``round_activations(A)`` by them (to float32 summation order)."""
+    k, n = 200, 48
+    weight = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
+    q = Quantization(scheme, block, 1)
+    packed, scales = WeightQuantizer(q)(weight)
+    deq = dequantize(packed, scales, bits=q.bits, block_size=block, k=k)
+    fp32 = ort.InferenceSession(_nbits_model(packed, scales, k, n, q), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(fp32.run(None, {"A": np.eye(k, dtype=np.float32)})[0], deq)
+    assert 0 < np.abs(deq - weight).max() <= np.abs(weight).max() / (7 if scheme == "int4" else 127)
+    a = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
+    int8 = ort.InferenceSession(_nbits_model(packed, scales, k, n, Quantization(scheme, block, 4)),
+                                providers=["CPUExecutionProvider"])
+    want = round_activations(torch.from_numpy(a), block).numpy() @ deq
+    np.testing.assert_allclose(int8.run(None, {"A": a})[0], want, rtol=1e-5, atol=1e-5)
+    assert np.abs(a @ deq - want).max() > 1e-3  # the rounding matters: a float32 reference would not do
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("block, level, head", [(16, 4, True), (32, 0, False), (32, 1, True), (32, 4, False),
+                                                (128, 1, False)])
+def test_quantized_graph_norms_exact_and_matmuls_nbits(llama, scheme, block, level, head):
+    q = Quantization(scheme, block, level, head)
+    dec = build_decoder(llama, quantization=q)
+    ops = [n.op_type for n in dec.model.graph.node]
+    assert ops.count("MatMulNBits") == LAYER_MATMULS + head and ops.count("MatMul") == (0 if head else 1)
+    assert sum(is_rmsnorm_node(n) for n in dec.model.graph.node) == NORMS == audit_norms(dec.model, dec.norm_nodes)
+    nbits = [n for n in dec.model.graph.node if n.op_type == "MatMulNBits"]
+    attrs = {a.name: a.i for a in nbits[0].attribute}
+    assert (attrs["bits"], attrs["block_size"], attrs.get("accuracy_level", 0)) == (q.bits, block, level)
+    compute = "int8" if level == 4 else "float32"
+    assert matmul_rows(matmul_weights(dec.model)) == [[LAYER_MATMULS + head, "MatMulNBits", scheme, block, level,
+                                                       compute]] + ([] if head else [[1, "MatMul", "float32", "-", "-",
+                                                                                       "float32"]])
+    meta = ModelMetadata.read(dec.model).quantization
+    assert (meta["scheme"], meta["block_size"], meta["accuracy_level"], meta["compute"]) == (scheme, block, level,
+                                                                                            compute)
+    assert [p for lin in meta["linears"] for p, _ in lin["parts"]][:3] == [
+        "model.model.layers.0.self_attn.q_proj", "model.model.layers.0.self_attn.k_proj",
+        "model.model.layers.0.self_attn.v_proj"]
+
+
+@pytest.mark.parametrize("scheme, block, level, head", [
+    ("int4", 32, 4, False), ("int4", 16, 1, True), ("int4", 128, 0, False),
+    ("int8", 32, 4, True), ("int8", 16, 0, False), ("int8", 128, 1, True),
+])
+def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, block, level, head):
+    """Step logits within the row of the tolerance table for its compute dtype; transformers'
+    ``generate`` on the dequantized model gives the graph's greedy tokens, batch 1 and batch 3
+    left-padded; the unquantized model's distance is reported, and it is not zero."""
+    dec = build_decoder(llama, quantization=Quantization(scheme, block, level, head), max_length=64)
+    parity = decode_parity(llama, dec.model, batch=3, prompt=7, steps=3)
+    compute = "int8" if level == 4 else "float32"
+    assert parity.tolerance_key == ("quantized_model_int8" if compute == "int8" else "quantized_model",
+                                    "onnxruntime", "float32")
+    assert ("rounded to int8" in parity.reference) == (compute == "int8")
+    assert not parity.failed, parity.table()
+    assert parity.cost is not None and max(parity.cost.max_abs) > 1e-4
+    assert "vs the unquantized model" in parity.table()
+    entry = ModelMetadata.read(dec.model).quantization
+    runner = KVDecoderRunner(dec.model)
+    for batch in (1, 3):
+        ids, mask = random_left_padded(batch, 9, llama.vocab_size, seed=3)
+        got = runner.greedy(ids, mask, new_tokens=24).tokens
+        with dequantized_reference(llama.module, dec.model, entry):
+            want = transformers_generate(llama.module.model, ids, mask, max_new_tokens=24, pad_token_id=0,
+                                         stop_at_eos=False)
+        np.testing.assert_array_equal(got, want)
+    # The reference is restored: the model computes its own weights again.
+    assert decode_parity(llama, build_decoder(llama).model, batch=1, prompt=4, steps=1).tokens_equal
+
+
+def test_tied_head_quantized_keeps_the_embedding(monkeypatch):
+    """Gemma3 ties its head to its embedding: the reference unties them for the comparison (the
+    graph's Gather reads the float embedding) and ties them back afterwards."""
+    loaded = hf.from_config(hf.TINY_CONFIGS["gemma3"], "float32", seed=0)
+    lm = loaded.module.model
+    assert lm.lm_head.weight is lm.get_input_embeddings().weight
+    dec = build_decoder(loaded, quantization=Quantization("int4", 32, 1, lm_head=True))
+    parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=2)
+    assert not parity.failed, parity.table()
+    assert lm.lm_head.weight is lm.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scheme="int2"), "unknown --quantize 'int2'; choose one of int8, int4"),
+    (dict(scheme="int4", block_size=24), "--block-size 24 is not one MatMulNBits takes; choose one of 16, 32, 64"),
+    (dict(scheme="int4", accuracy_level=2), "--accuracy-level 2 is not one of 0 (float32 compute), 1 (float32 "
+                                            "compute), 4 (int8 compute)"),
+    (dict(scheme="int8", block_size=True), "--block-size True is not one"),
+])
+def test_options_refused_in_one_line(kwargs, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Quantization(**kwargs)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda e: e.pop("block_size"), "quantization metadata is damaged \\('block_size'\\)"),
+    (lambda e: e["linears"][0]["parts"].append(["x", 3]), "do not add up to N=128"),
+    (lambda e: e.update(scheme="int3"), "unknown --quantize 'int3'"),
+])
+def test_damaged_quantization_metadata_is_one_line(llama, damage, message):
+    entry = json.loads(json.dumps(ModelMetadata.read(build_decoder(llama, quantization=Quantization("int8")).model)
+                                  .quantization))
+    damage(entry)
+    with pytest.raises(UserError, match=message):
+        quantization_of(entry)
+
+
+def test_metadata_naming_another_module_is_refused(llama):
+    dec = build_decoder(llama, quantization=Quantization("int4"))
+    entry = json.loads(json.dumps(ModelMetadata.read(dec.model).quantization))
+    entry["linears"][0]["parts"][0][0] = "model.model.layers.0.mlp"
+    with pytest.raises(UserError, match="names 'model.model.layers.0.mlp' \\[64, 64\\], which is not a Linear"):
+        with dequantized_reference(llama.module, dec.model, entry):
+            pass
+    assert isinstance(llama.module.model.model.layers[0].self_attn.q_proj.weight, torch.nn.Parameter)
+    onnx.checker.check_model(dec.model)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, llama):
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    llama.module.model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--quantize", "int4"], "--quantize int4 is an option of the KV-cache decoder graph; add --kv-cache"),
+    (["--kv-cache", "--quantize", "int4"], "--quantize writes ONNX Runtime's MatMulNBits, which the portable graph "
+                                           "is written without (TensorRT has no such kernel); add --target onnxruntime"),
+    (["--kv-cache", "--target", "onnxruntime", "--block-size", "16"],
+     "--block-size is an option of --quantize; add --quantize int8 or --quantize int4"),
+    (["--kv-cache", "--target", "onnxruntime", "--quantize-lm-head"], "--quantize-lm-head is an option of --quantize"),
+    (["--kv-cache", "--target", "onnxruntime", "--quantize", "int4", "--block-size", "24"],
+     "--block-size 24 is not one MatMulNBits takes; choose one of 16, 32, 64, 128, 256"),
+    (["--kv-cache", "--target", "onnxruntime", "--quantize", "int8", "--accuracy-level", "2"],
+     "--accuracy-level 2 is not one of 0 (float32 compute), 1 (float32 compute), 4 (int8 compute)"),
+])
+def test_cli_refuses_quantize_options_in_one_line(hf_folder, tmp_path, capsys, args, message):
+    from rmsnorm_deploy.cli import main
+
+    assert main(["export", str(hf_folder), *args, "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_export_audit_and_generate(hf_folder, tmp_path, capsys):
+    """The folder streamed to an int8 graph (block 16, float32 compute, head quantized): its report
+    names the reference and the tolerance row; ``audit`` shows the MatMuls with their bits, block size
+    and accuracy level and every norm accumulating in float32; ``generate`` runs it."""
+    from rmsnorm_deploy.cli import main
+
+    out = tmp_path / "q8"
+    assert main(["export", str(hf_folder), "--kv-cache", "--target", "onnxruntime", "--quantize", "int8",
+                 "--block-size", "16", "--accuracy-level", "1", "--quantize-lm-head", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "int8 weights (block 16, symmetric), accuracy_level 1 (float32 compute), LM head too" in printed
+    assert "vs the unquantized model (what quantization costs, not checked)" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["parity"]["status"] == "pass" and report["parity"]["tolerance"][0] == "quantized_model"
+    assert report["parity"]["steps"][0]["name"] == "quantized weights vs the model's"
+    assert main(["audit", str(out / "model.onnx")]) == 0
+    audit = capsys.readouterr().out
+    rows = [line.split() for line in audit.splitlines()]
+    assert ["11", "MatMulNBits", "int8", "16", "1", "float32"] in rows
+    norms = [r for r in rows if len(r) > 2 and r[0] == "as" and "RMSNorm" in r]
+    assert len(norms) == NORMS and all("float32" in r and "LOW" not in r for r in norms)
+    assert main(["audit", str(out / "model.onnx"), "--json", "--optimization", "none"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {(m["op"], m["weights"], m["block_size"], m["accuracy_level"]) for m in data["matmuls"]} == {
+        ("MatMulNBits", "int8", 16, 1)}
+    assert main(["generate", str(out), "--input-ids", "5,6,7", "--max-new-tokens", "4", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"][0]) == 4
