@@ -43,7 +43,7 @@ from bench_kv_decode import (
     THREADS,
     GenaiRuntime,
     build_genai,
-    graph_ops,
+    decode_profile,
     log,
     ours_runner,
     runner_call,
@@ -56,8 +56,9 @@ OURS = {"ours int8": "int8", "ours int4": "int4"}
 GENAI = "genai int4"
 LLAMA_CPP = {"llama.cpp F32": "f32", "llama.cpp F16": "f16", "llama.cpp Q8_0": "q8_0", "llama.cpp Q4_0": "q4_0"}
 REPACKED = {"llama.cpp Q8_0 repacked": "q8_0", "llama.cpp Q4_0 repacked": "q4_0"}
-#: Which contenders hold weights of the same width (ours over the fastest of its group).
-GROUPS = {"ours int8": ("llama.cpp Q8_0",), "ours int4": (GENAI, "llama.cpp Q4_0")}
+#: The contenders holding weights of the same width as ours (ours over each, paired by round).
+GROUPS = {"ours int8": ("llama.cpp Q8_0", "llama.cpp Q8_0 repacked"),
+          "ours int4": (GENAI, "llama.cpp Q4_0", "llama.cpp Q4_0 repacked")}
 
 
 def llama_cpp_dir(given: str | None) -> tuple[Path | None, str]:
@@ -172,14 +173,20 @@ def bench_quantized_model(key: str, config: dict[str, Any], label: str, rounds: 
     layout = CacheLayout(layers=layers, kv_heads=kv, head_dim=head_dim, share_buffer=True,
                          max_length=int(config["max_position_embeddings"]))
     contenders: dict[str, Callable[[np.ndarray], tuple[float, float | None]]] = {}
-    result: dict[str, Any] = {"label": label, "config": config, "graphs": {}, "parity": {}, "not_run": {}}
+    result: dict[str, Any] = {"label": label, "config": config, "graphs": {}, "parity": {}, "not_run": {},
+                              "decode_profile": {}}
+    ids = np.random.default_rng(1).integers(3, vocab, size=(1, PROMPT), dtype=np.int64)
+    graphs = {}
     for name, scheme in OURS.items():
         out = export_ours(hf_dir, tmp / f"{key}-{scheme}", scheme)
         result["parity"][name] = parity_of(out)
-        result["graphs"][name] = quantized_matmuls(out / "model.onnx")
+        graphs[name] = out / "model.onnx"
         contenders[name] = ours_call(runner_call(ours_runner(out / "model.onnx", layout)))
     genai_dir = build_genai(hf_dir, tmp / f"{key}-genai-int4", tmp / "genai-cache", precision="int4")
-    result["graphs"][GENAI] = quantized_matmuls(genai_dir / "model.onnx")
+    graphs[f"{GENAI} (its graph in our loop)"] = genai_dir / "model.onnx"
+    for name, path in graphs.items():  # kernel time per decode step: the graphs alone, less moved by the load
+        result["graphs"][name] = quantized_matmuls(path)
+        result["decode_profile"][name] = decode_profile(path, layout, ids, tmp)
     runtime = GenaiRuntime(genai_dir)
     contenders[GENAI] = ours_call(runtime.greedy)
     if llama is not None:
@@ -188,7 +195,6 @@ def bench_quantized_model(key: str, config: dict[str, Any], label: str, rounds: 
             contenders[name] = llama_cpp_call(llama, files[kind], repack=False)
         for name, kind in REPACKED.items():
             contenders[name] = llama_cpp_call(llama, files[kind], repack=True)
-    ids = np.random.default_rng(1).integers(3, vocab, size=(1, PROMPT), dtype=np.int64)
     names = list(contenders)
     times: dict[str, dict[str, list[float]]] = {n: {"decode_ms_per_token": [], "prefill_ms": []} for n in names}
     for name in names:  # warm-up
@@ -285,8 +291,8 @@ def markdown_quantized(results: dict[str, Any]) -> str:
     for model in results["models"].values():
         for metric, label in (("decode_ms_per_token", "decode ms/token"), ("prefill_ms", "prefill ms (128 tokens)")):
             lines.append(f"| {model['label']} | {label} | " + " | ".join(_ms(model, n, metric) for n in names) + " |")
-    lines += ["", "Paired by round (ours / the fastest other contender of the same width; median of the per-round "
-              "ratios, and the rounds in which ours was the faster):", ""]
+    lines += ["", "Paired by round (ours / each contender of the same width; median of the per-round ratios, and "
+              "the rounds in which ours was the faster):", ""]
     for model in results["models"].values():
         for what, p in model["paired"].items():
             lines.append(f"- {model['label']}: {what} = {p['median']:.3f}x (ours faster in {p['ours_faster_rounds']} "
@@ -300,6 +306,12 @@ def markdown_quantized(results: dict[str, Any]) -> str:
                          f", tolerance {p['tolerance']}); vs unquantized: max |logit difference| "
                          f"{max(cost.get('max_abs', [0])):.3g} of largest |logit| {cost.get('logit_scale', 0):.3g}, "
                          f"same greedy token in {cost.get('same_argmax', 0):.0%} of steps")
+    lines += ["", "ONNX Runtime's profiler, kernel time per decode step of each graph in our loop (the graphs "
+              "compared without either loop; less moved by the machine's load than wall time):", ""]
+    for model in results["models"].values():
+        for name, prof in model.get("decode_profile", {}).items():
+            top = ", ".join(f"{op} {share:.0%}" for op, share in list(prof["share"].items())[:4])
+            lines.append(f"- {model['label']}, {name}: {prof['kernel_ms_per_step']:.3f} ms ({top})")
     lines += ["", "MatMuls of each graph (count, op, weights, block size, accuracy_level, compute):", ""]
     for model in results["models"].values():
         for name, rows in model["graphs"].items():
