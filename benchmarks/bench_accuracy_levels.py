@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = dict(model_type="llama", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,

@@ -133,7 +133,6 @@ def measure(cmd: list[str], env: dict, cwd: str | Path) -> dict:
 
 
 def run(layers: int, keep: bool) -> dict:
-    sys.path.insert(0, str(ROOT))
     from rmsnorm_deploy.exporter.presets import parse_preset
 
     text = PRESET.format(layers=layers)

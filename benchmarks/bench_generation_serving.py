@@ -56,8 +56,6 @@ from typing import Any, Callable
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_kv_decode import MODELS, THREADS, build_genai, export_folder, log, save_hf  # noqa: E402
 

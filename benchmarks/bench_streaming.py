@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench_serving import _start_server  # noqa: E402  (benchmarks/, the folder this script runs from)
 
