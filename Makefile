@@ -17,7 +17,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-kv lint-docker gpu-check clean
+.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv lint-docker gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,14 @@ gpu-check:
 bench-serving: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt matplotlib
 	$(PY) benchmarks/bench_serving.py
+
+# Generation serving at 1/4/16/64 clients: serve's continuous-batching engine against llama.cpp's llama-server
+# --parallel N on the same weights (GGUF float32; give its checkout with LLAMA_CPP_DIR=..., else it is
+# recorded as not run) and onnxruntime-genai's static batch. gguf and sentencepiece are for llama.cpp's
+# converter, matplotlib for the plot.
+bench-generation: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt matplotlib gguf sentencepiece
+	nice $(PY) benchmarks/bench_generation_serving.py
 
 # KV-cache decoding in ONNX Runtime CPU: our --target onnxruntime and portable graphs against onnxruntime-genai's
 # builder output (its runtime and our loop) and torch eager; prefill and decode ms/token, batch 1 and 4.

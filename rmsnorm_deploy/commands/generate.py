@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="then among the most likely tokens whose probability reaches p (default 1.0: all)")
     parser.add_argument("--threads", type=int,
                         help="ONNX Runtime intra-op threads, at most the CPUs this process may use (default: ONNX "
                         "Runtime's)")
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate
     from rmsnorm_deploy.runners.onnxruntime import check_threads
 
-    sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k)
+    sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p)
     check_threads(args.threads)  # before the model is read
     providers = [p for p in args.providers.split(",") if p.strip()]
     ids = parse_ids(args.input_ids) if args.input_ids is not None else None

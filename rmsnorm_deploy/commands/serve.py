@@ -3,8 +3,9 @@ over HTTP and gRPC, metrics, dynamic batching; inference through ONNX Runtime on
 provider (never a silent fallback). A KV-cache export is served by the generation engine:
 continuous batching of every client's stream in slots of one preallocated KV cache (the --target
 onnxruntime graph; the portable graph's streams take turns), a bounded queue, and on SIGTERM a
-drain of the generations in flight. Our fronts on the public HTTP and gRPC ports check every
-request before Triton sees it. Listens on 127.0.0.1 unless --host says otherwise; Ctrl-C or
+drain of the generations in flight; the OpenAI-compatible API (--openai-port) takes text on the same
+engine. Our fronts on the public HTTP and gRPC ports check every request before Triton sees it.
+Listens on 127.0.0.1 unless --host says otherwise; Ctrl-C or
 SIGTERM stops it. Exit 2 on bad input (not a model, a port in use, an unknown provider)."""
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a plain model: largest batch Triton's dynamic batcher forms (default: the model's batch "
                         "range from its metadata, else 8; 0 turns batching off); a KV-cache model: streams the "
                         "generation engine decodes together, its KV-cache slots (default 16)")
+    text = parser.add_argument_group(
+        "OpenAI-compatible API (KV-cache exports with a tokenizer)",
+        "Text in, text out (/v1/models, /v1/completions, /v1/chat/completions, streaming) for the openai "
+        "package, LangChain, LlamaIndex and curl, on the same generation engine as the KServe models (they share "
+        "its batch), for a KV-cache export whose folder has tokenizer.json; a plain graph takes tensors, so it "
+        "has none.")
+    text.add_argument("--openai-port", type=int, metavar="PORT",
+                      help="serve the OpenAI API on this port (on --host; 127.0.0.1 by default)")
+    text.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI API")
     engine = parser.add_argument_group("generation engine (KV-cache models)")
     engine.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests that may wait for a slot; one more is refused at once with HTTP 503 / gRPC "
@@ -57,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port, providers=providers or ("",),
                            model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                            max_tokens_in_flight=args.max_tokens_in_flight, prefill_chunk=args.prefill_chunk,
-                           drain_timeout_s=args.drain_timeout,
+                           drain_timeout_s=args.drain_timeout, openai=not args.no_openai,
+                           openai_port=args.openai_port,
                            max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
                            else args.max_request_bytes)
     return serve(args.model, options, say=lambda line: print(line, flush=True))

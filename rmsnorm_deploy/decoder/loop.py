@@ -49,12 +49,14 @@ from rmsnorm_deploy.runners.onnxruntime import ortvalue_to_numpy
 # -- picking the next token --------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Greedy when ``do_sample`` is false; otherwise softmax(logits / temperature) over the top-k."""
+    """Greedy when ``do_sample`` is false; otherwise softmax(logits / temperature) over the top-k,
+    then over the smallest set of most likely tokens whose probability reaches ``top_p``."""
 
     do_sample: bool = False
     seed: int = 0
     temperature: float = 1.0
     top_k: int = 0  # 0: the whole vocabulary
+    top_p: float = 1.0  # 1: no nucleus cut
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -63,6 +65,8 @@ class Sampling:
             raise UserError(f"--temperature must be a finite number > 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise UserError(f"--top-k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise UserError(f"--top-p must be a number > 0 and <= 1 (1: no cut), got {self.top_p!r}")
 
 
 def greedy(logits: np.ndarray) -> np.ndarray:
@@ -91,9 +95,22 @@ def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.
             scaled = np.where(scaled < kth, -np.inf, scaled)
         probs = np.exp(scaled)
         probs /= probs.sum(axis=-1, keepdims=True)
+        if sampling.top_p < 1:
+            probs = nucleus(probs, sampling.top_p)
         return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
 
     return sample
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """``probs`` [batch, vocab] kept on each row's smallest set of most likely tokens whose sum
+    reaches ``top_p`` (the most likely always kept; ties in the order of their ids), renormalized."""
+    order = np.argsort(-probs, axis=-1, kind="stable")
+    ranked = np.take_along_axis(probs, order, axis=-1)
+    keep = np.zeros(probs.shape, dtype=bool)
+    np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < top_p, axis=-1)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
 
 
 def forced(tokens: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:

@@ -39,5 +39,15 @@ pytriton_env    what PyTriton 0.7 needs from this process: this Python's libpyth
 repository      ``triton-repo``: a model repository for the standalone server's onnxruntime or
                 tensorrt backend, ``config.pbtxt`` checked against Triton's ``ModelConfig``
 served_answers  a served model's answers over HTTP and gRPC against the same model run here
+openai_app      the OpenAI-compatible API (Starlette): ``/v1/models``, ``/v1/completions``,
+                ``/v1/chat/completions``, streaming as server-sent events, on the same engine
+                as the KServe models; refusals as OpenAI error objects (429 on a full queue)
+openai_serve    how ``serve`` runs it: whether and where (``openai_placement``), the app with
+                the folder's chat template, ``OpenAIServer`` (uvicorn on its own port and thread)
+openai_api      its request bodies (pydantic, strict; unsupported parameters refused), its
+                answers and its error object (``APIError``)
+text            text in and out of the engine: ``TextStream`` (incremental decoding that never
+                hands out half a character, stop strings across tokens), ``ChatTemplate`` (the
+                folder's chat template through transformers, read from the folder only)
 ==============  =============================================================================
 """

@@ -48,6 +48,9 @@ class ServeOptions:
     max_tokens_in_flight: int | None = None
     prefill_chunk: int = 32
     drain_timeout_s: float = 30.0
+    #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai_serve``)
+    openai: bool = True
+    openai_port: int | None = None
 
     def engine_options(self) -> EngineOptions:
         """The generation engine's options (``--max-batch`` is its number of slots, default 16)."""
@@ -63,6 +66,7 @@ class ServeOptions:
             "http": f"http://{host}:{self.http_port}",
             "grpc": f"{host}:{self.grpc_port}",
             "metrics": f"http://{host}:{self.metrics_port}/metrics",
+            "openai": f"http://{host}:{self.openai_port}",
         }
 
 
@@ -77,6 +81,8 @@ def check_options(options: ServeOptions) -> None:
     if not 1024 <= options.max_request_bytes <= 1 << 31:
         raise UserError(f"--max-request-bytes {options.max_request_bytes}: give a size from 1024 to {1 << 31} bytes")
     ports = {"--http-port": options.http_port, "--grpc-port": options.grpc_port, "--metrics-port": options.metrics_port}
+    if options.openai_port is not None:
+        ports["--openai-port"] = options.openai_port
     for flag, port in ports.items():
         if not 1 <= port <= 65535:
             raise UserError(f"{flag} {port}: a port is a number from 1 to 65535")
@@ -150,11 +156,13 @@ class ServeProcess:
                 self.process.wait(timeout=30)
 
 
-def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = ()) -> ServeProcess:
+def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: Sequence[str] = (),
+                        wait: bool = True) -> ServeProcess:
     """``rmsnorm-deploy serve MODEL_DIR [args]`` as a child process (this package, this Python) on
     free loopback ports, returned once it is ready both on the wire (``/v2/health/ready``) and in
-    its own output (it prints ``ready`` after the server is up). Raises :class:`UserError` with what it
-    printed when it exits first or is not ready within ``timeout_s`` (then it is killed)."""
+    its own output (it prints ``ready`` after the server is up), or at once without ``wait``. Raises
+    :class:`UserError` with what it printed when it exits first or is not ready within ``timeout_s``
+    (then it is killed)."""
     import os
     import subprocess
     import sys
@@ -173,6 +181,8 @@ def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: S
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
     served = ServeProcess(process, http, grpc, metrics, log)
+    if not wait:
+        return served
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

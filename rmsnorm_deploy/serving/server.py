@@ -122,6 +122,8 @@ class BatchedInference:
         return None
 
 
+#: the largest OpenAI request body: JSON parsed into Python objects (a prompt longer than any model fits)
+OPENAI_MAX_REQUEST_BYTES = 8 << 20
 #: The generation model's interface (a KV-cache graph is served as this, under ``--model-name``).
 GENERATION_INPUTS = (("input_ids", [-1], False), ("max_new_tokens", [1], True))  # (name, dims, optional)
 GENERATION_OUTPUT = "output_ids"
@@ -334,11 +336,16 @@ class Server:
         self.generator = generation_endpoint(self.path, self.signature, options.providers)
         if self.generator is not None:
             options.engine_options().check()
+        from rmsnorm_deploy.serving.openai_serve import openai_placement  # optional: pydantic, starlette
+
+        self.openai_place, self.openai_note = openai_placement(self.generator, enabled=options.openai,
+                                                               port=options.openai_port)
         check_options(options)
         self.models = served_models(self.signature, options.model_name, generation=self.generator is not None)
         self.front: Any = None
         self.workspace: Path | None = None
         self.internal: tuple[int, int] = (0, 0)  # Triton's own HTTP and gRPC ports, on 127.0.0.1
+        self.openai: Any = None
         self.engine: Any = None
         self.triton: Any = None
         self.runner: Any = None
@@ -412,6 +419,8 @@ class Server:
             self.stop()
             raise UserError(f"Triton Inference Server did not start: {one_line(exc)}{self._log_tail()}") from None
         self.start_front()
+        if self.openai_place == "port":
+            self.start_openai()
 
     def start_front(self) -> None:
         """The public fronts, once Triton serves on its internal ports (``serving.front``)."""
@@ -421,6 +430,18 @@ class Server:
         self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes)
         try:
             self.front.start()
+        except UserError:
+            self.stop()
+            raise
+
+    def start_openai(self) -> None:
+        """The OpenAI API on its own port, over the warm engine (``serving.openai_serve``)."""
+        from rmsnorm_deploy.serving.openai_serve import OpenAIServer, engine_app  # optional: pydantic, starlette
+
+        o = self.options
+        try:
+            app, self.openai_note = engine_app(self.engine, o.model_name, max_request_bytes=OPENAI_MAX_REQUEST_BYTES)
+            self.openai = OpenAIServer(app, o.host, o.openai_port).start()
         except UserError:
             self.stop()
             raise
@@ -449,12 +470,19 @@ class Server:
             batching = (f"dynamic batching up to {sig.max_batch} rows along {sig.batch_dim!r}" if sig.batched
                         else "no batching (the graph has no shared leading batch dim)")
         http, grpc = self.internal
+        openai = ""
+        if self.openai is not None:
+            openai = (f"  OpenAI   {ends['openai']}/v1 (completions, chat completions; {self.openai_note}; the same "
+                      "engine as the KServe models)\n")
+        elif self.openai_note:
+            openai = f"  OpenAI   {self.openai_note}\n"
         self.say(f"serving {self.path} as {what} {o.model_name!r} on ONNX Runtime "
                  f"[{', '.join(self.runner.actual_providers)}]\n"
                  f"  HTTP     {ends['http']}/v2/models/{o.model_name}\n"
                  f"  gRPC     {ends['grpc']}\n"
                  f"  front    checks every request (HTTP: Starlette on uvicorn, gRPC: grpcio; at most "
                  f"{o.max_request_bytes} bytes), then Triton on 127.0.0.1:{http} (HTTP), 127.0.0.1:{grpc} (gRPC)\n"
+                 f"{openai}"
                  f"  metrics  {ends['metrics']}\n"
                  f"  inputs   {ins}\n"
                  f"  outputs  {outs}\n"
@@ -471,6 +499,8 @@ class Server:
             if self.triton is not None and not self.triton.is_alive():
                 return False
             if self.front is not None and not self.front.is_alive():
+                return False
+            if self.openai is not None and not self.openai.is_alive():
                 return False
         return True
 
@@ -496,6 +526,9 @@ class Server:
             front.stop()  # no new requests; those in flight finish first
         if self.engine is not None:
             self.engine.drain(0)
+        if self.openai is not None:
+            openai, self.openai = self.openai, None
+            openai.stop()
         if self.triton is not None:
             triton, self.triton = self.triton, None
             try:

@@ -9,7 +9,7 @@ import pytest
 
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.decoder.convention import left_padded
-from rmsnorm_deploy.decoder.loop import Sampling, decode_loop, forced, greedy, token_picker
+from rmsnorm_deploy.decoder.loop import Sampling, decode_loop, forced, greedy, nucleus, token_picker
 
 VOCAB = 11
 
@@ -109,6 +109,23 @@ def test_sampling_is_reproducible_from_its_seed():
     assert runs[0] != runs[2] or runs[0][0] != runs[0][1]  # the draws do vary
 
 
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, [3]), (0.6, [3, 1]), (0.9, [3, 1, 0]), (1.0, [3, 1, 0, 2])])
+def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_that_reaches_p(top_p, kept):
+    probs = np.array([[0.15, 0.3, 0.05, 0.5]])
+    cut = nucleus(probs, top_p)
+    assert np.flatnonzero(cut[0]).tolist() == sorted(kept)
+    assert cut.sum() == pytest.approx(1.0) and np.allclose(cut[0, kept], probs[0, kept] / probs[0, kept].sum())
+    logits = np.log(probs).astype(np.float32)
+    draws = {int(token_picker(Sampling(True, seed=s, top_p=top_p))(logits)[0]) for s in range(200)}
+    assert draws == set(kept)
+
+
+def test_top_p_1_draws_exactly_as_without_it():
+    logits = np.random.default_rng(1).normal(size=(2, 40)).astype(np.float32)
+    assert (token_picker(Sampling(True, seed=5, temperature=0.8, top_p=1.0))(logits).tolist()
+            == token_picker(Sampling(True, seed=5, temperature=0.8))(logits).tolist())
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"input_ids": np.zeros((2,), np.int64)}, r"input_ids must be \[batch >= 1, prompt >= 1\]"),
     ({"input_ids": np.zeros((1, 0), np.int64)}, r"input_ids must be \[batch >= 1, prompt >= 1\]"),
@@ -126,6 +143,10 @@ def test_bad_arguments_are_one_line_errors(kwargs, message):
     ({"seed": -1}, "--seed must be an integer >= 0"),
     ({"temperature": float("nan")}, "--temperature must be a finite number > 0"),
     ({"top_k": -2}, "--top-k must be an integer >= 0"),
+    ({"top_p": 0.0}, r"--top-p must be a number > 0 and <= 1 \(1: no cut\), got 0.0"),
+    ({"top_p": 1.5}, "--top-p must be a number > 0 and <= 1"),
+    ({"top_p": float("nan")}, "--top-p must be a number > 0 and <= 1"),
+    ({"top_p": True}, "--top-p must be a number > 0 and <= 1"),
 ])
 def test_bad_sampling_is_refused(kwargs, message):
     with pytest.raises(UserError, match=message):

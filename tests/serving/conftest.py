@@ -60,3 +60,36 @@ def engine_llama():
     from rmsnorm_deploy.exporter import hf
 
     return hf.from_config({**hf.TINY_CONFIGS["llama"], **ENGINE_LLAMA}, "float32", seed=0).module.model
+
+
+#: The tiny Llama of the OpenAI API tests: the byte-level tokenizer of ``tests/serving/_tokenizer.py``
+#: (vocabulary 292) and room for long streams.
+TEXT_LLAMA = {"max_position_embeddings": 512}
+TEXT_VOCAB = 292
+
+
+@pytest.fixture(scope="session")
+def text_exports(tmp_path_factory):
+    """``kind -> folder``: a tiny Llama whose Hugging Face folder has a tokenizer with a chat template,
+    exported with ``--kv-cache --target onnxruntime`` (``ort``) or as the portable graph (``portable``),
+    each once, on first use; the export copies the tokenizer files beside the model."""
+    from rmsnorm_deploy.exporter import hf
+    from tests.serving._tokenizer import write_tokenizer
+
+    root = tmp_path_factory.mktemp("text-exports")
+    source = root / "hf"
+    made: dict[str, object] = {}
+    options = {"ort": ["--target", "onnxruntime"], "portable": []}
+
+    def get(kind: str):
+        if kind not in made:
+            if not source.exists():
+                hf.from_config({**hf.TINY_CONFIGS["llama"], **TEXT_LLAMA, "vocab_size": TEXT_VOCAB}, "float32",
+                               seed=0).module.model.save_pretrained(source)
+                assert write_tokenizer(source) == TEXT_VOCAB
+            out = root / kind
+            assert main(["export", str(source), "--kv-cache", *options[kind], "-o", str(out)]) == 0
+            made[kind] = out
+        return made[kind]
+
+    return get

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import os
 import socket
 import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -95,9 +95,11 @@ def test_server_environment_puts_this_pythons_libdir_first_once():
     assert pytriton_env.server_environment({}) == {"LD_LIBRARY_PATH": libdir}
 
 
-def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server():
+def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(monkeypatch):
     pytest.importorskip("pytriton", reason="the patch applies to nvidia-pytriton's proxy model")
     from pytriton.models.model import Model
+
+    monkeypatch.setattr(pytriton_env, "_ANSWER_LATER", {"generating"})
 
     pytriton_env.patch_proxy()
     pytriton_env.patch_proxy()
@@ -109,14 +111,13 @@ def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(
         def __init__(self, model_name):
             self.model_name = model_name
 
-    pytriton_env.prepare_process(answer_later=["generating"])
     text = Model.get_proxy_model_files(Fake("plain"))["file:1/model.py"].decode()
     assert text.count("TritonRequestsServer._wrap_request = _wrap_request_dlpack") == 1
     # the refusal patch comes once, after the DLPack one (it wraps the _wrap_response that one defines)
     assert text.count("_rmsnorm_deploy_wrap_response = _wrap_response") == 1
     assert text.index("_wrap_request_dlpack") < text.index("_rmsnorm_deploy_wrap_response")
     assert f'"{pytriton_env.REFUSED}" in response.data' in text and f'"{pytriton_env.REFUSED_CODE}"' in text
-    assert "_rd_answer_once" not in text  # a plain model answers the proxy's usual way
+    assert "_rd_respond" not in text  # a plain model answers the proxy's usual way
     generating = Model.get_proxy_model_files(Fake("generating"))["file:1/model.py"].decode()
     assert generating.startswith(text) and generating.count("TritonRequestsServer.push = _rd_push_sent") == 1
     for source in (text, generating):
@@ -136,6 +137,18 @@ def _communication() -> str:
     from pytriton.proxy import communication
 
     return Path(communication.__file__).read_text()
+
+
+@pytest.mark.parametrize("answer_later,switched", [((), False), (("model", "model_stream"), True)])
+def test_generation_models_pass_their_tensors_in_messages(monkeypatch, answer_later, switched):
+    """One-token tensors cost more through PyTriton's shared-memory store than in the message."""
+    monkeypatch.setattr(pytriton_env.os, "environ", {k: v for k, v in os.environ.items()
+                                                     if k != pytriton_env.NO_TENSORSTORE})
+    monkeypatch.setattr(pytriton_env, "_ANSWER_LATER", set())
+    monkeypatch.setattr(pytriton_env, "patch_proxy", lambda: None)
+    changes = pytriton_env.prepare_process(answer_later=answer_later)
+    assert (changes.get(pytriton_env.NO_TENSORSTORE) == "1") is switched
+    assert (pytriton_env.os.environ.get(pytriton_env.NO_TENSORSTORE) == "1") is switched
 
 
 def test_the_refusal_patch_does_not_need_the_dlpack_one():
