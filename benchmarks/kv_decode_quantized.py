@@ -263,8 +263,11 @@ def run_quantized(models: list[str], rounds: dict[str, int], llama_given: str | 
 
 
 def _ms(model: dict[str, Any], name: str, metric: str) -> str:
+    """The median over rounds, and the best round in brackets (on a shared machine, the round least
+    slowed by other processes)."""
     value = model["median"].get(name, {}).get(metric)
-    return "—" if value is None else f"{value:.2f}"
+    samples = model.get("times", {}).get(name, {}).get(metric) or []
+    return "—" if value is None else f"{value:.2f} ({min(samples):.2f})"
 
 
 def markdown_quantized(results: dict[str, Any]) -> str:
@@ -274,7 +277,8 @@ def markdown_quantized(results: dict[str, Any]) -> str:
         "# Weight-only quantized KV-cache decoding on CPU: ours against onnxruntime-genai and llama.cpp",
         "",
         f"{env['cpu']}, {settings['threads']} threads, float32 activations, prompt {settings['prompt']}, "
-        f"{settings['new_tokens']} greedy tokens, batch 1; median over interleaved rounds "
+        f"{settings['new_tokens']} greedy tokens, batch 1; median over interleaved rounds, the best round in "
+        "brackets "
         f"({', '.join(f'{k}: {v}' for k, v in settings['rounds'].items())}). onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}. Ours: `export --kv-cache --target onnxruntime --quantize "
         "int8|int4 --quantize-lm-head --share-buffer` (block 32, accuracy_level 4) in our loop; genai: its builder "

@@ -133,14 +133,3 @@ class SafetensorsTensors:
 
     def columns(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._read(name, (slice(None), slice(start, stop)))
-
-    def nbytes(self) -> int:
-        """The bytes of every tensor as stored."""
-        sizes = {"BF16": 2, "F16": 2, "F32": 4}
-        total = 0
-        for name, shape in self.shapes.items():
-            count = 1
-            for d in shape:
-                count *= d
-            total += count * sizes.get(self.dtypes[name], 4)
-        return total
