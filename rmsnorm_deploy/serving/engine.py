@@ -261,8 +261,10 @@ class Engine:
         return self._state == "ready"
 
     def stats(self) -> dict[str, int]:
+        """Streams running and waiting now, and how the others ended (``counts`` also has the steps)."""
         with self._cond:
-            return {"running": len(self._running), "waiting": len(self._waiting), **self.counts}
+            ended = {k: v for k, v in self.counts.items() if k != "steps"}
+            return {"running": len(self._running), "waiting": len(self._waiting), **ended}
 
     # -- life cycle ----------------------------------------------------------------------------------
     def start(self, *, warm: bool = True, timeout_s: float = 600) -> Engine:
@@ -293,6 +295,9 @@ class Engine:
             self._state = "draining"
             finished = self._cond.wait_for(lambda: not self._running and not self._waiting, timeout_s)
             left = list(self._running) + list(self._waiting)
+            self._running.clear()
+            self._waiting.clear()
+            self.counts["cancelled"] += len(left)
             self._state = "stopped"
             self._cond.notify_all()
         for stream in left:
@@ -389,9 +394,11 @@ class Engine:
         self.counts["steps"] += 1
 
     def _retire(self, stream: Stream, reason: str, error: BaseException | None) -> None:
+        """Free the stream's slot, count it, then end it (whoever waits on it sees the counts)."""
         self.batch.release(stream)
-        stream._finish(reason, None if reason in ("stop", "length") else error)
         with self._cond:
-            self._running.discard(stream)
-            self.counts[stream.finish_reason or reason] += 1
+            if stream in self._running:  # (a drain that ran out of time counted it already)
+                self._running.discard(stream)
+                self.counts[stream.finish_reason or reason] += 1
             self._cond.notify_all()
+        stream._finish(reason, None if reason in ("stop", "length") else error)

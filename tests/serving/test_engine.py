@@ -285,6 +285,7 @@ def test_drain_cancels_what_outlives_its_timeout(engine_exports):
         with pytest.raises(StreamCancelled, match=r"^cancelled: the server is stopping and the request did not "
                                                   r"finish within 0 s$"):
             long.result(TIMEOUT_S)
+        assert engine.stats() == {"running": 0, "waiting": 0, "cancelled": 1}
 
 
 def test_not_ready_before_start(engine_exports):
