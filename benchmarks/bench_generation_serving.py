@@ -412,7 +412,7 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
           f"average before/after: {setup['load']} (other jobs share the machine).", ""]
     if setup.get("llama_not_run"):
         md += [f"llama-server: {setup['llama_not_run']}.", ""]
-    headers = ["clients", "contender", "tokens/s", "x N=1", "first token p50 / p99 ms", "inter-token p50 / p99 ms",
+    headers = ["clients", "contender", "tokens/s (each round)", "x N=1", "first token p50 / p99 ms", "inter-token p50 / p99 ms",
                "requests", "note"]
     for key, result in results.items():
         md += [f"## {LABELS[key]}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
@@ -425,9 +425,9 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
                 note = (f"{cell['wrong_streams']} wrong streams" if "wrong_streams" in cell else
                         f"tokens agree with ours {100 * cell['token_agreement_with_ours']:.0f} %"
                         if cell.get("token_agreement_with_ours") is not None else "")
-                md.append(f"| {n} | {contender} | {cell['tokens_per_s']:.0f} | "
-                          f"{cell['tokens_per_s'] / base:.1f} | " if base else f"| {n} | {contender} | "
-                          f"{cell['tokens_per_s']:.0f} | | ")
+                rounds = " / ".join(f"{t:.0f}" for t in cell.get("tokens_per_s_rounds", []))
+                md.append(f"| {n} | {contender} | {cell['tokens_per_s']:.0f} ({rounds}) | "
+                          f"{cell['tokens_per_s'] / base:.1f} | ")
                 md[-1] += (f"{cell['ttft_p50_ms']:.0f} / {cell['ttft_p99_ms']:.0f} | {cell['itl_p50_ms']:.1f} / "
                            f"{cell['itl_p99_ms']:.1f} | {cell['requests']} | {note} |")
         md += [""] + [f"Not run: {what}: {why}." for what, why in result.get("not_run", {}).items()]
@@ -462,6 +462,14 @@ def plot(results: dict[str, Any], setup: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def render(path: Path) -> str:
+    """The Markdown of a run's JSON again (``--render``: after a change to the table's layout)."""
+    data = json.loads(path.read_text())
+    results = {key: {c: ({int(n): cell for n, cell in cells.items()} if c in CONTENDERS else cells)
+                     for c, cells in r.items()} for key, r in data["results"].items()}
+    return markdown(results, data["setup"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,125m")
@@ -474,7 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp", type=Path, help=f"a llama.cpp checkout with build/bin/llama-server (or "
                         f"{LLAMA_CPP_ENV})")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--render", type=Path, metavar="JSON", help="only write the Markdown of a run's JSON again")
     args = parser.parse_args(argv)
+    if args.render:
+        (args.out_dir / "generation_serving.md").write_text(render(args.render))
+        return 0
     args.clients = [int(n) for n in args.clients.split(",")]
     llama_cpp, llama_not_run = llama_cpp_dir(args.llama_cpp)
     if llama_not_run:
