@@ -3,9 +3,11 @@ one thread of the serving process, in front of Triton's endpoints on internal lo
 
 Why fronts rather than Triton's own limits or a supervisor: see ``serving.request_check`` (what
 Triton 2.51 trusts), ``serving.http_front`` and ``serving.grpc_front``. The fronts hold no model
-state: Triton still batches, schedules and runs the models; a front only checks a request, forwards
-it and hands Triton's answer back. Both answer "ready" only when Triton says every served model is
-(``http_front.models_not_ready``): PyTriton's own ``/v2/health/ready`` says 200 seconds before the models load.
+state: Triton runs the models (a generation model's engine batches its streams); a front checks a
+request, forwards it and hands Triton's answer back, except a generation model's token streams over
+gRPC, which it takes from the engine itself (``serving.kserve_generation``). Both answer "ready"
+only when Triton says every served model is (``http_front.models_not_ready``): PyTriton's own
+``/v2/health/ready`` says 200 seconds before the models load.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import dataclasses
 import socket
 import threading
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.serving.grpc_front import GrpcFront
@@ -57,8 +59,9 @@ class Front:
     """Both fronts on one thread: ``start()`` returns once they listen, ``stop()`` drains them."""
 
     def __init__(self, models: Sequence[ServedModel], ports: FrontPorts, *, max_request_bytes: int,
-                 mounts: Sequence[Any] = ()):
+                 mounts: Sequence[Any] = (), streams: Mapping[str, Callable[[Any], AsyncIterator[bytes]]] | None = None):
         self.models = list(models)
+        self.streams = dict(streams or {})
         self.ports = ports
         self.max_request_bytes = max_request_bytes
         self.mounts = mounts
@@ -107,7 +110,7 @@ class Front:
         proxy = KServeProxy(self.models, f"http://127.0.0.1:{ports.triton_http}", self.max_request_bytes)
         names = [m.name for m in self.models]
         grpc_front = GrpcFront(self.models, f"127.0.0.1:{ports.triton_grpc}", self.max_request_bytes,
-                               lambda: models_not_ready(proxy.client, names))
+                               lambda: models_not_ready(proxy.client, names), self.streams)
         config = uvicorn.Config(kserve_app(proxy, self.mounts), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACE_S, timeout_keep_alive=30)
         self.http_server = uvicorn.Server(config)

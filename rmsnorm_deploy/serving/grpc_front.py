@@ -11,13 +11,14 @@ and ``ModelStreamInfer`` requests are parsed and checked; ``ServerReady`` says t
 served model is ready; Triton's answers and errors (code and message) go back unchanged. Messages
 over ``max_request_bytes`` are refused by grpcio itself (``RESOURCE_EXHAUSTED``), compressed ones
 by their decompressed size. The endpoints that change the server (repository, shared memory,
-trace, logging) are refused with ``PERMISSION_DENIED``.
+trace, logging) are refused with ``PERMISSION_DENIED``. A generation model's token streams are
+answered by the engine in this loop, not through Triton (``serving.kserve_generation`` says why).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from rmsnorm_deploy.serving.request_check import Refused, ServedModel, check_inputs, claimed_grpc_inputs
 
@@ -32,11 +33,17 @@ _END = object()
 
 
 class GrpcFront:
-    """The gRPC front (grpc.aio) forwarding to ``upstream`` (``host:port`` of Triton's gRPC)."""
+    """The gRPC front (grpc.aio) forwarding to ``upstream`` (``host:port`` of Triton's gRPC).
+
+    ``streams`` answers the stream requests of the models it names in this loop instead
+    (``serving.kserve_generation``: a generation model's tokens, from the engine in this process).
+    """
 
     def __init__(self, models: Sequence[ServedModel], upstream: str, max_request_bytes: int,
-                 not_ready: Callable[[], Awaitable[list[str]]]):
+                 not_ready: Callable[[], Awaitable[list[str]]],
+                 streams: Mapping[str, Callable[[Any], AsyncIterator[bytes]]] | None = None):
         self.models = {m.name: m for m in models}
+        self.streams = dict(streams or {})
         self.upstream = upstream
         self.max_request_bytes = max_request_bytes
         self.not_ready = not_ready
@@ -135,8 +142,9 @@ class GrpcFront:
         return service_pb2.ServerReadyResponse(ready=not await self.not_ready()).SerializeToString()
 
     async def stream_infer(self, requests: Any, context: Any):
-        """A stream: checked requests go on to Triton's stream; a refused one gets an error response
-        in this stream (as Triton answers its own refusals) and the stream goes on."""
+        """A stream: checked requests go on to Triton's stream (opened for the first that goes there),
+        or are answered in this loop for the models in ``streams``; a refused one gets an error
+        response in this stream (as Triton answers its own refusals) and the stream goes on."""
         import grpc
         from tritonclient.grpc import service_pb2
 
@@ -147,18 +155,15 @@ class GrpcFront:
             while (item := await outgoing.get()) is not _END:
                 yield item
 
-        async def read_client() -> None:
+        here: set[asyncio.Task] = set()  # requests answered in this loop, for the models in self.streams
+        upstream: list[Any] = []  # Triton's stream, opened for the first request that goes there
+
+        async def answer_here(answer: AsyncIterator[bytes]) -> None:
             try:
-                async for raw in requests:
-                    try:
-                        self.check(raw)
-                    except Refused as refused:
-                        response = service_pb2.ModelStreamInferResponse(error_message=refused.message)
-                        await answers.put(response.SerializeToString())
-                        continue
-                    await outgoing.put(raw)
+                async for item in answer:
+                    await answers.put(item)
             finally:
-                await outgoing.put(_END)
+                await answer.aclose()  # a cancelled task leaves the engine's stream: it is cancelled
 
         async def read_triton(call: Any) -> None:
             try:
@@ -168,16 +173,42 @@ class GrpcFront:
             except grpc.aio.AioRpcError as error:
                 await answers.put(error)
 
-        call = self.channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")(checked(), metadata=_metadata(context))
-        tasks = [asyncio.ensure_future(read_client()), asyncio.ensure_future(read_triton(call))]
+        async def read_client() -> None:
+            try:
+                async for raw in requests:
+                    try:
+                        request = self.check(raw)
+                    except Refused as refused:
+                        response = service_pb2.ModelStreamInferResponse(error_message=refused.message)
+                        await answers.put(response.SerializeToString())
+                        continue
+                    if request.model_name in self.streams:
+                        task = asyncio.ensure_future(answer_here(self.streams[request.model_name](request)))
+                        here.add(task)
+                        task.add_done_callback(here.discard)
+                        continue
+                    if not upstream:
+                        call = self.channel.stream_stream(f"/{SERVICE}/ModelStreamInfer")(
+                            checked(), metadata=_metadata(context))
+                        upstream.extend([call, asyncio.ensure_future(read_triton(call))])
+                    await outgoing.put(raw)
+                await asyncio.gather(*here, return_exceptions=True)  # the client has sent all: answer it all
+            finally:
+                await outgoing.put(_END)
+                if not upstream:
+                    await answers.put(_END)
+
+        reader = asyncio.ensure_future(read_client())
         try:
             while (item := await answers.get()) is not _END:
                 if isinstance(item, grpc.aio.AioRpcError):
                     await context.abort(item.code(), item.details() or "")
                 yield item
         finally:
-            call.cancel()
-            for task in tasks:
+            if upstream:
+                upstream[0].cancel()
+                upstream[1].cancel()
+            for task in [reader, *here]:
                 task.cancel()
 
 

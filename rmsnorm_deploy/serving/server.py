@@ -34,7 +34,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 import numpy as np
 
-from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, KVCacheModel
+from rmsnorm_deploy.decoder.generate import KVCacheModel
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import load_onnx
@@ -42,6 +42,14 @@ from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
 from rmsnorm_deploy.serving.engine import Engine, EngineBusy, EngineUnavailable, StreamCancelled, StreamFailed
 from rmsnorm_deploy.serving.front import Front, FrontPorts
+from rmsnorm_deploy.serving.kserve_generation import (
+    GENERATION_INPUTS,
+    GENERATION_OUTPUT,
+    STREAM_INDEX,
+    STREAM_SUFFIX,
+    EngineStreams,
+    parse_generation_request,
+)
 from rmsnorm_deploy.serving.leftovers import new_workspace, remove_leftovers
 from rmsnorm_deploy.serving.process import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -124,13 +132,6 @@ class BatchedInference:
 
 #: the largest OpenAI request body: JSON parsed into Python objects (a prompt longer than any model fits)
 OPENAI_MAX_REQUEST_BYTES = 8 << 20
-#: The generation model's interface (a KV-cache graph is served as this, under ``--model-name``).
-GENERATION_INPUTS = (("input_ids", [-1], False), ("max_new_tokens", [1], True))  # (name, dims, optional)
-GENERATION_OUTPUT = "output_ids"
-#: The streaming twin, ``<model name>`` + this suffix: one response per new token.
-STREAM_SUFFIX = "_stream"
-#: Its second output: the new token's position among the new tokens (0, 1, ...).
-STREAM_INDEX = "index"
 
 
 class GenerationInference:
@@ -239,22 +240,6 @@ class StreamingGenerationInference(GenerationInference):
             yield [stream_refusal(exc)]
         finally:
             self.forget(request)
-
-
-def parse_generation_request(request: Any) -> tuple[list[int], int]:
-    """The prompt and ``max_new_tokens`` of one KServe request (``InputError`` when malformed);
-    the engine checks them against the model."""
-
-    if "input_ids" not in request.keys():
-        raise InputError("the request has no input_ids (the prompt's token ids, INT64 [n])")
-    prompt = [int(t) for t in np.asarray(request["input_ids"]).reshape(-1)]
-    max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-    if "max_new_tokens" in request.keys():
-        given = np.asarray(request["max_new_tokens"]).reshape(-1)
-        if given.size != 1:
-            raise InputError(f"max_new_tokens must hold one number, got {given.size}")
-        max_new_tokens = int(given[0])
-    return prompt, max_new_tokens
 
 
 def stream_refusal(exc: BaseException) -> dict[str, np.ndarray]:
@@ -427,7 +412,11 @@ class Server:
 
         o = self.options
         ports = FrontPorts(o.host, o.http_port, o.grpc_port, *self.internal)
-        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes)
+        streams = {}
+        if self.engine is not None:  # token streams over gRPC straight from the engine (serving.kserve_generation)
+            name = o.model_name + STREAM_SUFFIX
+            streams[name] = EngineStreams(self.engine, name, (GENERATION_OUTPUT, STREAM_INDEX)).answer
+        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes, streams=streams)
         try:
             self.front.start()
         except UserError:

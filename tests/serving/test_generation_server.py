@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import queue
 from pathlib import Path
 
@@ -214,3 +215,83 @@ def test_streams_and_whole_answers_at_the_same_time_are_each_exact(served, tiny_
         got = {k: f.result(timeout=120)[0] for k, f in streams.items()}
         got["c"] = whole.result(timeout=120).tolist()
     assert got == want
+
+
+# -- the front answers token streams from the engine, as Triton would ------------------------------
+
+def _triton_grpc_port(log: list[str]) -> int:
+    match = re.search(r"then Triton on 127\.0\.0\.1:\d+ \(HTTP\), 127\.0\.0\.1:(\d+) \(gRPC\)", "".join(log))
+    assert match, "".join(log)
+    return int(match.group(1))
+
+
+def _raw_request(prompt, max_new_tokens=None, *, id="", empty_final=True, outputs=(), typed=False,
+                 model="model_stream") -> bytes:
+    """A ``ModelInferRequest`` as tritonclient would write it (raw contents), or with typed contents."""
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model, id=id)
+    for name, values in (("input_ids", prompt), ("max_new_tokens", None if max_new_tokens is None else [max_new_tokens])):
+        if values is None:
+            continue
+        tensor = request.inputs.add(name=name, datatype="INT64", shape=[len(values)])
+        if typed:
+            tensor.contents.int64_contents.extend(values)
+        else:
+            request.raw_input_contents.append(np.array(values, np.int64).tobytes())
+    if empty_final:
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name in outputs:
+        request.outputs.add(name=name)
+    return request.SerializeToString()
+
+
+def _raw_stream(port: int, requests: list[bytes]) -> list[bytes]:
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        return list(call(iter(requests), timeout=60))
+
+
+STREAM_REQUESTS = {
+    "tokens-and-final": ([[3, 1, 4], 4], {"id": "a-1"}),
+    "no-empty-final": ([[3, 1, 4], 2], {"empty_final": False}),
+    "typed-contents": ([[9, 2], 3], {"typed": True, "id": "t"}),
+    "one-output-asked": ([[5], 2], {"outputs": ["output_ids"]}),
+    "default-max-new-tokens": ([[5, 6, 7, 8]], {}),
+    "token-outside-the-vocabulary": ([[1, VOCAB], 2], {"id": "r"}),
+    "zero-new-tokens": ([[1, 2], 0], {}),
+    "refused-without-empty-final": ([[1, VOCAB], 2], {"empty_final": False}),
+    "no-prompt": ([None, 2], {}),
+    "an-output-it-does-not-have": ([[1], 1], {"outputs": ["logits"]}),
+}
+
+
+@pytest.mark.parametrize("case", STREAM_REQUESTS.values(), ids=list(STREAM_REQUESTS))
+def test_the_fronts_token_stream_is_tritons_byte_for_byte(served, case):
+    """The public gRPC front answers ``model_stream`` from the engine itself: each response (tokens,
+    the empty final one, refusals) is the message Triton's own port sends for the same request."""
+    args, kwargs = case
+    request = _raw_request(*args, **kwargs)
+    front = _raw_stream(served[2], [request])
+    assert front == _raw_stream(_triton_grpc_port(served[1]), [request])
+    assert front  # something was compared
+
+
+def test_one_grpc_stream_carries_several_requests_answered_each_in_full(served, tiny_kv_export):
+    """Requests on one stream run at once in the engine; each request's responses are its own."""
+    from tritonclient.grpc import service_pb2
+
+    prompts = {"x": [3, 1, 4], "y": [9], "z": [2, 7, 1]}
+    answers = _raw_stream(served[2], [_raw_request(p, 6, id=k) for k, p in prompts.items()]
+                          + [_raw_request([1], 2, id="w", model="model")])
+    got: dict[str, list[int]] = {}
+    for raw in answers:
+        response = service_pb2.ModelStreamInferResponse.FromString(raw)
+        assert not response.error_message
+        r = response.infer_response
+        if r.outputs:
+            got.setdefault(r.id, []).extend(np.frombuffer(r.raw_output_contents[0], "<i8").tolist())
+    want = {k: _direct(tiny_kv_export, np.array(p, np.int64), 6) for k, p in prompts.items()}
+    assert got == {**want, "w": _direct(tiny_kv_export, np.array([1], np.int64), 2)}
