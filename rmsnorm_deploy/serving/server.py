@@ -450,7 +450,8 @@ class Server:
             ins = "input_ids int64[n] (one prompt), max_new_tokens int64[1] (optional)"
             outs = f"{GENERATION_OUTPUT} int64[m] (the new tokens, greedy)"
             batching = (f"{self.engine.batching}; the KV cache ({len(sig.cache)} past/present pairs) stays in the "
-                        f"server\n  streaming  {o.model_name + STREAM_SUFFIX!r} (gRPC stream): the same inputs, one "
+                        f"server\n  streaming  {o.model_name + STREAM_SUFFIX!r} (gRPC stream, answered by the front from the "
+                        f"engine): the same inputs, one "
                         f"response per new token ({GENERATION_OUTPUT} int64[1], {STREAM_INDEX} int64[1]); both "
                         f"models share the engine")
         else:
