@@ -27,6 +27,9 @@ http_front      the HTTP front: a Starlette app (on uvicorn) that checks body si
                 answer back unchanged
 grpc_front      the gRPC front: KServe's ``GRPCInferenceService`` passed through grpc.aio, each
                 inference request (unary and streamed) checked first
+kserve_generation  a generation model's KServe interface (inputs, outputs, the request parser)
+                and ``EngineStreams``: its token streams answered by the engine in the gRPC
+                front's loop, as Triton's own messages, without Triton's hops
 request_check   what a KServe v2 request must be before Triton sees it (JSON, binary data,
                 gRPC messages): names, datatypes, shapes, sizes, the data carried; ``Refused``
 leftovers       the PyTriton workspace and Triton's ``/tmp/folder*`` named per process, removed
