@@ -25,7 +25,15 @@ import sys
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.errors import (
+    UserError,
+    check_interrupted,
+    clear_interrupts,
+    interrupt_pending,
+    note_interrupt,
+    one_line,
+    take_interrupt,
+)
 from rmsnorm_deploy.resources import __version__
 
 #: command name -> (module under rmsnorm_deploy.commands, one-line help)
@@ -86,18 +94,31 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
+    note_interrupt(Terminated)
     raise Terminated()
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    """Python's own Ctrl-C, recorded first (``errors.note_interrupt``)."""
+    note_interrupt(KeyboardInterrupt)
+    raise KeyboardInterrupt()
 
 
 def _signal_again(unraisable: Any, previous: Callable[[Any], None]) -> None:
     """``sys.unraisablehook`` while a command runs: a Ctrl-C or SIGTERM raised inside a finalizer
     (a weakref callback, a ``__del__``), where Python can only print and drop it, is raised again a
-    moment later in the program's own code, so the command still stops and cleans up."""
+    moment later in the program's own code, so the command still stops and cleans up (unless a
+    stage boundary has raised it again first: ``errors.check_interrupted``)."""
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
         previous(unraisable)
         return
     signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
-    timer = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
+
+    def again() -> None:
+        if interrupt_pending():
+            _thread.interrupt_main(signum)
+
+    timer = threading.Timer(0.01, again)
     timer.daemon = True
     timer.start()
 
@@ -110,6 +131,7 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous_int = signal.signal(signal.SIGINT, _raise_interrupted)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: _signal_again(unraisable, previous_hook)
     try:
@@ -118,6 +140,7 @@ def _sigterm_unwinds() -> Iterator[None]:
         sys.unraisablehook = previous_hook
         # None: the previous handler was not set from Python; the default is the nearest to it
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, previous_int if previous_int is not None else signal.default_int_handler)
 
 
 def _escape_unprintable() -> None:
@@ -159,6 +182,7 @@ def os_error_line(exc: OSError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     _escape_unprintable()
     prog = "rmsnorm-deploy"
+    clear_interrupts()
     try:
         with _sigterm_unwinds():
             parser = build_parser()
@@ -171,23 +195,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "works but will be removed", file=sys.stderr)
             prog = f"rmsnorm-deploy {args.command}"
             code = int(args._run(args) or 0)
+            check_interrupted()  # one swallowed on its way up: the command's answer is not to be trusted
             sys.stdout.flush()  # a closed pipe is found here, not at interpreter exit
             return code
     except UserError as exc:
+        swallowed = take_interrupt()  # an error that an interrupt turned into: report the interrupt
+        if swallowed is not None:
+            return _interrupted(prog, swallowed)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except Terminated:
-        print(f"{prog}: terminated", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:  # Terminated included
+        clear_interrupts()
+        return _interrupted(prog, type(exc))
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
     except OSError as exc:
         print(f"{prog}: error: {os_error_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _interrupted(prog: str, kind: type[BaseException]) -> int:
+    if issubclass(kind, Terminated):
+        print(f"{prog}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import IO, Iterator
 
+from rmsnorm_deploy.errors import check_interrupted
+
 
 class Stage:
     def __init__(self) -> None:
@@ -64,6 +66,7 @@ class Progress:
         ok = False
         try:
             yield stage
+            check_interrupted()  # a Ctrl-C or SIGTERM swallowed inside the stage stops the command here
             ok = True
         finally:
             stage.seconds = time.perf_counter() - start

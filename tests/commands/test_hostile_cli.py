@@ -22,7 +22,7 @@ from onnx import TensorProto as TP
 from onnx import helper
 
 from rmsnorm_deploy import RMSNormSpec, rmsnorm_model
-from rmsnorm_deploy.cli import main
+from rmsnorm_deploy.cli import Terminated, main
 from rmsnorm_deploy.graph.onnx_file import save_onnx
 
 pytest.importorskip("onnxruntime", reason="the commands run ONNX Runtime")
@@ -163,6 +163,49 @@ def test_sigterm_during_export_cleans_up_like_ctrl_c(tmp_path):
     assert proc.returncode == 143 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "rmsnorm-deploy export: terminated"
     assert sorted(p.name for p in out.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind, code, word", [(Terminated, 143, "terminated"), (KeyboardInterrupt, 130, "interrupted")])
+@pytest.mark.parametrize("swallowed_as", ["an error", "nothing"])
+def test_an_interrupt_swallowed_on_its_way_up_still_stops_the_command(tmp_path, monkeypatch, capsys, kind, code,
+                                                                      word, swallowed_as):
+    """A library that turns a Ctrl-C or SIGTERM into its own error (as the signal's exception crossed
+    its native code), or a finalizer where Python dropped it: the command must not go on to report a
+    model error (exit 2), a failed check (exit 1) or a result (exit 0); the recorded signal wins."""
+    from rmsnorm_deploy.errors import UserError, note_interrupt
+    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
+
+    activate = OnnxRuntimeRunner._activate
+
+    def swallowing_activate(self):
+        activate(self)
+        note_interrupt(kind)  # what the CLI's signal handler records as it raises
+        if swallowed_as == "an error":
+            raise UserError("ONNX Runtime cannot load the model: RuntimeError: interrupted")
+
+    monkeypatch.setattr(OnnxRuntimeRunner, "_activate", swallowing_activate)
+    path = _model(tmp_path)
+    capsys.readouterr()
+    assert main(["validate", str(path)]) == code
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"rmsnorm-deploy validate: {word}"
+    monkeypatch.undo()
+    assert main(["validate", str(path)]) == 0  # nothing is left recorded for the next command
+
+
+def test_a_stage_stops_at_an_interrupt_its_body_swallowed():
+    from rmsnorm_deploy.errors import note_interrupt
+    from rmsnorm_deploy.progress import Progress
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with Progress(enabled=False).stage("work"):
+            try:
+                note_interrupt(KeyboardInterrupt)
+                raise KeyboardInterrupt()
+            except KeyboardInterrupt:
+                pass  # swallowed by a library
+        done.append("the next stage")
+    assert done == []
 
 
 def test_a_closed_pipe_ends_quietly(tmp_path):
