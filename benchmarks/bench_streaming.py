@@ -22,7 +22,6 @@ import os
 import platform
 import queue
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -33,10 +32,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from bench_serving import _start_server  # noqa: E402  (benchmarks/, the folder this script runs from)
-
-from rmsnorm_deploy.resources import package_version  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
+from rmsnorm_deploy.errors import UserError  # noqa: E402
+from rmsnorm_deploy.resources import package_version  # noqa: E402
+from rmsnorm_deploy.serving.process import start_serve_process  # noqa: E402
 
 CONTENDERS = ("generate in process", "whole answer, http", "whole answer, grpc", "stream, grpc")
 RESULTS = ROOT / "benchmarks" / "results"
@@ -117,7 +116,11 @@ def main() -> int:
             folder = Path(tmp) / "tiny-kv"
             if cli(["export", "tiny", "--kv-cache", "-o", str(folder), "--force"]) != 0:
                 return 1
-        process, http, grpc, startup = _start_server(folder)
+        try:
+            served = start_serve_process(folder, timeout_s=120)
+        except UserError as exc:
+            raise SystemExit(str(exc)) from None
+        http, grpc, startup = served.http, served.grpc, served.startup_s
         load_before = os.getloadavg()
         rng = np.random.default_rng(0)
         times = {c: {"first": [], "last": []} for c in CONTENDERS}
@@ -141,8 +144,7 @@ def main() -> int:
                             times[contender]["last"].append(last * 1000)
                 streaming.stop_stream()
         finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
+            served.stop(timeout_s=60)
 
     new = round(statistics.mean(len(w) for w in want), 1)  # fewer where a row ended at its end-of-sequence token
     rows, data = [], {}
