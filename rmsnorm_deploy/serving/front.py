@@ -38,11 +38,12 @@ class FrontPorts:
     triton_grpc: int
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket for uvicorn, bound here so a failure is one line, not uvicorn's exit."""
+def listening_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A listening socket for uvicorn, bound here so that a failure is one line naming ``flag``, not
+    uvicorn's exit. IPPROTO_TCP is named because asyncio turns Nagle's algorithm off (TCP_NODELAY)
+    only on sockets that say so: without it a response written as head and body, or each
+    server-sent event, waits for the client's delayed ACK (40 ms)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    # IPPROTO_TCP named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets that say so,
-    # and without it a response written as head and body waits for the client's delayed ACK (40 ms)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -50,8 +51,7 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port} (--http-port): {exc.strerror}") from None
-    sock.set_inheritable(True)
+        raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
     return sock
 
 
@@ -72,7 +72,8 @@ class Front:
         self._error: BaseException | None = None
 
     def start(self, timeout_s: float = 30) -> None:
-        sock = _listen(self.ports.host, self.ports.http)
+        sock = listening_socket(self.ports.host, self.ports.http, "--http-port")
+        sock.set_inheritable(True)
         self.thread = threading.Thread(target=self._run, args=(sock,), name="rmsnorm-deploy-front", daemon=True)
         self.thread.start()
         if not self._started.wait(timeout_s) and self._error is None:

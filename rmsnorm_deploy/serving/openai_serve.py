@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.serving.front import listening_socket
 from rmsnorm_deploy.serving.openai_app import openai_app
 from rmsnorm_deploy.serving.text import ChatTemplate
 
@@ -51,22 +52,6 @@ def engine_app(engine: Any, model_name: str, *, max_request_bytes: int) -> tuple
     chat, refusal = ChatTemplate.load(engine.model.folder)
     app = openai_app(engine, model_name, chat=chat, chat_refusal=refusal, max_request_bytes=max_request_bytes)
     return app, ("chat through the folder's chat template" if chat else f"no chat ({refusal})")
-
-
-def listening_socket(host: str, port: int, flag: str) -> socket.socket:
-    """A listening socket for uvicorn, bound here so a failure is one line; IPPROTO_TCP named so that
-    asyncio turns Nagle's algorithm off on accepted sockets (each server-sent event would otherwise
-    wait for the client's delayed ACK)."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
-    return sock
 
 
 class OpenAIServer:

@@ -136,15 +136,20 @@ def test_triton_not_running_is_a_503_in_one_line(app_with):
     assert (response.status_code, response.json()) == (503, {"error": "the inference server is not running"})
 
 
-def test_the_http_front_listens_with_nagle_off():
+def test_the_public_sockets_listen_with_nagle_off():
     """asyncio sets TCP_NODELAY only on sockets created as IPPROTO_TCP; without it every forwarded
-    answer (head and body written apart) waited 40 ms for the client's delayed ACK."""
+    answer (head and body written apart) and each server-sent event waited 40 ms for the client's
+    delayed ACK. The HTTP front and the OpenAI server listen on this one kind of socket."""
     import socket
 
-    from rmsnorm_deploy.serving.front import _listen
+    from rmsnorm_deploy.errors import UserError
+    from rmsnorm_deploy.serving.front import listening_socket
 
-    sock = _listen("127.0.0.1", 0)
+    sock = listening_socket("127.0.0.1", 0, "--http-port")
     try:
         assert sock.proto == socket.IPPROTO_TCP
+        port = sock.getsockname()[1]
+        with pytest.raises(UserError, match=rf"^cannot listen on 127\.0\.0\.1:{port} \(--openai-port\): "):
+            listening_socket("127.0.0.1", port, "--openai-port").close()
     finally:
         sock.close()
