@@ -37,7 +37,7 @@ from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.tolerances import tolerance_at_scale
 from rmsnorm_deploy.decoder.convention import empty_past, layout_of
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, causal_lm, embedding_output, residual_output
-from rmsnorm_deploy.decoder.ort_parity import CHECKS, REFERENCES, decisive_tokens_equal
+from rmsnorm_deploy.decoder.ort_parity import CHECKS, REFERENCES, ParityVerdict, decisive_tokens_equal
 from rmsnorm_deploy.decoder.quantize import (
     dequantize,
     dequantized_reference,
@@ -56,22 +56,13 @@ HEAD_BLOCK_ROWS = 8192
 
 
 @dataclasses.dataclass
-class LayerParity:
-    """Each layer's output and the final logits of the graph against transformers, layer by layer."""
+class LayerParity(ParityVerdict):
+    """Each layer's output and the final logits of the graph (``results``) against transformers,
+    layer by layer; ``tokens_equal``: the greedy token after the prompt."""
 
-    results: list[Any]  # CompareResult per layer and the logits; a quantized graph's WeightCheck first
-    tokens_equal: bool  # the greedy token after the prompt
     reference: str
     tolerance_key: tuple[str, str, str]
     prompt: int
-
-    @property
-    def failed(self) -> bool:
-        return not self.results or not self.tokens_equal or not all(self.results)
-
-    @property
-    def status(self) -> str:
-        return "fail" if self.failed else "pass"
 
     def to_dict(self) -> dict[str, Any]:
         return {"status": self.status, "kind": "layer by layer", "prompt": self.prompt,

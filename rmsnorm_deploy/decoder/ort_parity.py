@@ -82,15 +82,12 @@ class QuantizationCost:
 
 
 @dataclasses.dataclass
-class DecodeParity:
-    """Per-step logits of the graph against transformers running with its own cache."""
+class ParityVerdict:
+    """What a decoder parity check decides: it fails when it compared nothing, when a comparison
+    failed, or when a greedy token differs (``DecodeParity`` step by step, ``LayerParity`` layer by layer)."""
 
-    results: list[Any]  # CompareResult per step (prefill first); a quantized graph's WeightCheck first
+    results: list[Any]  # CompareResult (a quantized graph's WeightCheck first)
     tokens_equal: bool
-    reference: str = REFERENCES[None]
-    tolerance_key: tuple[str, str, str] = ("model", "onnxruntime", "float32")
-    cost: QuantizationCost | None = None
-    near_ties: int = 0  # int8 compute: steps x rows whose reference margin is within twice the tolerance
 
     @property
     def failed(self) -> bool:
@@ -99,6 +96,17 @@ class DecodeParity:
     @property
     def status(self) -> str:
         return "fail" if self.failed else "pass"
+
+
+@dataclasses.dataclass
+class DecodeParity(ParityVerdict):
+    """Per-step logits of the graph (``results``: prefill first) against transformers running with
+    its own cache."""
+
+    reference: str = REFERENCES[None]
+    tolerance_key: tuple[str, str, str] = ("model", "onnxruntime", "float32")
+    cost: QuantizationCost | None = None
+    near_ties: int = 0  # int8 compute: steps x rows whose reference margin is within twice the tolerance
 
     def to_dict(self) -> dict[str, Any]:
         data = {"status": self.status, "tokens_equal": self.tokens_equal, "near_ties": self.near_ties,
