@@ -8,8 +8,6 @@ import json
 import shutil
 import socket
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.errors import UserError  # noqa: E402
 from rmsnorm_deploy.serving.server import free_ports, start_serve_process  # noqa: E402
 from tests.serving._models import fixed_shape_model  # noqa: E402
+from tests.serving._serve import post_infer  # noqa: E402
 
 STARTUP_S = 90
 
@@ -39,15 +38,10 @@ def _serve(folder, *args):
 
 
 def _kserve_infer(served, ids, n) -> tuple[int, dict]:
-    body = json.dumps({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [len(ids)], "data": ids},
-                                  {"name": "max_new_tokens", "datatype": "INT64", "shape": [1], "data": [n]}]})
-    request = urllib.request.Request(served.url("/v2/models/model/infer"), data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    status, text = post_infer(served.url("/v2/models/model/infer"), {"inputs": [
+        {"name": "input_ids", "datatype": "INT64", "shape": [len(ids)], "data": ids},
+        {"name": "max_new_tokens", "datatype": "INT64", "shape": [1], "data": [n]}]}, timeout=60)
+    return status, json.loads(text)
 
 
 def test_openai_and_kserve_answer_alike_on_one_engine_and_the_summary_names_the_api(text_exports):
