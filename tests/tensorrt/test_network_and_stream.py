@@ -19,7 +19,6 @@ from rmsnorm_deploy.graph.onnx_file import save_onnx
 from rmsnorm_deploy.tensorrt import build as build_module
 from rmsnorm_deploy.graph.function import PLUGIN_VERSION
 from rmsnorm_deploy.tensorrt import plugin as plugin_module
-from rmsnorm_deploy.tensorrt import runtime
 from rmsnorm_deploy.tensorrt.build import build_engine, network_flags
 from rmsnorm_deploy.tensorrt.runtime import PluginError, describe_plugin
 
