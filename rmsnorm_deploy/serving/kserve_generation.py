@@ -2,10 +2,12 @@
 gRPC front's own event loop.
 
 A KV-cache graph is served as the model ``<name>`` (whole answers) and its decoupled twin
-``<name>_stream`` (one response per token), both over the one engine. ``<name>_stream`` is still a Triton model (its metadata, config, readiness and statistics come from
-Triton, and a client that reaches Triton's own port gets the same answers), but a ``ModelStreamInfer``
-request for it that reaches the public gRPC front is answered here: the front submits it to the
-engine, which lives in the same process, and writes each token's response itself.
+``<name>_stream`` (one response per token), both over the one engine. ``<name>_stream`` is still a
+Triton model (its metadata, config and readiness come from Triton, and a client that reaches
+Triton's own port gets the same answers), but a ``ModelStreamInfer`` request for it that reaches the
+public gRPC front is answered here: the front submits it to the engine, which lives in the same
+process, and writes each token's response itself. So Triton's statistics for ``<name>_stream`` count
+only what reached its own port; the engine's counts (``serve``'s last line) count every stream.
 
 Why: through Triton a token crosses four processes (the engine's infer function, PyTriton's proxy in
 the Python backend's stub, Triton's gRPC server, the front's relay back to the client). Measured on 2
