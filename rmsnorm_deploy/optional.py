@@ -18,6 +18,8 @@ _INSTALL_HINTS = {
     "pytriton": "pip install 'rmsnorm-deploy[serve]' && pip install --no-deps nvidia-pytriton==0.7.0",
     "tritonclient": "pip install 'rmsnorm-deploy[serve]'",
     "tokenizers": "pip install 'rmsnorm-deploy[hf]' (transformers brings tokenizers)",
+    "gguf": "pip install 'rmsnorm-deploy[gguf]'",
+    "accelerate": "pip install 'rmsnorm-deploy[gguf]'",
 }
 
 
