@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 try:
     from hypothesis import HealthCheck, settings
 except ImportError:  # only the tests that use it need it, and they import it themselves
@@ -36,3 +38,13 @@ if settings is not None:
         derandomize=True,
     )
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def real_weights(tmp_path_factory):
+    """Real SmolLM2-135M-Instruct and its exports (``tests/real_weights.py``), shared by the xdist workers."""
+    from tests.real_weights import RealWeights
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return RealWeights(shared / "real-weights")

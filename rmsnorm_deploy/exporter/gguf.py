@@ -98,10 +98,11 @@ def hf_folder_from_gguf(gguf_file: str | os.PathLike, *, cache_dir: str | os.Pat
         raise GGUFError(f"{path}: not a GGUF file (it does not start with the GGUF magic); give a llama.cpp/Ollama "
                         ".gguf file")
     sha = file_sha256(path)
+    loader = _loader_version()
     root = Path(cache_dir) if cache_dir is not None else gguf_cache_dir()
     target = root / f"{sha[:16]}-{_safe_stem(path)}"
     with _locked(root / f"{sha[:16]}.lock"):
-        if _complete(target, sha):
+        if _complete(target, sha, loader):
             return target
         if target.exists():
             shutil.rmtree(target)  # a folder from another file under the same name prefix, or damaged
@@ -109,7 +110,8 @@ def hf_folder_from_gguf(gguf_file: str | os.PathLike, *, cache_dir: str | os.Pat
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
             _convert(path, tmp)
-            (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": str(path.resolve()), "sha256": sha}, indent=1))
+            (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": str(path.resolve()), "sha256": sha,
+                                                               "transformers": loader}, indent=1))
             os.replace(tmp, target)
         finally:
             if tmp.exists():
@@ -122,10 +124,21 @@ def _safe_stem(path: Path) -> str:
     return stem[:64] or "model"
 
 
-def _complete(folder: Path, sha: str) -> bool:
-    record = folder / SOURCE_RECORD
+def _loader_version() -> str:
+    """The version of transformers, whose loader's dequantization a cached folder holds."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return json.loads(record.read_text()).get("sha256") == sha
+        return version("transformers")
+    except PackageNotFoundError:
+        return ""
+
+
+def _complete(folder: Path, sha: str, loader: str) -> bool:
+    """Whether ``folder`` was converted from the file ``sha`` by this version of the loader."""
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+        return record.get("sha256") == sha and record.get("transformers") == loader
     except (OSError, ValueError, AttributeError):
         return False
 
