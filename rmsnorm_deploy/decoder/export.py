@@ -95,8 +95,8 @@ def plan_decoder_export(options: ExportOptions, decoder: DecoderOptions = Decode
 
 def open_model(ref: str, plan: DecoderPlan) -> tuple[LoadedModel, TensorSource | None]:
     """MODEL of the CLI for ``plan``: for the onnxruntime target a Hugging Face folder (or a GGUF
-    file's converted folder) is opened without its weights, which are streamed from its checkpoint (``streaming``); anything else is
-    loaded, and a folder too large for the traced export is refused before its weights are read."""
+    file's converted folder) is opened without its weights, which are streamed from its checkpoint
+    (``streaming``); anything else is loaded, and a folder too large for the traced export is refused before its weights are read."""
     dtype = plan.export.options.dtype
     if plan.decoder.target == "onnxruntime" and is_checkpoint_ref(ref):
         return open_folder(ref, dtype)

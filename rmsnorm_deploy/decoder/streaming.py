@@ -60,8 +60,9 @@ def parameters_on_meta(dtype: torch.dtype) -> Iterator[None]:
 
 
 def open_folder(folder: str | os.PathLike, dtype: str) -> tuple[LoadedModel, SafetensorsTensors]:
-    """The causal LM of ``folder`` (or of the GGUF file it names: ``hf.read_checkpoint``) with its parameters on the meta device but its norms' real weights,
-    and the checkpoint's tensors to stream the rest from."""
+    """The causal LM of ``folder`` (or of the GGUF file it names: ``hf.read_checkpoint``) with its
+    parameters on the meta device but its norms' real weights, and the checkpoint's tensors to stream
+    the rest from."""
     checkpoint = hf.read_checkpoint(folder)
     path, config, model_cls = checkpoint.path, checkpoint.config, checkpoint.model_cls
     tensors = SafetensorsTensors(path)

@@ -173,9 +173,9 @@ def convert_gguf(gguf_file: str | os.PathLike, *, cache_dir: str | os.PathLike |
 
 
 def inspect_gguf(path: Path) -> tuple[str, list[str]]:
-    """The file's architecture and tensor types (``Q4_1``, ``F32``, ...), after its header and tensor table are read whole (``gguf.GGUFReader``):
-    a truncated or damaged file is refused here, before transformers reads it; and the memory the
-    float32 conversion will hold is checked against the budget."""
+    """The file's architecture and tensor types (``Q4_1``, ``F32``, ...), its header and tensor table
+    read whole (``gguf.GGUFReader``): a truncated or damaged file is refused here, before transformers
+    reads it; and the memory the float32 conversion will hold is checked against the budget."""
     require("gguf", f"exporting the GGUF file {path.name}")
     from gguf import GGUFReader
 

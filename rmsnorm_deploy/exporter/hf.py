@@ -2,8 +2,9 @@
 
 A folder must hold ``config.json`` and safetensors weights (``*.safetensors``, or a sharded set
 with its index). A GGUF file (or a folder holding one and no config.json) is read as the folder
-transformers' GGUF loader converts it into (``gguf``), and the metadata records the file; nothing is fetched from the Hub (``local_files_only``), no pickled ``.bin``
-weights are read and no remote code runs. The exported signature is ``input_ids`` ->
+transformers' GGUF loader converts it into (``gguf``), and the metadata records the file. Nothing
+is fetched from the Hub (``local_files_only``), no pickled ``.bin`` weights are read and no
+remote code runs. The exported signature is ``input_ids`` ->
 ``logits`` of ``model(input_ids=..., use_cache=False)``: the full causal-LM logits, no cache.
 
 ``from_config`` builds a model with random weights for tests: transformers' own

@@ -73,8 +73,8 @@ def _trusted_source(meta: ModelMetadata, model_dir: str | os.PathLike | None,
     what = _PATH_KINDS.get(kind, "source")
     if source_path is not None:
         if kind not in _PATH_KINDS:
-            raise UserError(f"--source gives the folder of a Hugging Face model or a GGUF file, but this model's source "
-                            f"is of kind {kind!r}; drop --source")
+            raise UserError(f"--source gives the folder of a Hugging Face model or a GGUF file, but this model's "
+                            f"source is of kind {kind!r}; drop --source")
         source["path"] = str(Path(source_path).resolve())
         return dataclasses.replace(meta, source=source)
     if source.get("path") is None or model_dir is None:

@@ -20,7 +20,8 @@ import torch
 
 pytest.importorskip("transformers", reason="GGUF files are read by transformers' GGUF loader")
 pytest.importorskip("gguf", reason="writing the test's GGUF files needs gguf: pip install 'rmsnorm-deploy[gguf]'")
-pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate: pip install 'rmsnorm-deploy[gguf]'")
+pytest.importorskip("accelerate",
+                    reason="transformers' GGUF loader needs accelerate: pip install 'rmsnorm-deploy[gguf]'")
 pytest.importorskip("onnxruntime", reason="the exported graphs run in ONNX Runtime CPU")
 
 from rmsnorm_deploy.errors import UserError  # noqa: E402
@@ -37,8 +38,11 @@ QUANTIZED = {"llama": "Q8_0", "qwen2": None, "qwen3": "Q4_0", "gemma3_text": "Q8
 
 
 @pytest.fixture(autouse=True)
-def _own_cache(tmp_path_factory, monkeypatch):
-    """Conversions go to this run's cache, not the user's."""
+def _own_cache(request, tmp_path_factory, monkeypatch):
+    """The synthetic files are converted into this run's cache, not the user's (where the real
+    weights stay converted once per machine)."""
+    if "real_weights" in request.fixturenames:
+        return
     monkeypatch.setenv(gguf_in.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "gguf-cache"))
 
 
