@@ -76,8 +76,10 @@ def named_gguf(ref: str | os.PathLike) -> Path | None:
     cannot be known.
     """
     path = Path(ref)
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return path  # a missing one too: its conversion says so
     if path.is_file():
-        return path if path.suffix.lower() == ".gguf" or is_gguf(path) else None
+        return path if is_gguf(path) else None
     if not path.is_dir() or (path / "config.json").exists():
         return None
     found = sorted(p for p in path.glob("*") if p.suffix.lower() == ".gguf" and p.is_file())

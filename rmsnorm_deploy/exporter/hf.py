@@ -312,7 +312,7 @@ def _rebuild_gguf(meta: ModelMetadata) -> torch.nn.Module:
     source = meta.source
     if not source.get("path"):
         raise UserError("the model's GGUF source has no file path; export it again")
-    converted = convert_gguf(source["path"])
+    converted = convert_gguf(named_gguf(source["path"]) or source["path"])  # --source may be its folder
     recorded = source.get("sha256")
     if recorded != converted.sha256:
         raise UserError(f"{converted.file}: its SHA-256 ({converted.sha256[:16]}...) is not that of the GGUF file "

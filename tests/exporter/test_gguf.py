@@ -154,17 +154,20 @@ def test_quantized_export_of_a_gguf_passes_its_parity(gguf_files, tmp_path):
     assert report["source"]["kind"] == "gguf"
 
 
-def test_the_chat_template_and_tokenizer_come_along(gguf_files, tmp_path):
+def test_the_chat_template_and_tokenizer_come_along(gguf_files):
     """The converted folder has the GGUF's tokenizer and chat template: what generate --prompt and
-    serve --openai-port read from the export's folder."""
+    serve --openai-port read from the export's folder (its files are copied there)."""
     from transformers import AutoTokenizer
+
+    from rmsnorm_deploy.serving.text import ChatTemplate
 
     folder = gguf_in.hf_folder_from_gguf(gguf_files["llama"])
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     assert tokenizer.encode("the cat", add_special_tokens=False) == [116, 257, 32, 99, 97, 116]  # "he" merged
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
-    assert text == f"{SPECIALS[0]}user\nhi{SPECIALS[1]}\n{SPECIALS[0]}assistant\n"
+    template, why = ChatTemplate.load(folder)  # as serve --openai-port reads it
+    assert why is None
+    assert template.render([{"role": "user", "content": "hi"}]) == (
+        f"{SPECIALS[0]}user\nhi{SPECIALS[1]}\n{SPECIALS[0]}assistant\n")
 
 
 def test_the_default_name_is_the_file_stem_and_several_files_are_refused(gguf_files, tmp_path):
@@ -216,6 +219,8 @@ def test_a_file_that_is_not_a_gguf_is_refused(tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip file, not a GGUF")
     assert f"{fake}: not a GGUF file (it does not start with the GGUF magic)" in _refusal(fake)
+    missing = tmp_path / "missing.gguf"
+    assert f"{missing}: no such file; give a .gguf file or a folder holding one" in _refusal(missing)
 
 
 def test_a_truncated_gguf_is_refused(gguf_files, tmp_path):
@@ -291,3 +296,8 @@ def test_real_smollm2_gguf_generates_transformers_greedy_text(real_weights):
     cut = next((i + 1 for i, t in enumerate(ours["tokens"][0]) if t in eos), len(ours["tokens"][0]))
     assert ours["tokens"][0][:cut] == expected[:cut]
     assert "Paris" in ours["text"][0]
+    from rmsnorm_deploy.serving.text import ChatTemplate
+
+    template, why = ChatTemplate.load(result.folder)  # serve --openai-port's chat, from the export's folder
+    assert why is None and template.render([{"role": "user", "content": "hi"}]).endswith(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
