@@ -10,6 +10,7 @@ One test runs the real SmolLM2-135M-Instruct GGUF (Q4_1). Bad files are refused 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -37,13 +38,15 @@ NEW_TOKENS = 8
 QUANTIZED = {"llama": "Q8_0", "qwen2": None, "qwen3": "Q4_0", "gemma3_text": "Q8_0"}
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(request, tmp_path_factory, monkeypatch):
-    """The synthetic files are converted into this run's cache, not the user's (where the real
-    weights stay converted once per machine)."""
-    if "real_weights" in request.fixturenames:
-        return
-    monkeypatch.setenv(gguf_in.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "gguf-cache"))
+@pytest.fixture(autouse=True, scope="module")
+def _own_cache(tmp_path_factory):
+    """The synthetic files are converted into this run's cache, not the user's (set before the
+    module's other fixtures: autouse first); the real weights stay in the user's, converted once
+    per machine (their test puts back the cache this replaced, which it yields: None for the default)."""
+    users = os.environ.get(gguf_in.CACHE_ENV)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(gguf_in.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "gguf-cache"))
+        yield users
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +275,15 @@ def test_named_gguf_reads_names_only(tmp_path):
         gguf_in.named_gguf(tmp_path)
 
 
-def test_real_smollm2_gguf_generates_transformers_greedy_text(real_weights):
+def test_real_smollm2_gguf_generates_transformers_greedy_text(real_weights, monkeypatch, _own_cache):
     """The real SmolLM2-135M-Instruct GGUF (Q4_1) exported from the file itself: generate's text
     tokens equal transformers' greedy tokens on the weights its loader dequantizes."""
     import transformers
 
+    if _own_cache is None:  # the user's cache, where real_weights converts the file once per machine
+        monkeypatch.delenv(gguf_in.CACHE_ENV)
+    else:
+        monkeypatch.setenv(gguf_in.CACHE_ENV, _own_cache)
     result = real_weights.export("kv-ort")  # exported from the GGUF file (real_weights.FROM_GGUF)
     assert result.exit_code == 0, result.output
     assert result.report["source"]["kind"] == "gguf" and result.report["source"]["architecture"] == "llama"
