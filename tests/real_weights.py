@@ -35,6 +35,9 @@ EXPORTS: dict[str, list[str]] = {
     "kv-ort-int8": ["--kv-cache", "--target", "onnxruntime", "--quantize", "int8"],
     "kv-ort-int4": ["--kv-cache", "--target", "onnxruntime", "--quantize", "int4"],
 }
+#: The exports whose MODEL is the GGUF file itself, as a llama.cpp user gives it (the others: its
+#: converted Hugging Face folder); their metadata source is the GGUF file.
+FROM_GGUF = frozenset({"kv-ort"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +118,9 @@ class RealWeights:
     def export(self, kind: str) -> RealExport:
         if kind not in EXPORTS:
             raise KeyError(f"no real-weights export {kind!r}; known: {sorted(EXPORTS)}")
-        source = self.hf_folder()
+        source = self.hf_folder()  # converted first, under its lock
+        if kind in FROM_GGUF:
+            source = require_smollm2_gguf()
         folder = self.root / kind
         record = folder.parent / f"{kind}.result.json"
         with locked(self.root / f"{kind}.lock"):

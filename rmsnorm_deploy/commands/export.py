@@ -1,7 +1,9 @@
 """Export a pre-norm model to ONNX with every RMSNorm as its exact spec, then check its parity.
 
-MODEL is a preset name (e.g. tiny), a preset TOML file, or a Hugging Face folder (config.json +
-*.safetensors). Every norm is detected and confirmed bit for bit before export; the graph is
+MODEL is a preset name (e.g. tiny), a preset TOML file, a Hugging Face folder (config.json +
+*.safetensors), or a llama.cpp/Ollama GGUF file (or a folder holding one and no config.json): its
+weights dequantized to float32 by transformers' GGUF loader are the checkpoint, its tokenizer and chat
+template come along. Every norm is detected and confirmed bit for bit before export; the graph is
 written atomically with report.json beside it, and ONNX Runtime CPU is compared with the PyTorch
 model (same dtype) and with a float64 run. Exit code 1 if the parity check fails, 2 on bad input
 (nothing is written)."""
@@ -26,7 +28,9 @@ from rmsnorm_deploy.graph.lowerings import LOWERINGS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="preset name (e.g. tiny), preset TOML file, or Hugging Face folder")
+    parser.add_argument("model", metavar="MODEL",
+                        help="preset name (e.g. tiny), preset TOML file, Hugging Face folder, or GGUF file (or a "
+                             "folder holding one .gguf and no config.json; dequantized to float32 once, cached)")
     parser.add_argument("-o", "--output", metavar="OUT",
                         help="model file (*.onnx) or folder (gets model.onnx); default export/<model>/<dtype>-<lowering>/")
     parser.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="activation and weight dtype (default float32)")

@@ -44,9 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fail (exit 2, naming the nodes) when ONNX Runtime runs any compute node on a provider "
                         "other than the requested one, e.g. a node CUDA has no kernel for falling back to the CPU; "
                         "nodes per provider are reported either way")
-    parser.add_argument("--source", metavar="HF_FOLDER",
-                        help="the Hugging Face folder the model was exported from (the metadata's own folder is "
-                        "used only when it lies inside the model's folder: metadata is not trusted to open others)")
+    parser.add_argument("--source", metavar="HF_FOLDER_OR_GGUF",
+                        help="the Hugging Face folder or GGUF file the model was exported from (the metadata's own "
+                        "path is used only when it lies inside the model's folder: metadata is not trusted to open "
+                        "others; a GGUF file must be the one exported, by its SHA-256)")
     parser.add_argument("--no-norms", action="store_true", help="compare outputs only, not each norm on its own")
     add_result_options(parser, "results")
 

@@ -33,7 +33,7 @@ from rmsnorm_deploy.exporter.plan import (
     ExportOptions,
     ExportPlan,
     check_options,
-    is_folder_ref,
+    is_checkpoint_ref,
     load_torch_model,
     plan_export,
 )
@@ -94,11 +94,11 @@ def plan_decoder_export(options: ExportOptions, decoder: DecoderOptions = Decode
 
 
 def open_model(ref: str, plan: DecoderPlan) -> tuple[LoadedModel, TensorSource | None]:
-    """MODEL of the CLI for ``plan``: for the onnxruntime target a Hugging Face folder is opened
-    without its weights, which are streamed from its checkpoint (``streaming``); anything else is
-    loaded, and a folder too large for the traced export is refused before its weights are read."""
+    """MODEL of the CLI for ``plan``: for the onnxruntime target a Hugging Face folder (or a GGUF
+    file's converted folder) is opened without its weights, which are streamed from its checkpoint
+    (``streaming``); anything else is loaded, and a folder too large for the traced export is refused before its weights are read."""
     dtype = plan.export.options.dtype
-    if plan.decoder.target == "onnxruntime" and is_folder_ref(ref):
+    if plan.decoder.target == "onnxruntime" and is_checkpoint_ref(ref):
         return open_folder(ref, dtype)
     return load_torch_model(ref, dtype), None
 

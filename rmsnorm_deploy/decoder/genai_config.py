@@ -145,19 +145,19 @@ def copy_hf_files(source: str | os.PathLike, folder: Path, *, force: bool) -> li
 
 
 def write_serving_files(model_path: Path, layout: KVCacheLayout, source: Mapping[str, Any], *,
-                        force: bool) -> list[str]:
+                        hf_folder: str | os.PathLike | None = None, force: bool) -> list[str]:
     """``genai_config.json`` beside ``model_path`` and the HF files of its source; returns the names written.
 
-    A Hugging Face folder's own files are copied; a model built from a config gets that
-    config as ``config.json`` (no tokenizer: it has none); any other model (a preset) gets
-    :func:`layout_config`.
+    The files of ``hf_folder`` (the Hugging Face folder the model was read from, a GGUF file's
+    converted folder included) are copied; a model built from a config gets that config as
+    ``config.json`` (no tokenizer: it has none); any other model (a preset) gets :func:`layout_config`.
     """
     folder = model_path.parent
     folder.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     generation: dict[str, Any] | None = None
-    if source.get("kind") == "hf" and source.get("path"):
-        written += copy_hf_files(source["path"], folder, force=force)
+    if hf_folder is not None:
+        written += copy_hf_files(hf_folder, folder, force=force)
         hf_config = read_side_json(folder, "config.json")
         generation = read_side_json(folder, "generation_config.json")
     elif source.get("kind") == "hf" and isinstance(source.get("config"), Mapping):

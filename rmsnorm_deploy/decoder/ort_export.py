@@ -103,7 +103,7 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
                                  head=decoder.lm_head)
     with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
         serving_files = write_serving_files(plan.model_path, KVCacheLayout.from_dict(kv_cache), loaded.source,
-                                            force=options.force)
+                                            hf_folder=loaded.folder, force=options.force)
         st.note(", ".join(serving_files))
     result = OrtDecoderExport(plan.model_path, decoder, None, serving_files=serving_files)
     if not options.parity:
@@ -113,7 +113,7 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
         result.layer_by_layer = reference_fits(loaded) or ""
         if not result.layer_by_layer:
             with progress.stage("loading the PyTorch model for the parity check"):
-                reference = hf.load_folder(loaded.source["path"], options.dtype)
+                reference = hf.load_folder(loaded.folder, options.dtype)
     if result.layer_by_layer:
         assert tensors is not None
         with progress.stage(f"parity layer by layer: ONNX Runtime CPU vs transformers on {options.seq} tokens") as st:
@@ -127,7 +127,7 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
     parity = {**result.parity.to_dict(), **({"why": result.layer_by_layer} if result.layer_by_layer else {})}
     report = {
         "model": str(plan.model_path), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
-        "kv_cache": kv_cache, "serving_files": serving_files,
+        "source": loaded.source, "kv_cache": kv_cache, "serving_files": serving_files,
         "quantization": quantization.describe() if quantization is not None else None,
         "nodes": len(decoder.model.graph.node), "norms": [n.to_dict() for n in decoder.detection.norms],
         "parity": parity, "versions": tool_versions(),

@@ -103,4 +103,5 @@ class KVExport:
 
     def write_serving_files(self, target: Path) -> list[str]:
 
-        return write_serving_files(target, self.layout, self.loaded.source, force=self.force)
+        return write_serving_files(target, self.layout, self.loaded.source, hf_folder=self.loaded.folder,
+                                   force=self.force)

@@ -60,9 +60,11 @@ def parameters_on_meta(dtype: torch.dtype) -> Iterator[None]:
 
 
 def open_folder(folder: str | os.PathLike, dtype: str) -> tuple[LoadedModel, SafetensorsTensors]:
-    """The folder's causal LM with its parameters on the meta device but its norms' real weights,
-    and the checkpoint's tensors to stream the rest from."""
-    path, config, model_cls = hf.read_folder(folder)
+    """The causal LM of ``folder`` (or of the GGUF file it names: ``hf.read_checkpoint``) with its
+    parameters on the meta device but its norms' real weights, and the checkpoint's tensors to stream
+    the rest from."""
+    checkpoint = hf.read_checkpoint(folder)
+    path, config, model_cls = checkpoint.path, checkpoint.config, checkpoint.model_cls
     tensors = SafetensorsTensors(path)
     try:
         with parameters_on_meta(torch_dtype(dtype)):
@@ -71,7 +73,7 @@ def open_folder(folder: str | os.PathLike, dtype: str) -> tuple[LoadedModel, Saf
         raise hf.HFModelError(f"{path}: transformers cannot build this config ({type(exc).__name__}: "
                               f"{one_line(exc)})") from None
     _materialize_small_parameters(model, tensors, torch_dtype(dtype))
-    loaded = hf.loaded_model(model, config, dtype, name=path.resolve().name, source=hf.folder_source(path, config))
+    loaded = hf.loaded_model(model, config, dtype, name=checkpoint.name, source=checkpoint.source, folder=path)
     return loaded, tensors
 
 

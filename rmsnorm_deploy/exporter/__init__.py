@@ -1,6 +1,6 @@
 """From a PyTorch model to an ONNX graph whose every norm is its exact spec.
 
-Model sources (``loaded_model``, ``blocks``, ``presets``, ``hf``, ``hf_files``, ``rebuild``), norm detection
+Model sources (``loaded_model``, ``blocks``, ``presets``, ``hf``, ``hf_files``, ``gguf``, ``rebuild``), norm detection
 (``detect``, ``probing``, ``gated``, ``placement``), tracing (``torch_op``, ``surgery``, ``fusions``,
 ``upcast``) and the export run (``plan``, ``pipeline``, ``parity``, ``routing``). The KV-cache decoder
 built on it is ``rmsnorm_deploy.decoder``.
@@ -23,9 +23,12 @@ routing        routing ties: a failed parity of a graph with TopK nodes (MoE rou
 loaded_model   ``LoadedModel``: a module with its name, dtype, vocabulary and source
 blocks         the pre-norm LLaMA-style block and stack
 presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)
-hf             Hugging Face folders (config.json + safetensors), no Hub access
+hf             Hugging Face folders (config.json + safetensors), no Hub access; a GGUF file read
+               as its converted folder, the metadata recording the file
 hf_files       a model folder's files as untrusted input: links kept inside the folder or its
                hub-cache repository, the one JSON reader of side files, config and token checks
+gguf           GGUF files (llama.cpp, Ollama): which file MODEL names, its checks, the float32
+               Hugging Face folder transformers' GGUF loader converts it into, cached by SHA-256
 rebuild        the PyTorch source of an exported model, rebuilt from its metadata
 =============  ==============================================================================
 """

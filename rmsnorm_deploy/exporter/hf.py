@@ -1,8 +1,10 @@
-"""Hugging Face causal language models: from a local folder, or from a config with random weights.
+"""Hugging Face causal language models: from a local folder or GGUF file, or from a config with random weights.
 
 A folder must hold ``config.json`` and safetensors weights (``*.safetensors``, or a sharded set
-with its index); nothing is fetched from the Hub (``local_files_only``), no pickled ``.bin``
-weights are read and no remote code runs. The exported signature is ``input_ids`` ->
+with its index). A GGUF file (or a folder holding one and no config.json) is read as the folder
+transformers' GGUF loader converts it into (``gguf``), and the metadata records the file. Nothing
+is fetched from the Hub (``local_files_only``), no pickled ``.bin`` weights are read and no
+remote code runs. The exported signature is ``input_ids`` ->
 ``logits`` of ``model(input_ids=..., use_cache=False)``: the full causal-LM logits, no cache.
 
 ``from_config`` builds a model with random weights for tests: transformers' own
@@ -14,6 +16,7 @@ config and the seed, so the same model can be rebuilt for validation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,6 +27,7 @@ import torch
 from rmsnorm_deploy.contract.dtypes import torch_dtype
 from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.exporter.detect import KNOWN_CLASSES, class_path
+from rmsnorm_deploy.exporter.gguf import convert_gguf, named_gguf
 from rmsnorm_deploy.exporter.hf_files import (
     HF_FILES,
     SHARD_INDEX,
@@ -80,7 +84,7 @@ def check_folder(folder: str | os.PathLike) -> Path:
         raise HFModelError(f"{path}: not a folder; give a Hugging Face model folder (config.json + *.safetensors)")
     if side_file(path, "config.json") is None:
         raise HFModelError(f"{path}: no config.json; give a Hugging Face model folder with config.json and "
-                           "*.safetensors weights")
+                           "*.safetensors weights, or a .gguf file")
     for name in HF_FILES:  # the files an export copies beside a KV-cache model: refused now, not after the export
         side_file(path, name)
     if not weight_files(path):
@@ -129,12 +133,34 @@ def folder_source(path: Path, config: Any) -> dict[str, Any]:
     return {"kind": "hf", "path": str(path.resolve()), "model_type": config.model_type}
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """MODEL read as a Hugging Face folder (config, class, weight headers) and what the metadata records of it."""
+
+    path: Path  # the folder the weights and tokenizer files are read from (a GGUF's converted folder)
+    config: Any
+    model_cls: Any
+    name: str  # the default model name: the folder's name, or the GGUF file's stem
+    source: dict[str, Any]  # metadata ``source``: the folder, or the GGUF file it was converted from
+
+
+def read_checkpoint(ref: str | os.PathLike) -> Checkpoint:
+    """MODEL as a Hugging Face folder: a folder, or a GGUF file converted once (``gguf.convert_gguf``)."""
+    gguf_file = named_gguf(ref)
+    converted = convert_gguf(gguf_file) if gguf_file is not None else None
+    path, config, model_cls = read_folder(converted.folder if converted is not None else ref)
+    if converted is not None:
+        return Checkpoint(path, config, model_cls, converted.name, converted.source(config.model_type))
+    return Checkpoint(path, config, model_cls, path.resolve().name, folder_source(path, config))
+
+
 def load_folder(folder: str | os.PathLike, dtype: str, *, peak_factor: float = 1.0,
                 fix: str = "choose a smaller model or a machine with more memory") -> LoadedModel:
-    """The causal LM saved in ``folder``, in ``dtype``, in eval mode. ``peak_factor``: how many times
-    its weights the caller's run needs at its peak; checked against the memory budget before any
-    weight is read, refused with ``fix``."""
-    path, config, model_cls = read_folder(folder)
+    """The causal LM saved in ``folder`` (or the GGUF file it names: :func:`read_checkpoint`), in
+    ``dtype``, in eval mode. ``peak_factor``: how many times its weights the caller's run needs at its
+    peak; checked against the memory budget before any weight is read, refused with ``fix``."""
+    checkpoint = read_checkpoint(folder)
+    path, config, model_cls = checkpoint.path, checkpoint.config, checkpoint.model_cls
     _check_size(model_cls, config, dtype, str(path), factor=peak_factor, fix=fix)
     try:
         model = model_cls.from_pretrained(
@@ -143,7 +169,7 @@ def load_folder(folder: str | os.PathLike, dtype: str, *, peak_factor: float = 1
         )
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise HFModelError(f"{path}: transformers cannot load the weights ({one_line(exc)})") from None
-    return loaded_model(model, config, dtype, name=path.resolve().name, source=folder_source(path, config))
+    return loaded_model(model, config, dtype, name=checkpoint.name, source=checkpoint.source, folder=path)
 
 
 def from_config(config: Any, dtype: str, *, seed: int = 0, name: str | None = None) -> LoadedModel:
@@ -196,14 +222,16 @@ def _check_safetensors(path: Path) -> None:
                                "with safetensors") from None
 
 
-def loaded_model(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any]) -> LoadedModel:
-    """``model`` (a transformers causal LM) in eval mode, wrapped to the export's signature."""
+def loaded_model(model: torch.nn.Module, config: Any, dtype: str, *, name: str, source: dict[str, Any],
+                 folder: Path | None = None) -> LoadedModel:
+    """``model`` (a transformers causal LM) in eval mode, wrapped to the export's signature;
+    ``folder``: the Hugging Face folder it was read from, if any."""
     model.eval()
     max_pos = getattr(config, "max_position_embeddings", None) or 2048
     return LoadedModel(
         name=name, module=HFTokenLogits(model).eval(), dtype=dtype, source=source,
         vocab_size=int(config.vocab_size), max_seq_len=int(max_pos),
-        description=f"{type(model).__name__} ({config.model_type})",
+        description=f"{type(model).__name__} ({config.model_type})", folder=folder,
     )
 
 
@@ -275,3 +303,18 @@ def _rebuild(meta: ModelMetadata) -> torch.nn.Module:
     if isinstance(source.get("config"), dict):
         return from_config(source["config"], meta.dtype, seed=int(source.get("seed", 0))).module
     raise UserError("the model's Hugging Face source has neither a folder path nor a config; export it again")
+
+
+@source_builder("gguf")
+def _rebuild_gguf(meta: ModelMetadata) -> torch.nn.Module:
+    """The model of the GGUF file the metadata names (checked by rebuild_source, or given with --source),
+    converted again, and refused unless it is the file the model was exported from (its SHA-256)."""
+    source = meta.source
+    if not source.get("path"):
+        raise UserError("the model's GGUF source has no file path; export it again")
+    converted = convert_gguf(named_gguf(source["path"]) or source["path"])  # --source may be its folder
+    recorded = source.get("sha256")
+    if recorded != converted.sha256:
+        raise UserError(f"{converted.file}: its SHA-256 ({converted.sha256[:16]}...) is not that of the GGUF file "
+                        f"the model was exported from ({str(recorded)[:16]}...); give that file with --source")
+    return load_folder(converted.folder, meta.dtype).module

@@ -10,6 +10,7 @@ ONNX inputs as keyword arguments and return a dict keyed by the ONNX output name
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +50,9 @@ class LoadedModel:
     vocab_size: int
     max_seq_len: int
     description: str = ""
+    #: The Hugging Face folder the weights, config and tokenizer files are read from (a GGUF file's
+    #: converted folder); None for presets and models built from a config.
+    folder: Path | None = None
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()

@@ -16,6 +16,7 @@ from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter import hf, presets
 from rmsnorm_deploy.exporter.detect import NormSpecOverride, parse_norm_spec
 from rmsnorm_deploy.exporter.fusions import FUSED_OPSET, check_fusion_opset
+from rmsnorm_deploy.exporter.gguf import named_gguf
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.exporter.presets import find_preset
 from rmsnorm_deploy.graph.function import check_opset
@@ -67,30 +68,33 @@ class ExportOptions:
         return FUSED_OPSET if self.fuse_attention else default_opset(self.lowering)
 
 
-def is_folder_ref(ref: str) -> bool:
-    """Whether MODEL names a Hugging Face folder rather than a preset.
+def is_checkpoint_ref(ref: str) -> bool:
+    """Whether MODEL names a checkpoint (a Hugging Face folder, a GGUF file or a folder holding one)
+    rather than a preset; a folder of several GGUF files is refused (``gguf.named_gguf``).
 
-    A bare name (``tiny``) that is both a preset and a folder in the current directory is
+    A bare name (``tiny``) that is both a preset and a path in the current directory is
     refused: which one was meant cannot be known, and reading the wrong one silently would
-    export another model. ``./tiny`` (any path) is the folder.
+    export another model. ``./tiny`` (any path) is the checkpoint.
     """
 
-    if not Path(ref).is_dir():
+    if named_gguf(ref) is None and not Path(ref).is_dir():
         return False
     if not presets.looks_like_path(ref):
         shadowed = next((d / f"{ref}.toml" for d in presets.preset_dirs() if (d / f"{ref}.toml").is_file()), None)
         if shadowed is not None:
-            raise UserError(f"MODEL {ref!r} is both a folder here and a preset: write ./{ref} for the folder, or "
+            what = "folder" if Path(ref).is_dir() else "file"
+            raise UserError(f"MODEL {ref!r} is both a {what} here and a preset: write ./{ref} for the {what}, or "
                             f"{shadowed} for the preset")
     return True
 
 
 def load_torch_model(ref: str, dtype: str) -> LoadedModel:
-    """MODEL of the CLI's traced export: a preset name, a preset TOML path, or a Hugging Face folder.
+    """MODEL of the CLI's traced export: a preset name, a preset TOML path, a Hugging Face folder, or a
+    GGUF file (converted once into the folder transformers' loader makes of it: ``hf.read_checkpoint``).
     A folder is refused before its weights are read when the traced export's peak
     (:data:`TRACED_PEAK_FACTOR` times its weights) exceeds the memory budget, naming the streaming export."""
 
-    if is_folder_ref(ref):
+    if is_checkpoint_ref(ref):
         fix = f"choose a smaller model or a machine with more memory, or {STREAMING_FIX}"
         return hf.load_folder(ref, dtype, peak_factor=TRACED_PEAK_FACTOR, fix=fix)
     return presets.build_preset(presets.load_preset(ref), dtype)
@@ -144,8 +148,9 @@ def model_name(ref: str) -> str:
     """The name of MODEL in the default output path, found without loading the model."""
 
     path = Path(ref)
-    if is_folder_ref(ref):
-        return path.resolve().name
+    if is_checkpoint_ref(ref):
+        gguf_file = named_gguf(ref)
+        return gguf_file.stem if gguf_file is not None else path.resolve().name
     return find_preset(ref).stem
 
 

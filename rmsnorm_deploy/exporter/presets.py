@@ -77,14 +77,14 @@ def find_preset(ref: str) -> Path:
         path = Path(ref)
         if not path.is_file():
             raise PresetError(f"preset file {ref} does not exist; give a preset TOML file, a preset name "
-                              f"({', '.join(preset_names())}) or a Hugging Face folder")
+                              f"({', '.join(preset_names())}), a Hugging Face folder or a GGUF file")
         return path
     for folder in preset_dirs():
         candidate = folder / f"{ref}.toml"
         if candidate.is_file():
             return candidate
     raise PresetError(f"unknown model {ref!r}: not a preset name ({', '.join(preset_names())}), "
-                      "a preset TOML file or a Hugging Face folder")
+                      "a preset TOML file, a Hugging Face folder or a GGUF file")
 
 
 def load_preset(ref: str) -> Preset:

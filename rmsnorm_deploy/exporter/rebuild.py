@@ -1,7 +1,7 @@
 """Rebuilding the PyTorch module an ONNX file was exported from, from its metadata alone.
 
 ``validate`` compares a model with its source; the metadata's ``source`` entry says what the
-source was (``{"kind": "standalone" | "preset" | "hf", ...}``). Each kind has one builder,
+source was (``{"kind": "standalone" | "preset" | "hf" | "gguf", ...}``). Each kind has one builder,
 registered with :func:`source_builder` in the module that knows that kind, and loaded only
 when a model of that kind is validated.
 
@@ -32,7 +32,11 @@ _KIND_MODULES = {
     "standalone": "rmsnorm_deploy.exporter.rebuild",
     "preset": "rmsnorm_deploy.exporter.presets",
     "hf": "rmsnorm_deploy.exporter.hf",
+    "gguf": "rmsnorm_deploy.exporter.hf",
 }
+#: The kinds whose source is a path the metadata names (trusted only inside the model's folder),
+#: and what that path is.
+_PATH_KINDS = {"hf": "source folder", "gguf": "source GGUF file"}
 _BUILDERS: dict[str, SourceBuilder] = {}
 
 
@@ -50,7 +54,7 @@ def rebuild_source(meta: ModelMetadata, *, model_dir: str | os.PathLike | None =
                    source_path: str | os.PathLike | None = None) -> torch.nn.Module:
     """The PyTorch module ``meta`` describes; a :class:`UserError` if it cannot be rebuilt.
 
-    The metadata is untrusted input: a source folder it names is opened only inside
+    The metadata is untrusted input: a source folder or GGUF file it names is opened only inside
     ``model_dir`` (the model's own folder); ``source_path``, given by the user, replaces it.
     """
     meta = _trusted_source(meta, model_dir, source_path)
@@ -65,10 +69,12 @@ def rebuild_source(meta: ModelMetadata, *, model_dir: str | os.PathLike | None =
 def _trusted_source(meta: ModelMetadata, model_dir: str | os.PathLike | None,
                     source_path: str | os.PathLike | None) -> ModelMetadata:
     source = dict(meta.source)
+    kind = source.get("kind")
+    what = _PATH_KINDS.get(kind, "source")
     if source_path is not None:
-        if source.get("kind") != "hf":
-            raise UserError(f"--source gives the folder of a Hugging Face model, but this model's source is of kind "
-                            f"{source.get('kind')!r}; drop --source")
+        if kind not in _PATH_KINDS:
+            raise UserError(f"--source gives the folder of a Hugging Face model or a GGUF file, but this model's "
+                            f"source is of kind {kind!r}; drop --source")
         source["path"] = str(Path(source_path).resolve())
         return dataclasses.replace(meta, source=source)
     if source.get("path") is None or model_dir is None:
@@ -78,10 +84,10 @@ def _trusted_source(meta: ModelMetadata, model_dir: str | os.PathLike | None,
     try:
         resolved = named.resolve()
     except (OSError, ValueError) as exc:
-        raise UserError(f"the model's metadata names an unusable source folder ({exc}); pass --source PATH") from None
+        raise UserError(f"the model's metadata names an unusable {what} ({exc}); pass --source PATH") from None
     if resolved != base and base not in resolved.parents:
-        raise UserError(f"the model's metadata names its source folder {source['path']}, outside the model's folder "
-                        f"{base}; metadata is not trusted to open other folders: pass --source PATH to use it")
+        raise UserError(f"the model's metadata names its {what} {source['path']}, outside the model's folder "
+                        f"{base}; metadata is not trusted to open other paths: pass --source PATH to use it")
     source["path"] = str(resolved)
     return dataclasses.replace(meta, source=source)
 

@@ -12,12 +12,14 @@ specs              ``{norm name: RMSNormSpec.to_dict()}``, one entry per norm in
                    exported models the name is the norm's module path, also its node's name
 lowering           plain string: function, native, ort, inline or plugin
 dtype              plain string: the activation dtype (float32, float16, bfloat16)
-source             ``{"kind": "standalone" | "preset" | "hf", ...}``: enough to rebuild the
+source             ``{"kind": "standalone" | "preset" | "hf" | "gguf", ...}``: enough to rebuild the
                    PyTorch module (``sources.rebuild_source``):
                    ``{"kind": "preset", "name": str, "toml": str (the preset's whole TOML text),
                    "seed": int}``; ``{"kind": "hf", "path": str (absolute folder),
                    "model_type": str}`` for a saved model, or ``{"kind": "hf", "config": {...}
-                   (the full transformers config), "seed": int}`` for random weights
+                   (the full transformers config), "seed": int}`` for random weights;
+                   ``{"kind": "gguf", "path": str (absolute .gguf file), "sha256": str,
+                   "architecture": str (the file's own), "model_type": str}`` for a GGUF file
 inputs             ``{input name: {"dtype": str, "shape": [int | str], "kind": "activations" |
                    "token_ids" | "weight", "high": int (token_ids only)}}``; strings are dynamic dims.
                    Exported language models take ``input_ids`` (int64 ``["batch", "seq"]``,
@@ -156,7 +158,8 @@ def _check_types(parsed: dict[str, Any], raw: dict[str, str]) -> None:
     need(isinstance(source, dict), "source", "an object")
     need(isinstance(source.get("kind", ""), str), "source.kind", "a string")
     for key, types, what in (("path", str, "a string"), ("toml", str, "a string"), ("name", str, "a string"),
-                             ("model_type", str, "a string"), ("config", dict, "an object")):
+                             ("model_type", str, "a string"), ("config", dict, "an object"),
+                             ("sha256", str, "a string"), ("architecture", str, "a string")):
         need(source.get(key) is None or isinstance(source[key], types), f"source.{key}", what)
     need(source.get("seed") is None or (is_int(source["seed"]) and source["seed"] >= 0), "source.seed",
          "an integer >= 0")

@@ -184,12 +184,13 @@ def test_serving_files_copy_the_hf_folder_and_never_clobber(tmp_path):
     (src / "tokenizer.json").write_text("{}")
     (src / "model.safetensors").write_text("weights stay where they are")
     out = tmp_path / "out"
-    written = write_serving_files(out / "model.onnx", _layout(), {"kind": "hf", "path": str(src)}, force=False)
+    written = write_serving_files(out / "model.onnx", _layout(), {"kind": "hf", "path": str(src)}, hf_folder=src,
+                                  force=False)
     assert sorted(written) == ["config.json", "genai_config.json", "tokenizer.json"]
     assert not (out / "model.safetensors").exists()
     assert json.loads((out / "genai_config.json").read_text())["model"]["eos_token_id"] == 2
     with pytest.raises(UserError, match="exists"):
-        write_serving_files(out / "model.onnx", _layout(), {"kind": "hf", "path": str(src)}, force=False)
+        write_serving_files(out / "model.onnx", _layout(), {"kind": "hf", "path": str(src)}, hf_folder=src, force=False)
     config_only = write_serving_files(tmp_path / "cfg" / "model.onnx", _layout(),
                                       {"kind": "hf", "config": {"model_type": "qwen3"}}, force=False)
     assert config_only == ["config.json", "genai_config.json"]
