@@ -57,6 +57,9 @@ _MODEL_DTYPES = ("float32", "float16", "bfloat16")
 #: Largest dims read from untrusted metadata (a sanity bound, far above any real model).
 _LIMITS = {"num_layers": 1024, "kv_heads": 4096, "num_heads": 4096, "head_dim": 65536, "vocab_size": 1 << 24,
            "max_length": 1 << 22, "hidden_size": 1 << 20}
+#: The ``kind`` of each input in the metadata, which ``validate`` reads to generate a feed.
+INPUT_KINDS = {INPUT_IDS: "token_ids", ATTENTION_MASK: "mask", POSITION_IDS: "positions"}
+CACHE_KIND = "kv_cache"
 
 
 class KVCacheError(UserError):
@@ -127,10 +130,9 @@ class KVCacheLayout:
 
     def metadata_inputs(self) -> dict[str, dict[str, Any]]:
         """The ``inputs`` entry of :class:`~rmsnorm_deploy.graph.metadata.ModelMetadata`."""
-        kinds = {INPUT_IDS: "token_ids", ATTENTION_MASK: "mask", POSITION_IDS: "positions"}
         out: dict[str, dict[str, Any]] = {}
         for name, (dtype, shape) in self.inputs().items():
-            out[name] = {"dtype": dtype, "shape": shape, "kind": kinds.get(name, "kv_cache")}
+            out[name] = {"dtype": dtype, "shape": shape, "kind": INPUT_KINDS.get(name, CACHE_KIND)}
         out[INPUT_IDS]["high"] = self.vocab_size
         return out
 

@@ -20,7 +20,14 @@ import torch
 from onnx import helper
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
-from rmsnorm_deploy.decoder.convention import CONVENTION
+from rmsnorm_deploy.decoder.convention import (
+    ATTENTION_MASK,
+    CACHE_KIND,
+    CONVENTION,
+    INPUT_IDS,
+    INPUT_KINDS,
+    POSITION_IDS,
+)
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.lowerings import refusal
@@ -231,13 +238,13 @@ def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_
 def inputs_metadata(dims: DecoderDims, dtype: str, share_buffer: bool, vocab: int) -> dict[str, dict[str, Any]]:
     cache = "max_length" if share_buffer else "past"
     meta: dict[str, dict[str, Any]] = {
-        "input_ids": {"dtype": "int64", "shape": ["batch", "sequence"], "kind": "token_ids", "high": int(vocab)},
-        "attention_mask": {"dtype": "int64", "shape": ["batch", "total"], "kind": "attention_mask"},
-        "position_ids": {"dtype": "int64", "shape": ["batch", "sequence"], "kind": "position_ids"},
+        INPUT_IDS: {"dtype": "int64", "shape": ["batch", "sequence"], "kind": INPUT_KINDS[INPUT_IDS], "high": int(vocab)},
+        ATTENTION_MASK: {"dtype": "int64", "shape": ["batch", "total"], "kind": INPUT_KINDS[ATTENTION_MASK]},
+        POSITION_IDS: {"dtype": "int64", "shape": ["batch", "sequence"], "kind": INPUT_KINDS[POSITION_IDS]},
     }
     for i in range(dims.layers):
         for kind in ("key", "value"):
             meta[f"past_key_values.{i}.{kind}"] = {"dtype": dtype, "shape": ["batch", dims.kv_heads, cache, dims.head_dim],
-                                                   "kind": "kv_cache"}
+                                                   "kind": CACHE_KIND}
     return meta
 

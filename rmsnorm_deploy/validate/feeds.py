@@ -108,6 +108,7 @@ def generate_feed(
         shape = _resolve_shape(decl, sizes)
         info = (meta.inputs.get(decl.name) if meta else None) or {}
         input_kind = info.get("kind") or _guess_kind(decl)
+        input_kind = _KIND_ALIASES.get(input_kind, input_kind)
         if input_kind == "activations":
             array = activations(shape, decl.dtype, seed=seed + i, kind=kind)
         elif input_kind == "weight":
@@ -152,6 +153,10 @@ def token_bounds(model: onnx.ModelProto, meta: ModelMetadata | None) -> dict[str
         if info.get("kind") == "token_ids" and info.get("high"):
             bounds[name] = int(info["high"])
     return bounds
+
+
+#: Kinds written under other names by earlier ``--target onnxruntime`` exports.
+_KIND_ALIASES = {"attention_mask": "mask", "position_ids": "positions"}
 
 
 def _guess_kind(decl: InputDecl) -> str:

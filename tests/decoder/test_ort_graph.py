@@ -252,6 +252,13 @@ def test_export_command(tmp_path, models):
     assert got.tokens == _generate(models("llama").module.model, ids, mask, 8).tolist()
     # Nothing is replaced without --force.
     assert main(["export", str(folder), "--kv-cache", "--target", "onnxruntime", "-o", str(out)]) == 2
+    # `validate` generates a feed GroupQueryAttention accepts (a mask of ones, positions from 0) and compares it
+    # with its source: the metadata names the inputs' kinds as the portable graph does.
+    from rmsnorm_deploy.validate.run import validate_model
+
+    assert {meta.inputs[n]["kind"] for n in ("attention_mask", "position_ids")} == {"mask", "positions"}
+    report = validate_model(out / "model.onnx", source=folder)
+    assert report.passed and any(r.output == "logits" and r.status == "pass" for r in report.rows), report.table()
 
 
 def test_float16_step_logits_within_tolerance_table():
