@@ -30,17 +30,28 @@ from onnx import numpy_helper
 
 from rmsnorm_deploy.decoder.kv_model import kv_source
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.detect import detect_norms
+from rmsnorm_deploy.exporter.loaded_model import INPUT_NAME
+from rmsnorm_deploy.exporter.norm_contract import check_norm_contract
 from rmsnorm_deploy.exporter.plan import REPORT_NAME
 from rmsnorm_deploy.exporter.rebuild import rebuild_source
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
+from rmsnorm_deploy.graph.placement import name_norms
 from rmsnorm_deploy.runners.torch import TorchRunner
 from rmsnorm_deploy.validate.backends import BACKENDS, check_provider_options, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
 from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
 from rmsnorm_deploy.validate.report import CheckRow, ValidationReport
-from rmsnorm_deploy.validate.rows import ValidationRun, broken_norm_rows, is_standalone, norm_rows, output_rows
+from rmsnorm_deploy.validate.rows import (
+    ValidationRun,
+    broken_norm_rows,
+    contract_rows,
+    is_standalone,
+    norm_rows,
+    output_rows,
+)
 
 REFERENCES = ("auto", "torch", "float64")
 
@@ -84,10 +95,14 @@ def validate_model(
         feed, described, feed_notes = generate_feed(model, meta, kind=inputs, seed=seed, dims=dims)
         notes += feed_notes
         check_feed(feed, model, meta)
-    source_module, source_label, ref_label = _reference_source(meta, reference, notes, Path(path).parent, source)
+    source_module, source_label, ref_label, rebuilt = _reference_source(meta, reference, notes, Path(path).parent,
+                                                                        source)
     notes += _export_report_notes(Path(path), meta)
 
-    reductions = audit_model(model)
+    reductions = name_norms(audit_model(model), meta)
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    contract_rows_, source_specs = ([], {}) if rebuilt is None or is_standalone(meta) else \
+        _contract_against_source(reductions, meta, rebuilt, initial, feed, notes)
     sites = norms_under_test(model, reductions) if check_norms else []
     for site in sites:
         if site.skip_reason:
@@ -130,11 +145,10 @@ def validate_model(
                 # A whole model is held to its source's own distance from float64 (accuracy bounds).
                 with TorchRunner(source_module) as torch_runner:
                     source_outputs = torch_runner.infer(feed)
-        initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-
         run = ValidationRun(keys, labels, results, feed, model_outputs, output_dtypes, notes, meta, ref_label,
-                            source_label, source_module, reference_outputs, source_outputs, initial)
+                            source_label, source_module, reference_outputs, source_outputs, initial, source_specs)
         rows += output_rows(run)
+        rows += contract_rows_
         if check_norms:
             rows += broken_norm_rows(run, sites)
             rows += norm_rows(run, checked_sites)
@@ -142,7 +156,37 @@ def validate_model(
               f"{meta.lowering})" if meta else "third-party graph (no rmsnorm_deploy metadata)")
     reference_text = {"torch": f"{source_label}, run in the model's dtype", "float64": f"{source_label} in float64",
                       "backends": f"outputs: the first backend ({labels[0]}); norms: their float64 oracle"}[ref_label]
-    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, node_assignment)
+    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, node_assignment,
+                            unverified=_what_is_not_verified(meta, source_module is not None, labels))
+
+
+def _what_is_not_verified(meta: ModelMetadata | None, has_source: bool, labels: list[str]) -> str:
+    """What this run compared with nothing independent of the graph, and how to compare it ("" if nothing)."""
+    if has_source or len(labels) > 1:
+        return ""
+    how = ("pass --source DIR (the Hugging Face folder it was exported from) or "
+           if meta is not None and meta.source.get("kind") == "hf" else "")
+    return (f"the outputs were compared with nothing independent of the graph (no PyTorch source, one backend: "
+            f"{labels[0]}), and each norm only with the oracle of the graph's own spec; to verify them, {how}add a "
+            "second backend (e.g. --providers cpu,cuda)")
+
+
+def _contract_against_source(reductions: list[Any], meta: ModelMetadata, rebuilt: Any, initializers: dict[str, Any],
+                             feed: dict[str, np.ndarray], notes: list[str]) -> tuple[list[CheckRow], dict[str, Any]]:
+    """The static contract of every norm against the source (``exporter.norm_contract``): its rows,
+    and the spec detection confirms on each of the source's norms (by module path)."""
+    import torch
+
+    example = {INPUT_NAME: torch.from_numpy(feed[INPUT_NAME])} if INPUT_NAME in feed else None
+    try:
+        detection = detect_norms(rebuilt, dtype=meta.dtype, example=example)
+    except UserError as exc:
+        return [CheckRow("static", "norm contract", "checkpoint", "contract", status="skipped",
+                         detail=f"the source's norms could not be detected ({exc}); each norm is checked for "
+                         "self-consistency only")], {}
+    contract = check_norm_contract(reductions, meta, detection, initializers)
+    notes += contract.notes
+    return contract_rows(contract), {n.path: n.spec for n in detection.norms}
 
 
 def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
@@ -171,8 +215,9 @@ def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
 
 
 def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str], model_dir: Path,
-                      source: str | Path | None = None) -> tuple[Any, str, str]:
-    """The PyTorch module to compare outputs with, its label, and ``torch``/``float64``/``backends``."""
+                      source: str | Path | None = None) -> tuple[Any, str, str, Any]:
+    """The PyTorch module to compare outputs with, its label, ``torch``/``float64``/``backends``, and
+    the rebuilt source itself (not wrapped for a KV cache: the module whose norms detection reads)."""
     if meta is None and source is not None:
         raise UserError("--source gives the PyTorch source of a model exported by rmsnorm-deploy; this graph has no "
                         "rmsnorm_deploy metadata, so drop --source")
@@ -181,16 +226,17 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
             raise UserError("--reference torch needs a model exported by rmsnorm-deploy (its metadata rebuilds the "
                             "PyTorch source); this graph has none: use --reference float64 (each norm against its "
                             "float64 oracle, backends against each other)")
-        return None, "", "backends"
+        return None, "", "backends", None
 
     kind = meta.source.get("kind", "unknown")
     try:
-        module = kv_source(rebuild_source(meta, model_dir=model_dir, source_path=source), meta)
+        rebuilt = rebuild_source(meta, model_dir=model_dir, source_path=source)
+        module = kv_source(rebuilt, meta)
     except (UserError, ImportError) as exc:
         why = f"cannot rebuild the PyTorch source of kind {kind!r}: {exc}"
         if reference != "auto":
             raise UserError(f"--reference {reference}: {why}") from None
         notes.append(why + "; comparing backends with each other and each norm with its float64 oracle instead")
-        return None, "", "backends"
+        return None, "", "backends", None
     label = f"torch source ({kind})"
-    return module, label, "float64" if reference == "float64" else "torch"
+    return module, label, "float64" if reference == "float64" else "torch", rebuilt
