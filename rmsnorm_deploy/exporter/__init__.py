@@ -1,7 +1,7 @@
 """From a PyTorch model to an ONNX graph whose every norm is its exact spec.
 
 Model sources (``loaded_model``, ``blocks``, ``presets``, ``hf``, ``hf_files``, ``rebuild``), norm detection
-(``detect``, ``probing``, ``gated``, ``placement``), tracing (``torch_op``, ``surgery``, ``fusions``,
+(``detect``, ``probing``, ``gated``, ``placement``, ``norm_contract``), tracing (``torch_op``, ``surgery``, ``fusions``,
 ``upcast``) and the export run (``plan``, ``pipeline``, ``parity``, ``routing``). The KV-cache decoder
 built on it is ``rmsnorm_deploy.decoder``.
 
@@ -11,6 +11,8 @@ pipeline       ``run_export``: detect, run, export, canonicalize, check, save, p
 detect         norms of a module mapped to specs and confirmed bit for bit; ``--norm-spec``
 probing        the spec of an unknown norm class, found by running it against every candidate
 placement      where each norm stands in the module run eagerly; compared with the graph's
+norm_contract  each norm of a graph against the source's: spec field by field, precision, gain
+               values, norms dropped or added (``validate --source``)
 gated          gated norms of the hybrid families and Gemma3n/Gemma4's norms: known classes,
                the gate input of a confirmation, candidate gated specs for probing
 torch_op       the ``torch.library`` op carrying a spec, and its ONNX translation
@@ -24,6 +26,8 @@ loaded_model   ``LoadedModel``: a module with its name, dtype, vocabulary and so
 blocks         the pre-norm LLaMA-style block and stack
 presets        model presets as TOML (``models/``; ``preset_files/`` ships in the package)
 hf             Hugging Face folders (config.json + safetensors), no Hub access
+gguf           a GGUF file as the Hugging Face folder transformers' loader dequantizes it into,
+               cached and written atomically
 hf_files       a model folder's files as untrusted input: links kept inside the folder or its
                hub-cache repository, the one JSON reader of side files, config and token checks
 rebuild        the PyTorch source of an exported model, rebuilt from its metadata

@@ -84,7 +84,8 @@ def check_norm_contract(reductions: list[Reduction], meta: ModelMetadata | None,
         _set_mismatches(paths, set(source), "the checkpoint", mismatches)
         if meta is not None:
             for name in sorted(set(recorded) - set(source)):
-                mismatches.append(ContractMismatch(name, "extra", f"norm {name}: in the metadata, not in the checkpoint"))
+                mismatches.append(ContractMismatch(name, "extra",
+                                                   f"norm {name}: in the metadata, not in the checkpoint"))
     for name, red in norms.items():
         path = name.split("#")[0]
         spec, fields = graph_spec(red)
@@ -121,7 +122,8 @@ def _field_mismatches(name: str, red: Reduction, spec: RMSNormSpec, fields: tupl
         else:
             same = ours == theirs
         if not same:
-            found.append(ContractMismatch(name, field, f"norm {name}: {field} {ours} in the graph, {theirs} in {where}"))
+            found.append(ContractMismatch(name, field,
+                                          f"norm {name}: {field} {ours} in the graph, {theirs} in {where}"))
     precision = _precision(red)
     if precision != expected.accumulation:
         found.append(ContractMismatch(name, "precision", f"norm {name}: squares and sum in {precision} in the graph, "
@@ -148,7 +150,8 @@ def _gain_mismatch(name: str, red: Reduction, spec: RMSNormSpec, norm: DetectedN
     if gain is None or expected is None:
         ours = "no gain" if gain is None else "a gain"
         theirs = "none" if expected is None else "one"
-        return ContractMismatch(name, "gain values", f"norm {name}: {ours} in the graph, {theirs} in the checkpoint"), ""
+        return ContractMismatch(name, "gain values",
+                                f"norm {name}: {ours} in the graph, {theirs} in the checkpoint"), ""
     if gain.shape != expected.shape:
         return ContractMismatch(name, "gain values", f"norm {name}: gain of shape {list(gain.shape)} in the graph, "
                                 f"{list(expected.shape)} in the checkpoint"), ""

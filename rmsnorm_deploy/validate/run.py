@@ -101,12 +101,9 @@ def validate_model(
 
     reductions = name_norms(audit_model(model), meta)
     initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-    contract_rows_, source_specs = ([], {}) if rebuilt is None or is_standalone(meta) else \
-        _contract_against_source(reductions, meta, rebuilt, initial, feed, notes)
+    contract, source_specs = _contract_against_source(reductions, meta, rebuilt, initial, feed, notes)
     sites = norms_under_test(model, reductions) if check_norms else []
-    for site in sites:
-        if site.skip_reason:
-            notes.append(f"norm {site.reduction.node} not compared: {site.skip_reason}")
+    notes += [f"norm {site.reduction.node} not compared: {site.skip_reason}" for site in sites if site.skip_reason]
     checked_sites = [s for s in sites if not s.skip_reason and not s.failure]
     model_outputs = [o.name for o in model.graph.output]
     output_dtypes = {o.name: elem_dtype(o.type.tensor_type.elem_type) for o in model.graph.output}
@@ -148,7 +145,7 @@ def validate_model(
         run = ValidationRun(keys, labels, results, feed, model_outputs, output_dtypes, notes, meta, ref_label,
                             source_label, source_module, reference_outputs, source_outputs, initial, source_specs)
         rows += output_rows(run)
-        rows += contract_rows_
+        rows += contract
         if check_norms:
             rows += broken_norm_rows(run, sites)
             rows += norm_rows(run, checked_sites)
@@ -171,11 +168,16 @@ def _what_is_not_verified(meta: ModelMetadata | None, has_source: bool, labels: 
             "second backend (e.g. --providers cpu,cuda)")
 
 
-def _contract_against_source(reductions: list[Any], meta: ModelMetadata, rebuilt: Any, initializers: dict[str, Any],
-                             feed: dict[str, np.ndarray], notes: list[str]) -> tuple[list[CheckRow], dict[str, Any]]:
+def _contract_against_source(reductions: list[Any], meta: ModelMetadata | None, rebuilt: Any,
+                             initializers: dict[str, Any], feed: dict[str, np.ndarray],
+                             notes: list[str]) -> tuple[list[CheckRow], dict[str, Any]]:
     """The static contract of every norm against the source (``exporter.norm_contract``): its rows,
-    and the spec detection confirms on each of the source's norms (by module path)."""
+    and the spec detection confirms on each of the source's norms (by module path); none without a
+    source, or for a standalone norm (its spec is its source)."""
     import torch
+
+    if rebuilt is None or meta is None or is_standalone(meta):
+        return [], {}
 
     example = {INPUT_NAME: torch.from_numpy(feed[INPUT_NAME])} if INPUT_NAME in feed else None
     try:
