@@ -202,8 +202,9 @@ def contract_rows(contract: NormContract) -> list[CheckRow]:
     rows = [CheckRow("static", f"norm {m.norm}", "checkpoint", "contract", status="FAIL", detail=m.message)
             for m in contract.mismatches]
     if not rows and contract.compared:
-        rows.append(CheckRow("static", f"norm contract ({len(contract.compared)} norms)", "checkpoint", "contract",
-                             detail="every norm's spec, precision and gain values match the checkpoint's"))
+        count = len(contract.compared)
+        rows.append(CheckRow("static", f"norm contract ({count} norm{'s' if count > 1 else ''})", "checkpoint",
+                             "contract", detail="every norm's spec, precision and gain values match the checkpoint's"))
     if not rows:
         rows.append(CheckRow("static", "norm contract", "checkpoint", "contract", status="skipped",
                              detail="no norm of the graph could be compared with the checkpoint"))

@@ -179,7 +179,9 @@ def _contract_against_source(reductions: list[Any], meta: ModelMetadata | None, 
     if rebuilt is None or meta is None or is_standalone(meta):
         return [], {}
 
-    example = {INPUT_NAME: torch.from_numpy(feed[INPUT_NAME])} if INPUT_NAME in feed else None
+    # the rebuilt module takes the graph's inputs; a KV-cache graph's unwrapped source takes the token ids only
+    names = [INPUT_NAME] if meta.kv_cache is not None else list(feed)
+    example = {name: torch.from_numpy(feed[name]) for name in names if name in feed} or None
     try:
         detection = detect_norms(rebuilt, dtype=meta.dtype, example=example)
     except UserError as exc:
