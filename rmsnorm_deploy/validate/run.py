@@ -37,12 +37,18 @@ from rmsnorm_deploy.exporter.plan import REPORT_NAME
 from rmsnorm_deploy.exporter.rebuild import rebuild_source
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
-from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
+from rmsnorm_deploy.graph.onnx_file import load_onnx
 from rmsnorm_deploy.graph.placement import name_norms
 from rmsnorm_deploy.runners.torch import TorchRunner
 from rmsnorm_deploy.validate.backends import BACKENDS, check_provider_options, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
-from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
+from rmsnorm_deploy.validate.norms import (
+    norm_report,
+    norms_under_test,
+    record_what_ran,
+    save_scratch,
+    with_exposed_tensors,
+)
 from rmsnorm_deploy.validate.report import CheckRow, ValidationReport
 from rmsnorm_deploy.validate.rows import (
     ValidationRun,
@@ -116,7 +122,7 @@ def validate_model(
         exposed = [n for s in checked_sites for n in s.exposed]
         run_path = Path(path)
         if exposed:
-            run_path = save_onnx(with_exposed_tensors(model, exposed), workdir / "model-with-norm-outputs.onnx")
+            run_path = save_scratch(with_exposed_tensors(model, exposed), workdir / "model-with-norm-outputs.onnx")
         results: dict[str, dict[str, np.ndarray]] = {}
         node_assignment: dict[str, dict[str, int]] = {}
         for key, label in zip(keys, labels):
