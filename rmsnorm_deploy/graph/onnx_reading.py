@@ -96,7 +96,7 @@ def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _copy_field(target: Any, field: Any, value: Any) -> None:
-    if field.label == field.LABEL_REPEATED:
+    if hasattr(value, "extend"):  # a repeated field
         getattr(target, field.name).extend(value)
     elif field.type == field.TYPE_MESSAGE:
         getattr(target, field.name).CopyFrom(value)
