@@ -9,10 +9,17 @@ Two kinds of evidence, each measured under the tolerance table:
   with the first one.
 * **norms**: every RMSNorm and LayerNorm the audit finds, in isolation. Its boundary tensors
   (input, gain, output) become extra outputs of the graph, and each backend's output is
-  compared with the float64 oracle of the spec the norm implies (ours: the spec on the node;
-  a third party's: epsilon and axes from the graph, the gain the graph multiplies by), computed
-  from that backend's own input to the norm. Exposing boundary tensors leaves the norm's own
-  ops, and so ONNX Runtime's fusions of them, as they are.
+  compared with a float64 oracle computed from that backend's own input to the norm: of the
+  spec detection confirms on the source's norm at the same module path when there is a source,
+  else of the spec the graph states (ours: the spec on the node; a third party's: epsilon and
+  axes from the graph, the gain the graph multiplies by), which shows self-consistency only.
+  Exposing boundary tensors leaves the norm's own ops, and so ONNX Runtime's fusions of them,
+  as they are.
+
+With a source, the static contract (``exporter.norm_contract``) also compares each norm's spec,
+precision and gain, and the set of norms, with the source's. The verdict is ``passed`` only when
+something independent of the graph was compared (a source, a second backend, a standalone norm's
+own oracle); else ``not verified`` (exit 3), never a pass.
 
 Inputs come from the metadata (kinds ``activations``, ``token_ids``, ``weight`` and the
 dims' optimal sizes) or, for any other graph, from its declared inputs; ``stress`` inputs put
