@@ -1,9 +1,14 @@
 """Run an ONNX model on each backend and compare it with its reference: the PyTorch source
 rebuilt from the model's metadata (a model this project exported) or, for any other graph,
 the other backends; every RMSNorm and LayerNorm in the graph is also checked on its own
-against the float64 oracle of the spec it implies. Prints a table of backend x output with
-max abs/rel and ULP error, the tolerance used and pass/fail. Exit code 1 on a parity
-failure, 2 on bad input (file, inputs, a backend that is not available)."""
+against a float64 oracle: of the spec detection confirms on the source's norm when there is a
+source (whose norms' specs, number and gains are also checked against the graph's, statically),
+else of the graph's own spec (self-consistency only). Prints a table of backend x output with
+max abs/rel and ULP error, the tolerance used and pass/fail.
+
+Exit codes: 0 passed, 1 a check failed, 2 bad input (file, inputs, a backend that is not
+available), 3 not verified: nothing independent of the graph was compared (no source and one
+backend: pass --source DIR or a second backend)."""
 
 from __future__ import annotations
 
@@ -96,4 +101,4 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         with atomic_path(args.output, force=args.force) as tmp:
             tmp.write_text(json.dumps(data, indent=1))
-    return 0 if report.passed else 1
+    return report.exit_code

@@ -1,7 +1,7 @@
 """From a PyTorch model to an ONNX graph whose every norm is its exact spec.
 
 Model sources (``loaded_model``, ``blocks``, ``presets``, ``hf``, ``hf_files``, ``gguf``, ``rebuild``), norm detection
-(``detect``, ``probing``, ``gated``, ``placement``), tracing (``torch_op``, ``surgery``, ``fusions``,
+(``detect``, ``probing``, ``gated``, ``placement``, ``norm_contract``), tracing (``torch_op``, ``surgery``, ``fusions``,
 ``upcast``) and the export run (``plan``, ``pipeline``, ``parity``, ``routing``). The KV-cache decoder
 built on it is ``rmsnorm_deploy.decoder``.
 
@@ -11,6 +11,8 @@ pipeline       ``run_export``: detect, run, export, canonicalize, check, save, p
 detect         norms of a module mapped to specs and confirmed bit for bit; ``--norm-spec``
 probing        the spec of an unknown norm class, found by running it against every candidate
 placement      where each norm stands in the module run eagerly; compared with the graph's
+norm_contract  each norm of a graph against the source's: spec field by field, precision, gain
+               values, norms dropped or added (``validate --source``)
 gated          gated norms of the hybrid families and Gemma3n/Gemma4's norms: known classes,
                the gate input of a confirmation, candidate gated specs for probing
 torch_op       the ``torch.library`` op carrying a spec, and its ONNX translation

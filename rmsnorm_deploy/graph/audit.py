@@ -228,7 +228,7 @@ def _through_casts_forward(name: str, graph: GraphView) -> str:
 def _decomposed(node: onnx.NodeProto, graph: GraphView, stage: str) -> Reduction | None:
     chain = [node.op_type]
     if node.op_type in ("ReduceMean", "ReduceSum"):
-        square_out = graph.through_casts_back(node.input[0])
+        square_out = _squares_of(node.input[0], graph)
         src = graph.producers.get(square_out)
         if src is None or not _is_square(src, graph.consts):
             return None
@@ -261,6 +261,17 @@ def _decomposed(node: onnx.NodeProto, graph: GraphView, stage: str) -> Reduction
     return Reduction(stage, node_label(node), kind, ">".join(chain), in_dtype, acc, tail.epsilon, axes,
                      note=f"-> {tensors.output}" if tensors else "", squares=squares,
                      epsilon_placement=tail.placement, order=order, normalized_dims=normalized, tensors=tensors)
+
+
+def _squares_of(summed: str, graph: GraphView) -> str:
+    """The tensor a reduction's input was cast from, through any Casts: squares narrowed before
+    the sum (``Pow -> Cast(float16) -> ReduceMean``) still make a norm, one that sums in float16."""
+    for _ in range(4):
+        src = graph.producers.get(summed)
+        if src is None or src.op_type not in ("Cast", "CastLike") or not src.input:
+            break
+        summed = src.input[0]
+    return summed
 
 
 def _is_square(node: onnx.NodeProto, consts: dict[str, np.ndarray]) -> bool:

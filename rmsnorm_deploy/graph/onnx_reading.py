@@ -65,18 +65,43 @@ class GraphView:
 
 
 def inline_for_analysis(model: onnx.ModelProto) -> onnx.ModelProto:
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    # Weights are not needed to see types; keep the copy small.
-    for init in copy.graph.initializer:
-        if init.raw_data and len(init.raw_data) > 64:
-            init.ClearField("raw_data")
-            init.data_location = onnx.TensorProto.DEFAULT
-            del init.external_data[:]
-            _mark_placeholder(init)
+    copy = weightless_copy(model)
     if copy.functions:
         copy = onnx.inliner.inline_local_functions(copy)
     return copy
+
+
+#: initializers up to this many bytes keep their data in a weightless copy (shapes, axes, epsilons)
+_SMALL_TENSOR_BYTES = 64
+
+
+def weightless_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without the data of its large initializers: types and shapes are all the readers of a
+    graph need, and copying (or shape-inferring) a model with its weights costs seconds per GB."""
+    light = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _copy_field(light, field, value)
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(light.graph, field, value)
+    for init in model.graph.initializer:
+        if len(init.raw_data) <= _SMALL_TENSOR_BYTES:
+            light.graph.initializer.add().CopyFrom(init)
+            continue
+        copy = light.graph.initializer.add(name=init.name, data_type=init.data_type, doc_string=init.doc_string)
+        copy.dims.extend(init.dims)
+        _mark_placeholder(copy)
+    return light
+
+
+def _copy_field(target: Any, field: Any, value: Any) -> None:
+    if hasattr(value, "extend"):  # a repeated field
+        getattr(target, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
 
 
 def _mark_placeholder(init: onnx.TensorProto) -> None:
@@ -88,7 +113,7 @@ def _mark_placeholder(init: onnx.TensorProto) -> None:
 
 def _value_types(model: onnx.ModelProto) -> tuple[dict[str, str], dict[str, int]]:
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(weightless_copy(model), check_type=False, strict_mode=False)
     except Exception:
         inferred = model
     types: dict[str, str] = {}

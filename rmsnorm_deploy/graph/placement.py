@@ -469,6 +469,18 @@ def mean_subtracting_findings(model: onnx.ModelProto, reductions: list[Reduction
     return findings
 
 
+def name_norms(reductions: list[Reduction], metadata: ModelMetadata | None) -> list[Reduction]:
+    """``reductions``, each named (its ``node`` set) by the module path our metadata's placements
+    give its output tensor (a second call of one module is ``path#2``; also in the ``inline``
+    lowering, where no node is left to name it); the others keep their node's name."""
+    by_output = {v["output"]: k for k, v in (metadata.placements if metadata is not None else {}).items()}
+    for red in reductions:
+        name = by_output.get(red.tensors.output) if red.tensors is not None else None
+        if name is not None:
+            red.node = name
+    return reductions
+
+
 def contract_findings(model: onnx.ModelProto, reductions: list[Reduction], metadata: ModelMetadata | None,
                       *, base_dir: str | Path | None = None) -> list[Finding]:
     """Place each norm of ``model`` (as written) and check it against what its metadata records.
@@ -481,13 +493,11 @@ def contract_findings(model: onnx.ModelProto, reductions: list[Reduction], metad
     assign_placements(model, reductions)
     findings: list[Finding] = []
     if metadata is not None and metadata.placements:
-        by_output = {v["output"]: k for k, v in metadata.placements.items()}
         seen = set()
-        for red in reductions:
-            name = by_output.get(red.tensors.output) if red.tensors is not None else None
-            if name is None:
+        for red in name_norms(reductions, metadata):
+            name = red.node
+            if name not in metadata.placements:
                 continue
-            red.node = name
             seen.add(name)
             want = metadata.placements[name]["placement"]
             if red.placement != want:

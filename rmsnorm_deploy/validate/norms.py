@@ -88,6 +88,15 @@ def with_exposed_tensors(model: onnx.ModelProto, names: Iterable[str]) -> onnx.M
     return augmented
 
 
+def save_scratch(model: onnx.ModelProto, path: Path) -> Path:
+    """``model`` written to ``path`` in a scratch folder for one run, its weights in a side file
+    beside it: protobuf serializes gigabytes of weights at ~20 s per GB, a file takes them as they
+    are. ``model`` is a copy of the caller's: its weights move out of it."""
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    return path
+
+
 def norm_report(red: Reduction) -> NormReport:
     spec = red.implied_spec()
     return NormReport(red.node, red.kind, red.op, red.precision, red.epsilon, red.axes,

@@ -9,6 +9,9 @@ from typing import Any
 from rmsnorm_deploy.contract.compare import CompareResult
 from rmsnorm_deploy.table import format_table
 
+#: ``validate``'s exit code of each verdict (2, bad input, is raised before any verdict)
+VERDICT_EXIT_CODES = {"passed": 0, "failed": 1, "not verified": 3}
+
 
 @dataclasses.dataclass
 class CheckRow:
@@ -21,6 +24,9 @@ class CheckRow:
     result: CompareResult | None = None
     status: str = "pass"  # pass, FAIL, skipped
     detail: str = ""
+    #: whether the reference is independent of the graph under test (its source, its spec's own
+    #: oracle, a second backend): a passing row that is not (self-consistency) verifies nothing
+    independent: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k != "result"}
@@ -61,10 +67,29 @@ class ValidationReport:
     #: backend -> nodes per provider (ONNX Runtime backends, where ONNX Runtime reports it)
     node_assignment: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
+    #: what checks against something independent of the graph would add, and how to run them ("" when
+    #: the run had an independent reference for the outputs)
+    unverified: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """``failed``: a comparison failed; ``passed``: none failed and at least one passed against
+        something independent of the graph; else ``not verified`` (zero comparisons, or
+        self-consistency only)."""
+        if any(r.status == "FAIL" for r in self.rows):
+            return "failed"
+        if any(r.status == "pass" and r.independent for r in self.rows):
+            return "passed"
+        return "not verified"
+
     @property
     def passed(self) -> bool:
-        """No comparison failed and at least one passed: zero comparisons is not a pass."""
-        return not self.failure()
+        return self.verdict == "passed"
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit code: 0 passed, 1 failed, 3 not verified (2 is bad input, raised before)."""
+        return VERDICT_EXIT_CODES[self.verdict]
 
     def failure(self) -> str:
         """Why the report does not pass, in one line ("" when it passes)."""
@@ -73,13 +98,17 @@ class ValidationReport:
             return f"{len(failed)} comparison(s) failed (first: {failed[0].backend} {failed[0].output})"
         if not any(r.status == "pass" for r in self.rows):
             return ("nothing was compared (no output or norm could be checked), so nothing is verified; see the "
-                    "notes, or compare outputs with a second backend or a PyTorch source")
+                    "notes, and " + (self.unverified or "compare outputs with a second backend or a PyTorch source"))
+        if not self.passed:
+            return self.unverified or ("only self-consistency was checked (each norm against the oracle of the graph's "
+                                       "own spec); compare with a second backend or pass --source DIR")
         return ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model, "source": self.source, "reference": self.reference, "inputs": self.inputs,
-            "backends": self.backends, "passed": self.passed, "failure": self.failure(),
+            "backends": self.backends, "verdict": self.verdict, "passed": self.passed, "failure": self.failure(),
+            "not_verified": self.unverified,
             "rows": [r.to_dict() for r in self.rows], "norms": [n.to_dict() for n in self.norms], "notes": self.notes,
             "nodes_per_provider": self.node_assignment,
         }
@@ -112,13 +141,18 @@ class ValidationReport:
         for r in failed:
             if r.result is not None and (r.result.first_bad or r.result.problem()):
                 text.append(f"FAIL {r.backend} {r.output}: {r.result.summary()}")
-            elif r.result is None and r.detail:
-                text.append(f"FAIL {r.backend} {r.output}: {r.detail}")
+            elif r.result is None and r.detail:  # a detail naming its norm itself (the static contract's) stands alone
+                text.append(f"FAIL {r.backend}: {r.detail}" if r.detail.startswith(r.output) else
+                            f"FAIL {r.backend} {r.output}: {r.detail}")
         text += [f"note: {n}" for n in self.notes]
         counts = {s: sum(r.status == s for r in self.rows) for s in ("pass", "FAIL", "skipped")}
         text.append(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['skipped']} skipped")
-        if not self.passed:
+        if self.verdict == "failed":
             text.append(f"FAIL: {self.failure()}")
+        elif self.verdict == "not verified":
+            text.append(f"NOT VERIFIED: {self.failure()}")
+        elif self.unverified:
+            text.append(f"not verified: {self.unverified}")
         return "\n".join(text)
 
     def backends_ran(self) -> list[str]:

@@ -17,6 +17,7 @@ from rmsnorm_deploy.contract.tolerances import (
     subnormal_input_allowance,
     tolerance_for,
 )
+from rmsnorm_deploy.exporter.norm_contract import NormContract
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.validate.backends import BACKENDS
 from rmsnorm_deploy.validate.feeds import FLOAT_DTYPES, array_dtype
@@ -48,6 +49,27 @@ class ValidationRun:
     #: the source run in the model's dtype, beside a float64 reference (its own error sets the bound)
     source_outputs: dict[str, np.ndarray] | None = None
     initializers: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    #: the spec detection confirmed on each norm of the source, by module path (empty without a source)
+    source_specs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+#: what a norm row compares with: the oracle of the spec confirmed on the source's norm (or, for a
+#: standalone norm, of its spec, which is its source), or of the graph's own spec, which can only
+#: show that the graph computes what it states
+ORACLE_OF_SOURCE = "float64 oracle (the checkpoint's spec)"
+ORACLE_OF_STANDALONE = "float64 oracle"
+SELF_CONSISTENCY = "self-consistency (the graph's own spec)"
+
+
+def norm_oracle(run: ValidationRun, site: NormUnderTest) -> tuple[Any, str, bool]:
+    """The spec a norm's oracle uses, what the row says it compares with, and whether that is
+    independent of the graph under test."""
+    path = site.reduction.node.split("#")[0]
+    if site.spec is not None and path in run.source_specs:
+        return run.source_specs[path], ORACLE_OF_SOURCE, True
+    if is_standalone(run.meta):
+        return site.spec, ORACLE_OF_STANDALONE, True
+    return site.spec, SELF_CONSISTENCY, False
 
 
 def is_standalone(meta: ModelMetadata | None) -> bool:
@@ -78,7 +100,7 @@ def output_rows(run: ValidationRun) -> list[CheckRow]:
     if reference_outputs is None:
         if len(labels) < 2:
             notes.append("outputs not compared: one backend and no PyTorch source; the norms are checked against "
-                         "their float64 oracle")
+                         "the oracle of their own spec (self-consistency)")
             return rows
         base = labels[0]
         pairs = [(k, lab, results[base], base, "backends") for k, lab in zip(keys[1:], labels[1:])]
@@ -124,6 +146,7 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
     rows = []
     for site in sites:
         red, tensors = site.reduction, site.reduction.tensors
+        spec, against, independent = norm_oracle(run, site)
         if standalone and ref_label == "float64" and run.source_module is not None and tensors.output in run.model_outputs:
             continue  # the output rows already compare this norm with the same oracle
         for key, label in zip(keys, labels):
@@ -131,7 +154,7 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
             missing = [n for n in tensors.names() if n not in values and n != tensors.sum_output]
             name = f"norm {red.node}"
             if missing:
-                rows.append(CheckRow(label, name, "float64 oracle", "norm", status="skipped",
+                rows.append(CheckRow(label, name, against, "norm", status="skipped",
                                      detail=f"{label} did not return {missing}"))
                 continue
             x = sum(values[n].astype(np.float64) for n in tensors.inputs)
@@ -139,20 +162,20 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
             gain = values[tensors.gain] if tensors.gain else None
             dtype = array_dtype(y)
             if dtype not in FLOAT_DTYPES or dtype == "float64":
-                rows.append(CheckRow(label, name, "float64 oracle", "norm", status="skipped",
+                rows.append(CheckRow(label, name, against, "norm", status="skipped",
                                      detail=f"{dtype} output"))
                 continue
             x_t = torch.from_numpy(np.ascontiguousarray(x))
-            if site.spec is not None:
+            if spec is not None:
                 check = "norm"
                 g_t = None if gain is None else to_torch(gain.astype(np.float64))
                 z_t = (torch.from_numpy(np.ascontiguousarray(values[tensors.gate].astype(np.float64)))
                        if tensors.gate else None)
-                expected = oracle(site.spec, x_t, g_t, z_t)
+                expected = oracle(spec, x_t, g_t, z_t)
                 gain_abs = np.ones(()) if gain is None else np.abs(gain.astype(np.float64))
-                tol = norm_tolerance(check, BACKENDS[key].tolerance_backend, dtype, site.spec, float(np.max(gain_abs, initial=0.0)))
+                tol = norm_tolerance(check, BACKENDS[key].tolerance_backend, dtype, spec, float(np.max(gain_abs, initial=0.0)))
                 # the row rms only scales the subnormal-input allowance; the expected value is the oracle's
-                rms = np.sqrt(np.mean(x * x, axis=site.spec.axes, keepdims=True) + site.spec.epsilon_float32)
+                rms = np.sqrt(np.mean(x * x, axis=spec.axes, keepdims=True) + spec.epsilon_float32)
                 allowance = subnormal_input_allowance(dtype, gain_abs, rms)
             else:
                 check = "layer_norm"
@@ -168,7 +191,23 @@ def norm_rows(run: ValidationRun, sites: list[NormUnderTest]) -> list[CheckRow]:
                 tol = tolerance_for(check, BACKENDS[key].tolerance_backend, dtype)
                 allowance = None
             res = compare(y, expected, tol, name=name, dtype=dtype, allowance=allowance)
-            rows.append(CheckRow(label, name, "float64 oracle", check, res, "pass" if res else "FAIL", res.problem()))
+            rows.append(CheckRow(label, name, against, check, res, "pass" if res else "FAIL", res.problem(),
+                                 independent=independent))
+    return rows
+
+
+def contract_rows(contract: NormContract) -> list[CheckRow]:
+    """The static contract against the source (``exporter.norm_contract``): a failure per field
+    that differs, else one row for all the norms compared."""
+    rows = [CheckRow("static", f"norm {m.norm}", "checkpoint", "contract", status="FAIL", detail=m.message)
+            for m in contract.mismatches]
+    if not rows and contract.compared:
+        count = len(contract.compared)
+        rows.append(CheckRow("static", f"norm contract ({count} norm{'s' if count > 1 else ''})", "checkpoint",
+                             "contract", detail="every norm's spec, precision and gain values match the checkpoint's"))
+    if not rows:
+        rows.append(CheckRow("static", "norm contract", "checkpoint", "contract", status="skipped",
+                             detail="no norm of the graph could be compared with the checkpoint"))
     return rows
 
 

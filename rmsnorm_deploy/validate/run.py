@@ -11,10 +11,17 @@ Two kinds of evidence, each measured under the tolerance table:
   For any other graph there is no source: the backends are compared with the first one.
 * **norms**: every RMSNorm and LayerNorm the audit finds, in isolation. Its boundary tensors
   (input, gain, output) become extra outputs of the graph, and each backend's output is
-  compared with the float64 oracle of the spec the norm implies (ours: the spec on the node;
-  a third party's: epsilon and axes from the graph, the gain the graph multiplies by), computed
-  from that backend's own input to the norm. Exposing boundary tensors leaves the norm's own
-  ops, and so ONNX Runtime's fusions of them, as they are.
+  compared with a float64 oracle computed from that backend's own input to the norm: of the
+  spec detection confirms on the source's norm at the same module path when there is a source,
+  else of the spec the graph states (ours: the spec on the node; a third party's: epsilon and
+  axes from the graph, the gain the graph multiplies by), which shows self-consistency only.
+  Exposing boundary tensors leaves the norm's own ops, and so ONNX Runtime's fusions of them,
+  as they are.
+
+With a source, the static contract (``exporter.norm_contract``) also compares each norm's spec,
+precision and gain, and the set of norms, with the source's. The verdict is ``passed`` only when
+something independent of the graph was compared (a source, a second backend, a standalone norm's
+own oracle); else ``not verified`` (exit 3), never a pass.
 
 Inputs come from the metadata (kinds ``activations``, ``token_ids``, ``weight`` and the
 dims' optimal sizes) or, for any other graph, from its declared inputs; ``stress`` inputs put
@@ -32,17 +39,34 @@ from onnx import numpy_helper
 
 from rmsnorm_deploy.decoder.kv_model import kv_source
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.detect import detect_norms
+from rmsnorm_deploy.exporter.loaded_model import INPUT_NAME
+from rmsnorm_deploy.exporter.norm_contract import check_norm_contract
 from rmsnorm_deploy.exporter.plan import REPORT_NAME
 from rmsnorm_deploy.exporter.rebuild import rebuild_source
 from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
-from rmsnorm_deploy.graph.onnx_file import load_onnx, save_onnx
+from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.graph.placement import name_norms
 from rmsnorm_deploy.runners.torch import TorchRunner
 from rmsnorm_deploy.validate.backends import BACKENDS, check_provider_options, parse_backends
 from rmsnorm_deploy.validate.feeds import check_feed, elem_dtype, generate_feed, load_feed
-from rmsnorm_deploy.validate.norms import norm_report, norms_under_test, record_what_ran, with_exposed_tensors
+from rmsnorm_deploy.validate.norms import (
+    norm_report,
+    norms_under_test,
+    record_what_ran,
+    save_scratch,
+    with_exposed_tensors,
+)
 from rmsnorm_deploy.validate.report import CheckRow, ValidationReport
-from rmsnorm_deploy.validate.rows import ValidationRun, broken_norm_rows, is_standalone, norm_rows, output_rows
+from rmsnorm_deploy.validate.rows import (
+    ValidationRun,
+    broken_norm_rows,
+    contract_rows,
+    is_standalone,
+    norm_rows,
+    output_rows,
+)
 
 REFERENCES = ("auto", "torch", "float64")
 
@@ -86,14 +110,15 @@ def validate_model(
         feed, described, feed_notes = generate_feed(model, meta, kind=inputs, seed=seed, dims=dims)
         notes += feed_notes
         check_feed(feed, model, meta)
-    source_module, source_label, ref_label = _reference_source(meta, reference, notes, Path(path).parent, source)
+    source_module, source_label, ref_label, rebuilt = _reference_source(meta, reference, notes, Path(path).parent,
+                                                                        source)
     notes += _export_report_notes(Path(path), meta)
 
-    reductions = audit_model(model)
+    reductions = name_norms(audit_model(model), meta)
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    contract, source_specs = _contract_against_source(reductions, meta, rebuilt, initial, feed, notes)
     sites = norms_under_test(model, reductions) if check_norms else []
-    for site in sites:
-        if site.skip_reason:
-            notes.append(f"norm {site.reduction.node} not compared: {site.skip_reason}")
+    notes += [f"norm {site.reduction.node} not compared: {site.skip_reason}" for site in sites if site.skip_reason]
     checked_sites = [s for s in sites if not s.skip_reason and not s.failure]
     model_outputs = [o.name for o in model.graph.output]
     output_dtypes = {o.name: elem_dtype(o.type.tensor_type.elem_type) for o in model.graph.output}
@@ -106,7 +131,7 @@ def validate_model(
         exposed = [n for s in checked_sites for n in s.exposed]
         run_path = Path(path)
         if exposed:
-            run_path = save_onnx(with_exposed_tensors(model, exposed), workdir / "model-with-norm-outputs.onnx")
+            run_path = save_scratch(with_exposed_tensors(model, exposed), workdir / "model-with-norm-outputs.onnx")
         results: dict[str, dict[str, np.ndarray]] = {}
         node_assignment: dict[str, dict[str, int]] = {}
         for key, label in zip(keys, labels):
@@ -132,11 +157,10 @@ def validate_model(
                 # A whole model is held to its source's own distance from float64 (accuracy bounds).
                 with TorchRunner(source_module) as torch_runner:
                     source_outputs = torch_runner.infer(feed)
-        initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
-
         run = ValidationRun(keys, labels, results, feed, model_outputs, output_dtypes, notes, meta, ref_label,
-                            source_label, source_module, reference_outputs, source_outputs, initial)
+                            source_label, source_module, reference_outputs, source_outputs, initial, source_specs)
         rows += output_rows(run)
+        rows += contract
         if check_norms:
             rows += broken_norm_rows(run, sites)
             rows += norm_rows(run, checked_sites)
@@ -144,7 +168,44 @@ def validate_model(
               f"{meta.lowering})" if meta else "third-party graph (no rmsnorm_deploy metadata)")
     reference_text = {"torch": f"{source_label}, run in the model's dtype", "float64": f"{source_label} in float64",
                       "backends": f"outputs: the first backend ({labels[0]}); norms: their float64 oracle"}[ref_label]
-    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, node_assignment)
+    return ValidationReport(str(path), source, reference_text, described, labels, rows, norms, notes, node_assignment,
+                            unverified=_what_is_not_verified(meta, source_module is not None, labels))
+
+
+def _what_is_not_verified(meta: ModelMetadata | None, has_source: bool, labels: list[str]) -> str:
+    """What this run compared with nothing independent of the graph, and how to compare it ("" if nothing)."""
+    if has_source or len(labels) > 1:
+        return ""
+    how = ("pass --source DIR (the Hugging Face folder it was exported from) or "
+           if meta is not None and meta.source.get("kind") == "hf" else "")
+    return (f"the outputs were compared with nothing independent of the graph (no PyTorch source, one backend: "
+            f"{labels[0]}), and each norm only with the oracle of the graph's own spec; to verify them, {how}add a "
+            "second backend (e.g. --providers cpu,cuda)")
+
+
+def _contract_against_source(reductions: list[Any], meta: ModelMetadata | None, rebuilt: Any,
+                             initializers: dict[str, Any], feed: dict[str, np.ndarray],
+                             notes: list[str]) -> tuple[list[CheckRow], dict[str, Any]]:
+    """The static contract of every norm against the source (``exporter.norm_contract``): its rows,
+    and the spec detection confirms on each of the source's norms (by module path); none without a
+    source, or for a standalone norm (its spec is its source)."""
+    import torch
+
+    if rebuilt is None or meta is None or is_standalone(meta):
+        return [], {}
+
+    # the rebuilt module takes the graph's inputs; a KV-cache graph's unwrapped source takes the token ids only
+    names = [INPUT_NAME] if meta.kv_cache is not None else list(feed)
+    example = {name: torch.from_numpy(feed[name]) for name in names if name in feed} or None
+    try:
+        detection = detect_norms(rebuilt, dtype=meta.dtype, example=example)
+    except UserError as exc:
+        return [CheckRow("static", "norm contract", "checkpoint", "contract", status="skipped",
+                         detail=f"the source's norms could not be detected ({exc}); each norm is checked for "
+                         "self-consistency only")], {}
+    contract = check_norm_contract(reductions, meta, detection, initializers)
+    notes += contract.notes
+    return contract_rows(contract), {n.path: n.spec for n in detection.norms}
 
 
 def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
@@ -173,8 +234,9 @@ def _export_report_notes(path: Path, meta: ModelMetadata | None) -> list[str]:
 
 
 def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[str], model_dir: Path,
-                      source: str | Path | None = None) -> tuple[Any, str, str]:
-    """The PyTorch module to compare outputs with, its label, and ``torch``/``float64``/``backends``."""
+                      source: str | Path | None = None) -> tuple[Any, str, str, Any]:
+    """The PyTorch module to compare outputs with, its label, ``torch``/``float64``/``backends``, and
+    the rebuilt source itself (not wrapped for a KV cache: the module whose norms detection reads)."""
     if meta is None and source is not None:
         raise UserError("--source gives the PyTorch source of a model exported by rmsnorm-deploy; this graph has no "
                         "rmsnorm_deploy metadata, so drop --source")
@@ -183,21 +245,22 @@ def _reference_source(meta: ModelMetadata | None, reference: str, notes: list[st
             raise UserError("--reference torch needs a model exported by rmsnorm-deploy (its metadata rebuilds the "
                             "PyTorch source); this graph has none: use --reference float64 (each norm against its "
                             "float64 oracle, backends against each other)")
-        return None, "", "backends"
+        return None, "", "backends", None
 
     kind = meta.source.get("kind", "unknown")
     try:
-        module = kv_source(rebuild_source(meta, model_dir=model_dir, source_path=source), meta)
+        rebuilt = rebuild_source(meta, model_dir=model_dir, source_path=source)
+        module = kv_source(rebuilt, meta)
     except (UserError, ImportError) as exc:
         why = f"cannot rebuild the PyTorch source of kind {kind!r}: {exc}"
         if reference != "auto":
             raise UserError(f"--reference {reference}: {why}") from None
         notes.append(why + "; comparing backends with each other and each norm with its float64 oracle instead")
-        return None, "", "backends"
+        return None, "", "backends", None
     label = f"torch source ({kind})"
     if kind != "standalone" and reference == "torch":
         notes.append("a whole model is held to the float64 run of its source (tolerances.ACCURACY_BOUNDS): its distance "
                      "to the source in its own dtype grows with depth and decides nothing, so --reference torch is "
                      "read as float64")
     whole_model = kind != "standalone"
-    return module, label, "float64" if reference == "float64" or whole_model else "torch"
+    return module, label, "float64" if reference == "float64" or whole_model else "torch", rebuilt

@@ -62,6 +62,22 @@ def test_validate_exits_1_on_a_parity_failure(tmp_path, capsys):
     assert "FAIL onnxruntime[cpu] y:" in out and "would pass with" in out and "1 failed" in out
 
 
+def test_validate_exits_3_when_nothing_independent_is_compared(tmp_path, capsys):
+    """A graph without metadata on one backend: its norm agrees with its own spec, which verifies
+    nothing; with --no-norms nothing is compared at all. Neither passes."""
+    model = rmsnorm_model(named_specs()["llama"], dtype="float32", shape=(8, 64))
+    del model.metadata_props[:]
+    path = save_onnx(model, tmp_path / "third-party.onnx")
+    assert main(["validate", str(path), "--json"]) == 3
+    data = json.loads(capsys.readouterr().out)
+    assert data["verdict"] == "not verified" and data["passed"] is False
+    assert "second backend" in data["not_verified"] and "--source" not in data["not_verified"]
+    assert [(r["status"], r["against"]) for r in data["rows"]] == [("pass", "self-consistency (the graph's own spec)")]
+    assert main(["validate", str(path), "--no-norms"]) == 3
+    out = capsys.readouterr().out
+    assert "0 passed, 0 failed" in out and "NOT VERIFIED: nothing was compared" in out
+
+
 @pytest.mark.parametrize("command", ["validate", "audit"])
 def test_bad_model_files_are_one_line_errors(tmp_path, model_path, capsys, command):
     (tmp_path / "text.onnx").write_text("this is not a model")

@@ -31,6 +31,16 @@ from tests.cases import DTYPES
 pytest.importorskip("onnxruntime", reason="needs onnxruntime: pip install 'rmsnorm-deploy[onnxruntime]'")
 
 
+def assert_self_consistent(report) -> None:
+    """One backend and no source: every norm agrees with the oracle of its own spec, which verifies
+    nothing (exit 3, saying how to verify it), never a pass."""
+    assert report.verdict == "not verified" and report.exit_code == 3 and not report.passed, report.table()
+    norm_rows = [r for r in report.rows if r.output.startswith("norm ")]
+    assert norm_rows and all(r.status == "pass" and not r.independent for r in norm_rows), report.table()
+    assert all(r.against == "self-consistency (the graph's own spec)" for r in norm_rows), report.table()
+    assert "second backend" in report.failure() and "NOT VERIFIED" in report.table()
+    assert report.to_dict()["verdict"] == "not verified"
+
 def _save(model, tmp_path, name="model.onnx"):
     return save_onnx(model, tmp_path / name)
 
@@ -94,7 +104,10 @@ def test_source_that_cannot_be_rebuilt(tmp_path):
     meta.write(model)
     path = _save(model, tmp_path)
     report = validate_model(path)
-    assert report.passed and "cannot rebuild the PyTorch source of kind 'preset'" in " ".join(report.notes)
+    # one backend and no source: each norm against the oracle of its own spec verifies nothing
+    assert report.verdict == "not verified" and report.exit_code == 3, report.table()
+    assert "cannot rebuild the PyTorch source of kind 'preset'" in " ".join(report.notes)
+    assert "add a second backend" in report.failure() and "--source" not in report.failure()
     assert [r.output for r in report.rows] == ["norm rmsnorm"]
     with pytest.raises(UserError, match="--reference torch: cannot rebuild the PyTorch source of kind 'preset'"):
         validate_model(path, reference="torch")
@@ -127,7 +140,7 @@ def _third_party(tmp_path, dtype=TP.FLOAT16):
 @pytest.mark.parametrize("dtype", [TP.FLOAT, TP.FLOAT16], ids=["float32", "float16"])
 def test_third_party_graph_checks_each_norm_against_its_oracle(tmp_path, dtype, inputs):
     report = validate_model(_third_party(tmp_path, dtype), inputs=inputs, dims={"batch": 2, "seq": 7})
-    assert report.passed, report.table()
+    assert_self_consistent(report)
     rows = {r.output: r for r in report.rows}
     assert set(rows) == {"norm n1", "norm n2", "norm n3"} or set(rows) == {
         f"norm {n.name}" for n in report.norms}, report.table()
@@ -163,7 +176,7 @@ def test_onnx_exported_torch_norm_is_validated(tmp_path):
     from tests.graph.test_audit import rms_chain
 
     report = validate_model(_save(rms_chain(TP.FLOAT16, cast_to=TP.FLOAT, divide=False), tmp_path), inputs="stress")
-    assert report.passed, report.table()
+    assert_self_consistent(report)
     (norm,) = report.norms
     assert norm.op == "Pow>ReduceMean>Add>Sqrt>Reciprocal" and norm.precision == "float32"
 

@@ -80,22 +80,43 @@ def test_model_matches_its_source(tmp_path, dtype, inputs):
     path = save_onnx(linear_norm_model(dtype), tmp_path / "model.onnx")
     report = validate_model(path, inputs=inputs)
     assert report.passed, report.table()
-    assert [(r.output, r.check) for r in report.rows] == [("y", "model_vs_float64"), ("norm norm", "norm")]
+    assert [(r.output, r.check, r.against) for r in report.rows] == [
+        ("y", "model_vs_float64", "torch source (test-linear-norm) f64"),
+        ("norm contract (1 norm)", "contract", "checkpoint"),
+        ("norm norm", "norm", "float64 oracle (the checkpoint's spec)")]
     assert report.inputs["x"]["shape"] == [2, 7, HIDDEN]  # the metadata's optimal sizes
     assert report.source.startswith(f"{KIND} (rmsnorm_deploy metadata")
 
 
 def test_model_that_departs_from_its_source_fails(tmp_path, capsys):
-    """Weights of another seed in the graph: the model check fails, the norm on its own still passes."""
+    """Weights of another seed in the graph: the model check fails, and the norm's gain differs from the
+    source's (the static contract); the norm on its own still computes its spec."""
     model = linear_norm_model("float32", seed=1)
     meta = ModelMetadata.read(model)
     meta.source = {"kind": KIND, "seed": 2}
     meta.write(model)
     path = save_onnx(model, tmp_path / "model.onnx")
     report = validate_model(path)
-    statuses = {r.output: r.status for r in report.rows}
-    assert statuses == {"y": "FAIL", "norm norm": "pass"}, report.table()
+    statuses = [(r.backend, r.output, r.status) for r in report.rows]
+    assert statuses == [("onnxruntime[cpu]", "y", "FAIL"), ("static", "norm norm", "FAIL"),
+                        ("onnxruntime[cpu]", "norm norm", "pass")], report.table()
+    assert "gain values differ from the checkpoint's weight" in report.rows[1].detail
     assert main(["validate", str(path)]) == 1
+
+
+def test_a_norm_that_departs_from_its_source_fails_the_static_contract(tmp_path):
+    """The node's epsilon and gain differ from the source's norm: rows naming the norm and each field."""
+    model = linear_norm_model("float32")
+    node = model.graph.node[0]
+    node.attribute[[a.name for a in node.attribute].index("epsilon")].f = 0.5
+    gain = next(i for i in model.graph.initializer if i.name == "gain")
+    gain.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(gain) * 2, "gain"))
+    report = validate_model(save_onnx(model, tmp_path / "model.onnx"))
+    details = [r.detail for r in report.rows if r.check == "contract" and r.status == "FAIL"]
+    assert "norm norm: epsilon 0.5 in the graph, 1e-05 in the metadata" in details, report.table()
+    assert "norm norm: epsilon 0.5 in the graph, 1e-05 in the checkpoint" in details, report.table()
+    assert any(d.startswith("norm norm: gain values differ from the checkpoint's weight at 48 of 48") for d in details)
+    assert report.verdict == "failed" and report.exit_code == 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
