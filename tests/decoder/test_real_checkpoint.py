@@ -10,6 +10,8 @@ the graph (``decoder.quantize.dequantized_reference``).
 
 from __future__ import annotations
 
+import contextlib
+
 import onnx
 import pytest
 
@@ -83,26 +85,43 @@ def test_the_prompts_are_what_the_cases_say(real_weights):
     assert LONG_PROMPT < len(long) < 2 * LONG_PROMPT
 
 
+@pytest.fixture(scope="module")
+def sessions(real_weights):
+    """``kind -> KVCacheModel``: the export opened once for the tests that follow each other on it (an
+    ONNX Runtime session over 300-600 MB of weights); one open at a time."""
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, KVCacheModel] = {}
+
+        def get(kind: str) -> KVCacheModel:
+            if kind not in opened:
+                stack.close()
+                opened.clear()
+                opened[kind] = stack.enter_context(KVCacheModel(real_weights.export(kind).folder))
+            return opened[kind]
+
+        yield get
+
+
 @pytest.mark.parametrize("case", list(NEW_TOKENS))
 @pytest.mark.parametrize("kind", FLOAT_EXPORTS)
-def test_generate_gives_transformers_greedy_tokens(real_weights, transformers_tokens, kind, case):
+def test_generate_gives_transformers_greedy_tokens(sessions, transformers_tokens, kind, case):
     prompts, pad, want = transformers_tokens(case)
-    with KVCacheModel(real_weights.export(kind).folder) as model:
-        assert model.special["pad_token_id"] == pad
-        got = generate(model, prompts, max_new_tokens=NEW_TOKENS[case])
+    model = sessions(kind)
+    assert model.special["pad_token_id"] == pad
+    got = generate(model, prompts, max_new_tokens=NEW_TOKENS[case])
     assert got.tokens == want
     if case == "chat":  # the weights are a trained model's, not noise that two runtimes agree on
         assert "Paris" in got.text[0], got.text[0]
 
 
 @pytest.mark.parametrize("kind", QUANTIZED_EXPORTS)
-def test_a_quantized_export_generates_its_dequantized_references_greedy_tokens(real_weights, kind):
+def test_a_quantized_export_generates_its_dequantized_references_greedy_tokens(real_weights, sessions, kind):
     export = real_weights.export(kind)
     loaded = real_weights.reference()
     prompts = _prompts(real_weights, "chat")
-    with KVCacheModel(export.folder) as model:
-        pad = model.special["pad_token_id"]
-        got = generate(model, prompts, max_new_tokens=QUANTIZED_NEW_TOKENS)
+    model = sessions(kind)
+    pad = model.special["pad_token_id"]
+    got = generate(model, prompts, max_new_tokens=QUANTIZED_NEW_TOKENS)
     graph = onnx.load(str(export.model), load_external_data=False)
     ids, mask = left_padded(prompts, pad)
     with dequantized_reference(loaded.module, graph, ModelMetadata.read(graph).quantization, base_dir=export.folder):
