@@ -19,6 +19,7 @@ from rmsnorm_deploy.decoder.quantize import Quantization
 
 pytest.importorskip("transformers", reason="transformers loads the checkpoint the exports are held to")
 pytest.importorskip("onnxruntime", reason="the export-time parity check runs ONNX Runtime CPU")
+pytestmark = pytest.mark.slow  # the exports of a 135M model, made once per run
 
 QUANTIZED = {"kv-ort-int8": "int8", "kv-ort-int4": "int4"}
 VOCABULARY = 49152

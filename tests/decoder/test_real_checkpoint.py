@@ -23,6 +23,7 @@ from rmsnorm_deploy.graph.metadata import ModelMetadata
 
 pytest.importorskip("transformers", reason="transformers is the reference the exports are held to")
 pytest.importorskip("onnxruntime", reason="generate runs ONNX Runtime")
+pytestmark = pytest.mark.slow  # the exports of a 135M model, made once per run
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 #: Three prompts of different lengths: a batch left-padded by different amounts.

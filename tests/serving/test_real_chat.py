@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("onnxruntime", reason="the engine runs ONNX Runtime")
 pytest.importorskip("transformers", reason="transformers is the reference the answer is held to")
 openai = pytest.importorskip("openai", reason="the test speaks through the official openai client")
+pytestmark = pytest.mark.slow  # the exports of a 135M model, made once per run
 
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.serving._openai import openai_server  # noqa: E402
