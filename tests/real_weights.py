@@ -9,6 +9,10 @@ Each export is made once per test run and shared by every pytest-xdist worker: t
 ask makes it under a file lock in the run's shared temporary folder, the others wait and reuse it.
 The CLI is called in-process (``cli.main``), as a user runs it, and its exit code and printed output
 are kept with the folder.
+
+The tests hold the exports to transformers on the same float32 folder (:meth:`RealWeights.reference`,
+loaded as the exports' own parity loads it, once per worker) and speak through its tokenizer and chat
+template (:meth:`RealWeights.chat_ids`), so prompts are real text, not random ids.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import importlib.util
 import io
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -107,6 +111,8 @@ class RealWeights:
 
     def __init__(self, root: Path):
         self.root = root
+        self._reference: Any = None
+        self._tokenizer: Any = None
 
     def hf_folder(self) -> Path:
         from rmsnorm_deploy.exporter.gguf import hf_folder_from_gguf
@@ -130,3 +136,29 @@ class RealWeights:
                 record.write_text(json.dumps({"exit_code": code, "output": output}))
             data = json.loads(record.read_text())
         return RealExport(kind, folder, data["exit_code"], data["output"])
+
+    def reference(self) -> Any:
+        """The float32 checkpoint in transformers (a ``LoadedModel``: ``.module`` is the exported module
+        tree, ``.module.model`` the causal LM), loaded as the exports' parity loads it; once per process."""
+        if self._reference is None:
+            from rmsnorm_deploy.exporter.hf import load_folder
+
+            self._reference = load_folder(self.hf_folder(), "float32")
+        return self._reference
+
+    def tokenizer(self) -> Any:
+        """transformers' tokenizer of the checkpoint's folder (its chat template included)."""
+        if self._tokenizer is None:
+            import transformers
+
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.hf_folder()), local_files_only=True)
+        return self._tokenizer
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt the chat template makes of ``messages``, ready for the assistant's answer."""
+        return list(self.tokenizer().apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                         return_dict=False))
+
+    def text_ids(self, text: str) -> list[int]:
+        """``text`` as the checkpoint's tokens (no special tokens added)."""
+        return list(self.tokenizer()(text, add_special_tokens=False)["input_ids"])
