@@ -170,3 +170,22 @@ def _effective_gain(spec: RMSNormSpec, weight: Any) -> np.ndarray | None:
     if weight is None or not spec.has_gain:
         return None
     return weight + 1.0 if spec.gain == "offset" else weight
+
+
+def check_file_contract(path: Any, detection: Detection) -> NormContract:
+    """:func:`check_norm_contract` of the graph at ``path`` (its weights left on disk: only the norms'
+    gains are read from its external data) against ``detection``, the norms of the module exported."""
+    from pathlib import Path
+
+    import onnx
+    from onnx import numpy_helper
+
+    from rmsnorm_deploy.graph.audit import audit_model
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    reductions = audit_model(model)
+    gains = {r.tensors.gain for r in reductions if r.tensors is not None and r.tensors.gain}
+    initializers = {i.name: numpy_helper.to_array(i, base_dir=str(path.parent))
+                    for i in model.graph.initializer if i.name in gains}
+    return check_norm_contract(reductions, ModelMetadata.read(model), detection, initializers)

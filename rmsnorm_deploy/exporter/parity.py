@@ -11,7 +11,10 @@ and a larger one, so the dynamic batch and sequence axes are exercised too):
 Checks: ONNX Runtime against float64 no farther than the ``("model_vs_float64",
 "onnxruntime", dtype)`` accuracy bound allows *relative to PyTorch's own distance from
 float64* (an exported model may not be less accurate than its source); and every norm
-reduction of the graph ONNX Runtime actually ran accumulates in float32. ONNX Runtime against
+reduction of the graph ONNX Runtime actually ran accumulates in float32; and, given the source's
+detected norms, the static contract of every norm of the graph as written
+(``norm_contract``: its spec field by field, its precision, its gain values, the set of norms),
+which catches what no float32 number can (a gain applied before the cast back). ONNX Runtime against
 PyTorch in the same dtype is shown as context: two runtimes summing in different orders drift
 apart with depth, on a trained 30-layer model further than either is from float64, so that
 distance cannot decide (the tolerance table says why). A parity that compared nothing fails.
@@ -40,6 +43,8 @@ import torch
 from rmsnorm_deploy.contract.compare import CompareResult, compare
 from rmsnorm_deploy.contract.tolerances import Tolerance, accuracy_bound_for, tolerance_for
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.exporter.detect import Detection
+from rmsnorm_deploy.exporter.norm_contract import check_file_contract
 from rmsnorm_deploy.exporter.routing import TopKRecorder, diagnose_routing, has_topk
 from rmsnorm_deploy.exporter.upcast import float64_outputs
 from rmsnorm_deploy.graph.audit import audit_model
@@ -72,6 +77,9 @@ class ModelParity:
     comparisons: list[Comparison] = dataclasses.field(default_factory=list)
     ort_norm_ops: str = ""
     ort_accumulation: str = ""
+    #: the static contract of the graph's norms against the source's: norms compared, and each mismatch's line
+    contract_compared: int = 0
+    contract_mismatches: list[str] = dataclasses.field(default_factory=list)
     #: per failed feed with TopK nodes in the graph: ``routing.RoutingDiagnosis.to_dict()``
     routing: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -85,6 +93,7 @@ class ModelParity:
             "comparisons": [c.to_dict() for c in self.comparisons],
             "onnxruntime_norm_ops": self.ort_norm_ops, "onnxruntime_norm_accumulation": self.ort_accumulation,
             "routing": self.routing,
+            "norm_contract": {"compared": self.contract_compared, "mismatches": self.contract_mismatches},
         }
 
     def table(self) -> str:
@@ -97,6 +106,10 @@ class ModelParity:
                          r.tolerance.describe() if c.checked else "-", status])
         text = format_table(headers, rows) if rows else ""
         lines = [text] if text else []
+        if self.contract_compared or self.contract_mismatches:
+            verdict = "FAIL" if self.contract_mismatches else "pass"
+            lines.append(f"norm contract: {self.contract_compared} norms against the source's specs and gains: {verdict}")
+            lines += [f"  {m}" for m in self.contract_mismatches]
         if self.ort_norm_ops:
             lines.append(f"ONNX Runtime CPU ran the norms as {self.ort_norm_ops}, accumulating in {self.ort_accumulation}")
         verdict = f"parity: {self.status.upper()}"
@@ -157,16 +170,23 @@ def check_parity(
     *,
     dtype: str,
     torch_outputs: Sequence[dict[str, torch.Tensor] | None] = (),
+    detection: Detection | None = None,
 ) -> ModelParity:
     """Run and compare on each feed (see the module docstring). ``norms``: the detected norms of ``module``."""
     expected = torch_expectations(module, norms, feeds, dtype=dtype, torch_outputs=torch_outputs)
-    return compare_with_onnxruntime(model_path, expected, dtype=dtype)
+    return compare_with_onnxruntime(model_path, expected, dtype=dtype, detection=detection)
 
 
-def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[Expected], *, dtype: str) -> ModelParity:
-    """The ONNX Runtime side of the parity check, against :func:`torch_expectations`."""
+def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[Expected], *, dtype: str,
+                             detection: Detection | None = None) -> ModelParity:
+    """The ONNX Runtime side of the parity check, against :func:`torch_expectations`; with
+    ``detection`` (the exported module's norms), the static contract of the graph's norms too."""
     feeds = [e.feed for e in expected]
     parity = ModelParity(dtype, {k: [list(f[k].shape) for f in feeds] for k in feeds[0]}, "pass")
+    if detection is not None:
+        contract = check_file_contract(model_path, detection)
+        parity.contract_compared = len(contract.compared)
+        parity.contract_mismatches = [m.message for m in contract.mismatches]
     try:
         ort_runs, ran = _run_onnxruntime(Path(model_path), [{k: v.numpy() for k, v in f.items()} for f in feeds])
     except UserError as exc:
@@ -207,6 +227,11 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
             parity.status = "FAIL"
             parity.reason = f"ONNX Runtime ran {len(low)} norm reduction(s) in {low[0].accumulation}"
     failed = [c for c in parity.comparisons if c.checked and not c.result.passed]
+    if parity.contract_mismatches and parity.status != "FAIL":
+        parity.status = "FAIL"
+        parity.reason = "norm contract: " + "; ".join(parity.contract_mismatches[:3]) + (
+            f" (and {len(parity.contract_mismatches) - 3} more)" if len(parity.contract_mismatches) > 3 else "")
+        return parity
     if not any(c.checked for c in parity.comparisons) and parity.status != "FAIL":
         parity.status, parity.reason = "FAIL", "no output of the graph was compared with the float64 reference"
     if failed and parity.status != "FAIL":

@@ -230,7 +230,7 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             if expected is not None:
 
                 with progress.stage("parity: ONNX Runtime CPU vs PyTorch and vs float64") as st:
-                    result.parity = compare_with_onnxruntime(staged_target, expected, dtype=dtype)
+                    result.parity = compare_with_onnxruntime(staged_target, expected, dtype=dtype, detection=detection)
                     st.note(result.parity.status)
                 timings["parity_onnxruntime_s"] = st.seconds
                 report["parity"] = result.parity.to_dict()

@@ -62,14 +62,16 @@ def quiet_logger(name: str) -> Iterator[None]:
 def release_weights(loaded: Any, detection: Any) -> None:
     """Free the module's weights. Each parameter and buffer is emptied in place rather than only
     dereferenced, because libraries keep references: onnxscript's rewrite rules hold on to the
-    last graph they matched, whose stale values hold the module's parameters."""
+    last graph they matched, whose stale values hold the module's parameters. The norms' gains
+    (a vector each) are kept, copied: the parity's static contract compares the graph's with them."""
     import gc
 
+    gains = {id(n): None if n.weight is None else n.weight.detach().clone() for n in detection.norms}
     with torch.no_grad():
         for t in list(loaded.module.parameters()) + list(loaded.module.buffers()):
             t.data = torch.empty(0, dtype=t.dtype)
     loaded.module = None  # type: ignore[assignment]
     for norm in detection.norms:
         norm.module = None  # type: ignore[assignment]
-        norm.weight = None
+        norm.weight = gains[id(norm)]
     gc.collect()

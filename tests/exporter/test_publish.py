@@ -64,8 +64,8 @@ def test_two_concurrent_exports_leave_a_consistent_pair(tmp_path, monkeypatch):
     real_lock = getattr(pipeline_mod, "output_lock", None)
     threads: dict[str, threading.Thread] = {}
 
-    def compare(path, expected, *, dtype):
-        result = real_compare(path, expected, dtype=dtype)
+    def compare(path, expected, *, dtype, detection=None):
+        result = real_compare(path, expected, dtype=dtype, detection=detection)
         if dtype == "float32":
             a_in_parity.set()
             for _ in range(1200):  # at most 60 s
