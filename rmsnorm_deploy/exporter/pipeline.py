@@ -29,9 +29,10 @@ Steps (each one a line of progress on stderr):
    the lowering; the norm reductions ``audit`` finds must equal the norm calls and all
    accumulate in float32 (or wider); the graph must place every norm call where the PyTorch
    model does (``graph/placement.py``), else the export is refused naming the norm and both
-   placements; metadata (``metadata.ModelMetadata``, with the placements). Then the
-   weights are added, one tensor at a time; past 2 GB they go to ``model.onnx.data``,
-   written straight from the exporter's tensors so the weights are never held twice.
+   placements; metadata (``metadata.ModelMetadata``, with the placements). The weights are
+   never copied into it: under 2 GB they are appended to ``model.onnx`` at the save, past it
+   they go to ``model.onnx.data``, one tensor at a time straight from the exporter's tensors,
+   so the weights are never held twice; the module is freed before the file is checked.
 5. **Check** the written file with ``onnx.checker`` (full check; not for the ``ort``
    lowering, whose ``SimplifiedLayerNormalization`` is an ONNX Runtime op the checker does
    not know) before it replaces anything.
@@ -201,25 +202,18 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             staged_data: Path | None = None
             try:
                 with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
-                    model, staged_data, weights = _finish_graph(program, detection, options, staged_target, meta, st,
-                                                                source_placements)
+                    model, staged_data, weights = _finish_graph(program, detection, options, staged_target, meta,
+                                                                st, source_placements)
                     del program
                 timings["onnx_graph_s"] = st.seconds
                 del module
-
-                def release() -> None:
-                    """The graph's and the module's weights freed: they are in the file now."""
-                    weights.clear()
-                    if options.release_model and loaded.module is not None:
-                        release_weights(loaded, detection)
-
+                release = _releaser(loaded, detection, options, weights)
                 if staged_data is not None:
                     release()
                 with progress.stage(f"saving {target} (onnx.checker full check first)") as st:
                     if stale:
                         st.note(f"removed {', '.join(p.name for p in stale)}, left by an interrupted export")
-                    # Inline weights are written from the exporter's tensors, which may share the
-                    # module's memory: the module is released once they are in the file, before the check.
+                    # inline weights (the exporter's tensors may share the module's) are freed once in the file
                     save_onnx(model, staged_target, force=True, staged_data=staged_data, weights=weights,
                               check=lambda tmp: (release(), _checker(tmp, options, stage=st)))
                     staged_data = None
@@ -252,6 +246,19 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             publish(stage, target, names, force=options.force)
     report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     return result
+
+
+def _releaser(loaded: LoadedModel, detection: Detection, options: ExportOptions,
+              weights: list[Any]) -> Any:
+    """A callable that frees the graph's weights and (``release_model``) the module's, once they
+    are in the file; calling it again does nothing."""
+
+    def release() -> None:
+        weights.clear()
+        if options.release_model and loaded.module is not None:
+            release_weights(loaded, detection)
+
+    return release
 
 
 def _run_torch(loaded: LoadedModel, module: torch.nn.Module, feed: dict[str, Any], detection: Detection,
