@@ -12,7 +12,13 @@ exported file in a fresh process. Target: peak RSS under 3x the weight bytes.
 
 Writes benchmarks/results/export_scale.json and .md. ``--model 8b`` measures the streamed,
 quantized export of a model of Llama-3-8B's shape instead (``export_scale_8b.py``; results in
-``export_scale_8b.{json,md}``).
+``export_scale_8b.{json,md}``). ``--model folder --folder DIR`` measures the export of a real
+checkpoint's Hugging Face folder in its own dtype (``--kv-cache`` too), the same way; ``--code DIR``
+runs another checkout's package (the code before a change), ``--label`` names the run. Each such run
+is kept in ``export_scale_real.json`` and the table of all of them is the "Real checkpoints"
+section of ``export_scale.md``.
+
+    python benchmarks/bench_export_scale.py --model folder --folder DIR [--kv-cache] [--code DIR --label before]
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TARGET_RATIO = 3.0
+#: A real checkpoint's float32 export: peak RSS at most this many times its weights.
+REAL_TARGET_RATIO = 4.0
 
 PRESET = """\
 description = "LLaMA-3.2-1B-shaped decoder (benchmark)"
@@ -189,6 +197,129 @@ def run(layers: int, keep: bool) -> dict:
     }
 
 
+def run_folder(folder: Path, kv_cache: bool, code: Path, label: str) -> dict:
+    """The export of a Hugging Face folder as the user runs it (``--kv-cache`` or not), measured by
+    :func:`measure` with ``code`` first on ``PYTHONPATH``."""
+    with tempfile.TemporaryDirectory(prefix="bench-export-scale-") as tmp:
+        out = Path(tmp) / "out"
+        cmd = [sys.executable, "-m", "rmsnorm_deploy", "export", str(folder), "-o", str(out), "--force"]
+        cmd += ["--kv-cache"] if kv_cache else []
+        env = dict(os.environ, PYTHONPATH=str(code))
+        run_ = measure(cmd, env, tmp)
+        return folder_record(folder, kv_cache, label, run_, out)
+
+
+def folder_record(folder: Path, kv_cache: bool, label: str, run_: dict, out: Path) -> dict:
+    """What :func:`run_folder` keeps of a measured export (``run_``: :func:`measure`'s) into ``out``."""
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    files = {p.name: p.stat().st_size for p in out.glob("*") if p.suffix in (".onnx", ".data")}
+    weight_bytes = report.get("weight_bytes") or sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    stages = [{"stage": s["name"].replace(str(folder), "<folder>").replace(str(out), "<out>"),
+               "seconds": s.get("seconds"), "peak_rss_gib": round(s["peak_kib"] / 2**20, 2)} for s in run_["stages"]]
+    return {
+        "checkpoint": folder.name, "label": label, "kv_cache": kv_cache,
+        "command": "rmsnorm-deploy export <folder>" + (" --kv-cache" if kv_cache else ""),
+        "model": {"type": config.get("model_type"), "layers": config.get("num_hidden_layers"),
+                  "hidden": config.get("hidden_size"), "vocab": config.get("vocab_size"),
+                  "parameters": report.get("parameters"), "dtype": report.get("dtype", "float32"),
+                  "weight_bytes": weight_bytes},
+        "exit_code": run_["exit_code"], "wall_s": round(run_["wall_s"], 1),
+        "peak_rss_bytes": run_["peak_kib"] * 1024,
+        "peak_rss_over_weights": round(run_["peak_kib"] * 1024 / weight_bytes, 2),
+        "stages": stages, "files": files,
+        "parity": report.get("parity", {}).get("status"),
+        "stderr_tail": run_["stderr"][-3:],
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "versions": report.get("versions", {}),
+    }
+
+
+_REAL_HEADING = "## Real checkpoints"
+
+
+def _real_section(runs: list[dict]) -> str:
+    """The "Real checkpoints" section of export_scale.md: every kept run, then each run's stages."""
+    gib = 2**30
+    lines = [
+        _REAL_HEADING, "",
+        "Real pretrained checkpoints, float32, exported as users run them (`rmsnorm-deploy export <folder>`, "
+        "with and without `--kv-cache`, portable target), written by "
+        "`benchmarks/bench_export_scale.py --model folder`: "
+        "the child's resident memory is sampled every 0.1 s from /proc and each sample attributed to the stage its "
+        "`export [N] ...` progress line says it is in; the peak is the larger of the samples and the kernel's "
+        "high-water mark (`ru_maxrss`, what `/usr/bin/time -v` reports). `before` ran the previous code "
+        "(`--code` a copy of it). A parity FAIL here is the parity rule's, not the memory's. Wall times are "
+        "those of a shared 2-core machine under a load average near 10: compare the memory, not the seconds.", "",
+        "Where the memory went before: in every run the peak was the save. Under 2 GB the graph was built as one "
+        "`ModelProto` holding every weight (beside the PyTorch module's own, in the writing stage), serialized by "
+        "`onnx.save_model` (at least one more copy, as bytes) and read back by `onnx.checker` in the same process "
+        "(the file's bytes and the parsed message: two more; measured alone, 2.0x the file). Not the logits: the largest, [3, 21, 262144] in float64, is 132 MiB. "
+        "Not torch.onnx.export: "
+        "its graph shares the module's tensors. Now the weights are appended to the file one tensor at a time from the "
+        "exporter's tensors (protobuf merges a message field that occurs twice, so `graph { initializer }` fragments "
+        "after the model parse as its initializers) and the module is freed before the checker reads the file. What "
+        "remains: the module and the float64 parity run (Gemma's scaled embedding is an `nn.Embedding` subclass whose "
+        "whole table was widened to float64, 1.3 GB; now only the rows it gathers are), `compare()` on the logits (its "
+        "float64 temporaries: 1.5 GB more on [3, 21, 262144], measured alone: the peak of Gemma's plain export now), "
+        "the checker's two copies, and ONNX Runtime's session (the parsed model, its own copies of the initializers "
+        "and prepacked MatMul weights; the optimized model it writes for the audit of a model under 1 GB now keeps "
+        "its weights in a file beside it: 2.07 to 1.67 GB for SmolLM2's, measured alone). A 0.5 GB model also pays "
+        "the interpreter, torch and ONNX Runtime themselves (about 0.45 GB), nearly one more times its weights.", "",
+        "| checkpoint | model | export | code | weights (GiB) | peak RSS (GiB) | x weights | wall (s) | peak stage "
+        "| parity |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in runs:
+        peak = max(r["stages"], key=lambda s: s["peak_rss_gib"])
+        m = r["model"]
+        model = f"{m['type']}, {(m['parameters'] or 0) / 1e6:.1f}M, {m['layers']} layers, vocab {m['vocab']}"
+        lines.append(f"| {r['checkpoint']} | {model} | {'--kv-cache' if r['kv_cache'] else 'plain'} | {r['label']} | "
+                     f"{r['model']['weight_bytes'] / gib:.2f} | {r['peak_rss_bytes'] / gib:.2f} | "
+                     f"{r['peak_rss_over_weights']:.1f} | {r['wall_s']:.0f} | {peak['stage']} | {r['parity']} |")
+    groups: dict[tuple[str, bool], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["checkpoint"], r["kv_cache"]), []).append(r)
+    for (checkpoint, kv_cache), group in groups.items():
+        export = "--kv-cache" if kv_cache else "plain"
+        lines += ["", f"**{checkpoint}, {export}**: seconds / peak RSS (GiB) per stage", "",
+                  "| stage | " + " | ".join(r["label"] for r in group) + " |",
+                  "|---|" + "---:|" * len(group)]
+        names = list(dict.fromkeys(st["stage"] for r in group for st in r["stages"]))
+        for name in names:
+            cells = []
+            for r in group:
+                st = next((x for x in r["stages"] if x["stage"] == name), None)
+                secs = "-" if st is None or st["seconds"] is None else f"{st['seconds']:.1f}"
+                cells.append("" if st is None else f"{secs} / {st['peak_rss_gib']:.2f}")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _with_real_section(text: str) -> str:
+    """``text`` (export_scale.md up to its real-checkpoint section) followed by that section as kept."""
+    head = text.split(_REAL_HEADING)[0].rstrip("\n") + "\n"
+    kept = RESULTS / "export_scale_real.json"
+    if not kept.exists():
+        return head
+    return head + "\n" + _real_section(json.loads(kept.read_text()))
+
+
+def write_real(result: dict) -> None:
+    """Keep ``result`` in export_scale_real.json (replacing the run of the same checkpoint, export and
+    label) and rewrite the real-checkpoint section of export_scale.md."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    kept_path = RESULTS / "export_scale_real.json"
+    kept = json.loads(kept_path.read_text()) if kept_path.exists() else []
+    key = (result["checkpoint"], result["kv_cache"], result["label"])
+    kept = [r for r in kept if (r["checkpoint"], r["kv_cache"], r["label"]) != key] + [result]
+    kept.sort(key=lambda r: (r["checkpoint"], r["kv_cache"], r["label"] != "before", r["label"]))
+    kept_path.write_text(json.dumps(kept, indent=1) + "\n")
+    md = RESULTS / "export_scale.md"
+    md.write_text(_with_real_section(md.read_text() if md.exists() else ""))
+
+
 def write(result: dict) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "export_scale.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -235,14 +366,19 @@ def write(result: dict) -> None:
         lines += ["", "| parity comparison | shape | max abs | status |", "|---|---|---:|---|"]
         for r in result["parity_rows"]:
             lines.append(f"| {r['label']} | {r['shape']} | {r['max_abs']:.3g} | {r['status']} |")
-    (RESULTS / "export_scale.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "export_scale.md").write_text(_with_real_section("\n".join(lines) + "\n"))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("1b", "8b"), default="1b",
+    parser.add_argument("--model", choices=("1b", "8b", "folder"), default="1b",
                         help="1b: the traced float16 export of a 1.24B model (default); 8b: Llama-3-8B's shape "
-                             "streamed and quantized (export_scale_8b.py)")
+                             "streamed and quantized (export_scale_8b.py); folder: a real checkpoint (--folder)")
+    parser.add_argument("--folder", type=Path, default=None, help="folder: the checkpoint's Hugging Face folder")
+    parser.add_argument("--kv-cache", action="store_true", help="folder: export with --kv-cache")
+    parser.add_argument("--code", type=Path, default=ROOT, help="folder: the checkout whose package runs "
+                        "(default this one; another one measures the code before a change)")
+    parser.add_argument("--label", default="after", help="folder: the run's name in the results (default after)")
     parser.add_argument("--layers", type=int, default=None, help="layers (default 16 for 1b, 32 for 8b)")
     parser.add_argument("--keep", action="store_true", help="keep the exported model (1b: under export/bench-llama-1b/)")
     parser.add_argument("--no-write", action="store_true", help="print only; do not update benchmarks/results")
@@ -258,6 +394,16 @@ def main() -> int:
         print(json.dumps({k: {kk: v[kk] for kk in ("exit_code", "wall_s", "export_peak_rss_gib", "target_met")}
                           for k, v in result["schemes"].items()}, indent=1))
         return 0 if all(v["exit_code"] == 0 and v["target_met"] for v in result["schemes"].values()) else 1
+    if ns.model == "folder":
+        if ns.folder is None or not (ns.folder / "config.json").is_file():
+            parser.error("--model folder needs --folder, a Hugging Face folder with a config.json")
+        result = run_folder(ns.folder.resolve(), ns.kv_cache, ns.code.resolve(), ns.label)
+        print(json.dumps({k: result[k] for k in ("checkpoint", "label", "kv_cache", "exit_code", "wall_s",
+                                                 "peak_rss_bytes", "peak_rss_over_weights", "stages", "parity",
+                                                 "stderr_tail")}, indent=1))
+        if not ns.no_write:
+            write_real(result)
+        return 0 if result["peak_rss_over_weights"] <= REAL_TARGET_RATIO else 1
     ns.layers = ns.layers or 16
     result = run(ns.layers, ns.keep)
     print(json.dumps({k: result[k] for k in ("wall_s", "peak_rss_bytes", "peak_rss_over_weights",

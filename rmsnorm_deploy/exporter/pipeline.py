@@ -29,9 +29,10 @@ Steps (each one a line of progress on stderr):
    the lowering; the norm reductions ``audit`` finds must equal the norm calls and all
    accumulate in float32 (or wider); the graph must place every norm call where the PyTorch
    model does (``graph/placement.py``), else the export is refused naming the norm and both
-   placements; metadata (``metadata.ModelMetadata``, with the placements). Then the
-   weights are added, one tensor at a time; past 2 GB they go to ``model.onnx.data``,
-   written straight from the exporter's tensors so the weights are never held twice.
+   placements; metadata (``metadata.ModelMetadata``, with the placements). The weights are
+   never copied into it: under 2 GB they are appended to ``model.onnx`` at the save, past it
+   they go to ``model.onnx.data``, one tensor at a time straight from the exporter's tensors,
+   so the weights are never held twice; the module is freed before the file is checked.
 5. **Check** the written file with ``onnx.checker`` (full check; not for the ``ort``
    lowering, whose ``SimplifiedLayerNormalization`` is an ONNX Runtime op the checker does
    not know) before it replaces anything.
@@ -201,18 +202,20 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             staged_data: Path | None = None
             try:
                 with progress.stage(f"writing the {lowering} RMSNorm nodes, auditing the graph, adding the weights") as st:
-                    model, staged_data = _finish_graph(program, detection, options, staged_target, meta, st,
-                                                        source_placements)
+                    model, staged_data, weights = _finish_graph(program, detection, options, staged_target, meta,
+                                                                st, source_placements)
                     del program
                 timings["onnx_graph_s"] = st.seconds
                 del module
-                if options.release_model:
-                    release_weights(loaded, detection)
+                release = _releaser(loaded, detection, options, weights)
+                if staged_data is not None:
+                    release()
                 with progress.stage(f"saving {target} (onnx.checker full check first)") as st:
                     if stale:
                         st.note(f"removed {', '.join(p.name for p in stale)}, left by an interrupted export")
-                    save_onnx(model, staged_target, force=True, staged_data=staged_data,
-                              check=lambda tmp: _checker(tmp, options, stage=st))
+                    # inline weights (the exporter's tensors may share the module's) are freed once in the file
+                    save_onnx(model, staged_target, force=True, staged_data=staged_data, weights=weights,
+                              check=lambda tmp: (release(), _checker(tmp, options, stage=st)))
                     staged_data = None
                     del model
                 timings["save_s"] = st.seconds
@@ -243,6 +246,19 @@ def run_export(loaded: LoadedModel, plan: ExportPlan, *, progress: Progress | No
             publish(stage, target, names, force=options.force)
     report["timings_s"] = {k: round(v, 3) for k, v in timings.items()}
     return result
+
+
+def _releaser(loaded: LoadedModel, detection: Detection, options: ExportOptions,
+              weights: list[Any]) -> Any:
+    """A callable that frees the graph's weights and (``release_model``) the module's, once they
+    are in the file; calling it again does nothing."""
+
+    def release() -> None:
+        weights.clear()
+        if options.release_model and loaded.module is not None:
+            release_weights(loaded, detection)
+
+    return release
 
 
 def _run_torch(loaded: LoadedModel, module: torch.nn.Module, feed: dict[str, Any], detection: Detection,
@@ -437,13 +453,14 @@ _WEIGHT_BYTES = 1024
 
 def _finish_graph(program: Any, detection: Detection, options: ExportOptions, target: Path,
                   meta: ModelMetadata, stage: Any,
-                  source_placements: dict[str, str]) -> tuple[onnx.ModelProto, Path | None]:
+                  source_placements: dict[str, str]) -> tuple[onnx.ModelProto, Path | None, list[Any]]:
     """The exported graph as a checked ModelProto with canonical, lowered norm nodes and metadata.
 
-    The graph is serialized without its weights, rewritten and audited, and only then are the
-    weights added, one tensor at a time (each folded copy freed as it goes): inline, or past the
-    2 GB protobuf limit written to a staging file beside ``target`` (returned; the caller renames
-    or removes it) straight from the exporter's tensors.
+    The graph is serialized without its weights, rewritten and audited; the weights are never
+    copied into it. Under the 2 GB protobuf limit they are returned as the exporter's tensors
+    (``save_onnx(weights=...)`` writes them into the file one at a time); past it they are
+    written to a staging file beside ``target`` (returned; the caller renames or removes it)
+    straight from the exporter's tensors, and the model refers to them.
     """
     from onnxscript import ir
 
@@ -476,6 +493,7 @@ def _finish_graph(program: Any, detection: Detection, options: ExportOptions, ta
 
     clock = time.perf_counter()
     staged = None
+    inline: list[Any] = []
     try:
         if total >= EXTERNAL_DATA_THRESHOLD:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -490,15 +508,15 @@ def _finish_graph(program: Any, detection: Detection, options: ExportOptions, ta
                 ir.serde.serialize_tensor_into(model.graph.initializer.add(), from_=tensor)
             stage.note(f"{total / 2**30:.2f} GiB of weights written to external data in {time.perf_counter() - clock:.1f}s")
         else:
-            for n in list(tensors):
-                tensor = tensors.pop(n)  # each folded copy is freed once serialized
+            for n, tensor in tensors.items():
                 tensor.name = n
-                ir.serde.serialize_tensor_into(model.graph.initializer.add(), from_=tensor)
+            inline = list(tensors.values())
     except BaseException:
         if staged is not None and staged.exists():
             staged.unlink()
         raise
-    return model, staged
+    tensors.clear()
+    return model, staged, inline
 
 
 def _canonicalize_norm_nodes(model: onnx.ModelProto, detection: Detection, dtype: str) -> int:

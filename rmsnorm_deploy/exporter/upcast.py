@@ -9,6 +9,9 @@ at a time, only while that module runs:
 * exact ``nn.Linear``: the float64 product computed over chunks of output rows, so at most
   :data:`CHUNK_BYTES` of a weight is widened at once;
 * exact ``nn.Embedding``: rows gathered in the weight's dtype, then widened (exact);
+* subclasses of ``nn.Embedding`` (Gemma's scaled embedding: ``super().forward(ids) * scale``):
+  their weight reads as float64 while it is only a view (:class:`WidenedOnGather`): the rows
+  the embedding gathers are widened, the table is not (262144 x 640 in float64 is 1.3 GB);
 * detected norms: replaced by :class:`OracleRMSNorm`;
 * any other module with its own floating-point parameters or buffers: those are widened
   for the duration of its forward and put back afterwards; so are the parameters of the
@@ -92,6 +95,39 @@ class OracleRMSNorm(torch.nn.Module):
         return oracle(self.spec, x, self.weight if self.spec.has_gain else None, gate)
 
 
+class WidenedOnGather(torch.Tensor):
+    """A weight that reads as float64 and holds only its own dtype: an embedding lookup gathers
+    rows in that dtype and widens them (exact, as widening the whole table then gathering); any
+    other use of it widens the whole weight for that op only."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor) -> WidenedOnGather:
+        return torch.Tensor._make_wrapper_subclass(cls, weight.shape, dtype=torch.float64, device=weight.device)
+
+    def __init__(self, weight: torch.Tensor):
+        self.narrow = weight
+
+    def __repr__(self) -> str:
+        return f"WidenedOnGather({self.narrow.dtype}, {list(self.narrow.shape)})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten.embedding.default and isinstance(args[0], cls):
+            return func(args[0].narrow, *args[1:], **(kwargs or {})).to(torch.float64)
+
+        def unwrap(t: Any) -> Any:
+            return t.narrow.to(torch.float64) if isinstance(t, cls) else t
+
+        return func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def _widened(module: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a parameter or buffer of ``module`` named ``name``) as the float64 run reads it."""
+    if name == "weight" and isinstance(module, torch.nn.Embedding) and module.max_norm is None:
+        return WidenedOnGather(t.detach())
+    return t.detach().to(torch.float64)
+
+
 def _linear64(module: torch.nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
         x64 = x.to(torch.float64)
@@ -138,7 +174,7 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
             for name, t in table.items():
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
                     store[(group, name)] = t
-                    table[name] = t.detach().to(torch.float64)
+                    table[name] = _widened(module, name, t)
 
     def widen(module: torch.nn.Module, _inputs: Any) -> None:
         widen_own(module)

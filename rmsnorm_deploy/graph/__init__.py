@@ -7,8 +7,8 @@ lowerings    how a norm node is written: function, plugin, inline, native, ort; 
 standalone   ``rmsnorm_model``: a one-norm model for parity sweeps and benchmarks
 metadata     ``ModelMetadata``: spec, lowering, dtype, source and dims stored in the model
 onnx_file    ``load_onnx``/``save_onnx``: safe reads (external data kept in its folder) and
-             atomic writes with the user's umask; a model and its report staged and published
-             together under a folder lock
+             atomic writes with the user's umask, weights streamed in one tensor at a time; a
+             model and its report staged and published together under a folder lock
 audit        every normalization reduction of any graph and the dtype it accumulates in: the
              pattern matchers (fused ops, our nodes, decomposed chains)
 reductions   what the audit finds: ``Reduction``, ``NormTensors``, low-precision and broken ones

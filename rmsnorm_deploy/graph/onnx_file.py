@@ -14,7 +14,7 @@ import functools
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import onnx
 from onnx import external_data_helper
@@ -297,12 +297,75 @@ def publish(stage: Path, target: str | os.PathLike, names: list[str], *, force: 
     os.replace(stage / model_name, t.parent / model_name)
 
 
+# -- weights streamed into a model file, one tensor at a time ---------------------------------------
+#: Field numbers (onnx.proto) of ``ModelProto.graph``, ``GraphProto.initializer``, ``TensorProto.raw_data``.
+_MODEL_GRAPH, _GRAPH_INITIALIZER, _TENSOR_RAW_DATA = 7, 5, 9
+
+
+def _field_head(field: int, length: int) -> bytes:
+    """The tag and length of a length-delimited protobuf field."""
+    out = bytearray()
+    for n in ((field << 3) | 2, length):
+        while n > 0x7F:
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out.append(n)
+    return bytes(out)
+
+
+def _streamable(tensor: Any) -> bool:
+    """A tensor whose little-endian bytes ``tofile`` writes as they are (not strings, not external data)."""
+    import onnx_ir as ir
+
+    return not isinstance(tensor, (ir.StringTensor, ir.ExternalTensor, ir.serde.TensorProtoTensor))
+
+
+def write_with_weights(model: onnx.ModelProto, weights: Iterable[Any], path: str | os.PathLike) -> int:
+    """Write ``model`` to ``path``, then each of ``weights`` (onnx_ir tensors, named) as an
+    initializer of its graph, straight from the tensor's memory; returns the bytes written.
+
+    Protobuf parses a message field that occurs twice as the two merged, so each weight is
+    appended as ``graph { initializer { ... } }`` after the serialized model: the file reads
+    as the model with the weights in it, while the writer never holds a serialized copy of
+    them (``onnx.save_model`` of a model with its weights holds the message and its bytes:
+    twice the weights). Files past protobuf's 2 GB limit need external data instead.
+    """
+    import onnx_ir as ir
+
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+        for tensor in weights:
+            if not _streamable(tensor):
+                body = ir.serde.serialize_tensor(tensor).SerializeToString()
+                initializer = _field_head(_GRAPH_INITIALIZER, len(body))
+                f.write(_field_head(_MODEL_GRAPH, len(initializer) + len(body)) + initializer + body)
+                continue
+            header = onnx.TensorProto(name=tensor.name, data_type=tensor.dtype.value, dims=tensor.shape.numpy())
+            if tensor.doc_string:
+                header.doc_string = tensor.doc_string
+            for key, value in tensor.metadata_props.items():
+                header.metadata_props.add(key=key, value=value)
+            head = header.SerializeToString() + _field_head(_TENSOR_RAW_DATA, tensor.nbytes)
+            body_length = len(head) + tensor.nbytes
+            initializer = _field_head(_GRAPH_INITIALIZER, body_length)
+            f.write(_field_head(_MODEL_GRAPH, len(initializer) + body_length) + initializer + head)
+            start = f.tell()
+            tensor.tofile(f)
+            if f.tell() - start != tensor.nbytes:
+                raise ValueError(f"weight {tensor.name!r}: wrote {f.tell() - start} bytes for its {tensor.nbytes}")
+        size = f.tell()
+    if size >= EXTERNAL_DATA_THRESHOLD:
+        raise ValueError(f"{path}: {size} bytes is past protobuf's 2 GB limit; write the weights as external data")
+    return size
+
+
 def save_onnx(
     model: onnx.ModelProto,
     path: str | os.PathLike,
     *,
     force: bool = False,
     staged_data: Path | None = None,
+    weights: Sequence[Any] = (),
     check: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` beside it past 2 GB.
@@ -310,6 +373,9 @@ def save_onnx(
     ``check``: called with the path of the written temporary file (its external data in
     place) before it replaces ``path``; if it raises, nothing is replaced. Checking the file
     rather than the in-memory model spares a serialized copy of the weights.
+
+    ``weights``: onnx_ir tensors written into the file as initializers of ``model``'s graph, one
+    at a time from their own memory (:func:`write_with_weights`); the file must stay under 2 GB.
 
     ``staged_data``: a file in the target's folder that already holds the model's external
     data (the export pipeline writes weights there straight from torch, so they are never
@@ -330,6 +396,14 @@ def save_onnx(
             onnx.save_model(model, str(tmp))
             os.chmod(staged_data, FILE_MODE)
             os.replace(staged_data, data_path)
+        return target
+    if weights:
+        with atomic_path(target, force=force) as tmp:
+            write_with_weights(model, weights, tmp)
+            if check is not None:
+                check(tmp)
+        if force and data_path.is_file() and not _references(model, data_name):
+            data_path.unlink()
         return target
     large = model.ByteSize() >= EXTERNAL_DATA_THRESHOLD if _small_enough_to_size(model) else True
     if large:

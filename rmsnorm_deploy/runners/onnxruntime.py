@@ -60,6 +60,9 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 #: The session option that makes ONNX Runtime keep each node's provider for
 #: ``InferenceSession.get_provider_graph_assignment_info()``.
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
+#: Session options that write the optimized model's initializers of 1 KB and more to a file beside it.
+OPTIMIZED_DATA = "session.optimized_model_external_initializers_file_name"
+OPTIMIZED_DATA_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_bytes"
 #: Providers whose libraries ``onnxruntime.preload_dlls()`` helps find.
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 #: Ops that only move data between devices (inserted by ONNX Runtime), and ops that only
@@ -268,6 +271,10 @@ class OnnxRuntimeRunner(Runner):
         }[self.optimization]
         if self.optimized_model_path is not None:
             options.optimized_model_filepath = str(self.optimized_model_path)
+            # its weights beside it, not in it: readers of the optimized graph want the graph, and
+            # ONNX Runtime would otherwise build it in memory with a copy of every weight
+            options.add_session_config_entry(OPTIMIZED_DATA, Path(self.optimized_model_path).name + ".data")
+            options.add_session_config_entry(OPTIMIZED_DATA_MIN_BYTES, "1024")
         if self.intra_op_threads is not None:
             options.intra_op_num_threads = self.intra_op_threads
         options.log_severity_level = 3

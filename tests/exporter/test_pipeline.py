@@ -176,6 +176,46 @@ def test_float64_view_equals_a_float64_copy_with_oracle_norms(variant):
     assert "forward" not in vars(module.model.output)  # patches removed
 
 
+class _ScaledEmbedding(torch.nn.Embedding):
+    """Gemma's embedding: the table's rows times sqrt(hidden), a buffer in the model's dtype."""
+
+    def __init__(self, table: torch.nn.Embedding):
+        super().__init__(table.num_embeddings, table.embedding_dim, dtype=table.weight.dtype)
+        self.weight.data.copy_(table.weight.data)
+        self.register_buffer("scale", torch.tensor(table.embedding_dim ** 0.5, dtype=table.weight.dtype),
+                             persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.scale.to(self.weight.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_float64_view_widens_the_rows_an_embedding_subclass_gathers_not_its_table(dtype):
+    """A subclass of nn.Embedding computes in float64 exactly as a float64 copy does, while its
+    weight stays the model's own tensor (a 262144-row table is 1.3 GB in float64)."""
+    from rmsnorm_deploy.exporter.detect import detect_norms
+    from rmsnorm_deploy.exporter.upcast import OracleRMSNorm, WidenedOnGather
+
+    module = load_torch_model("tiny", dtype).module
+    table = _ScaledEmbedding(module.model.tok_embeddings)
+    module.model.tok_embeddings = table
+    held = []
+    hook = table.register_forward_hook(lambda m, args, out: held.append((m.weight, out.dtype)))
+    norms = detect_norms(module).norms
+    ids = torch.from_numpy(token_ids((2, 9), 512, seed=4))
+    got = float64_outputs(module, norms, input_ids=ids)["logits"]
+    hook.remove()
+    [(weight, out_dtype)] = held
+    assert isinstance(weight, WidenedOnGather) and weight.dtype == torch.float64 and out_dtype == torch.float64
+    assert weight.narrow.data_ptr() == table.weight.data_ptr()  # no widened copy of the table
+    assert type(table.weight) is torch.nn.Parameter and table.weight.dtype == torch_dtype(dtype)  # restored
+    copy64 = copy.deepcopy(module).double()
+    with swapped_modules(copy64, {n.path: OracleRMSNorm(n.spec, copy64.get_submodule(n.path).weight) for n in norms}):
+        with torch.no_grad():
+            want = copy64(input_ids=ids)["logits"]
+    assert torch.equal(got, want)
+
+
 def test_oracle_norms_in_the_float64_view_are_the_spec_oracle():
     loaded = load_torch_model("tiny", "float32")
     from rmsnorm_deploy.exporter.detect import detect_norms
@@ -330,3 +370,32 @@ def test_a_not_exported_norm_that_the_traced_forward_calls_stops_the_export(tmp_
                                         r"the export traces but not by the example run"):
         export_model(loaded, tmp_path / "model.onnx", ExportOptions(batch=2, seq=7))
     assert detected and not any(tmp_path.iterdir())
+
+
+def test_the_weights_are_held_once_while_the_model_is_saved_and_released_before_the_check(tmp_path, monkeypatch):
+    """The saved graph carries no copy of the weights (they are streamed from the exporter's tensors
+    into the file), and the module's weights are freed before onnx.checker reads the file back:
+    a real checkpoint would otherwise hold them three or four times over."""
+    loaded = load_torch_model("tiny", "float32")
+    weight_bytes = loaded.weight_bytes()
+    saved, checked = [], []
+    save_onnx, checker = export_mod.save_onnx, export_mod._checker
+
+    def spy_save(model, path, **kwargs):
+        held = sum(len(t.raw_data) for t in model.graph.initializer)
+        saved.append((held, sum(t.nbytes for t in kwargs["weights"])))
+        return save_onnx(model, path, **kwargs)
+
+    def spy_checker(path, options, **kwargs):
+        checked.append((loaded.module, path.stat().st_size))
+        return checker(path, options, **kwargs)
+
+    monkeypatch.setattr(export_mod, "save_onnx", spy_save)
+    monkeypatch.setattr(export_mod, "_checker", spy_checker)
+    path = tmp_path / "model.onnx"
+    result = export_model(loaded, path, ExportOptions(batch=1, seq=4, release_model=True))
+    assert result.parity.status == "pass", result.parity.table()
+    [(held, streamed)] = saved
+    assert held < 4096 and streamed > 0.9 * weight_bytes  # the graph's own weights are the 1 KB-or-less ones
+    [(module, size)] = checked
+    assert module is None and size > weight_bytes  # released once the file holds the weights

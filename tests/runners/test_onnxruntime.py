@@ -78,6 +78,29 @@ def test_optimized_model_is_written_where_asked(tmp_path):
     assert target.stat().st_size > 0
 
 
+def test_optimized_model_keeps_its_weights_beside_it_not_in_it(tmp_path):
+    """Readers of the optimized graph (the audit of what ONNX Runtime ran) want the graph: its
+    weights of 1 KB and more go to a file beside it, so neither ONNX Runtime nor the reader holds
+    another copy of the model's weights."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])],
+                              initializer=[numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    target = tmp_path / "optimized.onnx"
+    with OnnxRuntimeRunner(model, ["cpu"], optimization="all", optimized_model_path=target) as runner:
+        runner.infer({"x": np.ones((2, 64), np.float32)})
+    graph_only = onnx.load(str(target), load_external_data=False)
+    assert all(len(t.raw_data) < 1024 for t in graph_only.graph.initializer)
+    assert (tmp_path / "optimized.onnx.data").stat().st_size >= weight.nbytes
+    with_data = onnx.load(str(target))
+    assert any(np.array_equal(numpy_helper.to_array(t), weight) for t in with_data.graph.initializer)
+
+
 @pytest.mark.parametrize(
     "feed_change, message",
     [
