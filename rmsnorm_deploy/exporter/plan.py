@@ -31,9 +31,11 @@ MAX_SEQ = 4096
 DEFAULT_BATCH, DEFAULT_SEQ = 2, 16
 REPORT_NAME = "report.json"
 #: The traced export's peak memory in weights: torch.onnx holds the model, the parity check runs it
-#: in float64 a weight at a time, and ONNX Runtime holds its own copy (2.8x measured for a 1.24B
-#: float16 model: benchmarks/results/export_scale.md). A model that would pass it is refused first.
-TRACED_PEAK_FACTOR = 3.0
+#: in float64 a weight at a time, and ONNX Runtime holds its own copy (measured: 2.8x for a 1.24B
+#: float16 model, 3.1-3.2x for real Gemma 3 270M in float32, 4.1x for SmolLM2-135M, of which ~0.45 GB
+#: is the libraries themselves: benchmarks/results/export_scale.md). A model that would pass it is
+#: refused first.
+TRACED_PEAK_FACTOR = 3.5
 #: What a model too large for the traced export can use instead.
 STREAMING_FIX = ("export --kv-cache --target onnxruntime (optionally --quantize int4) reads the weights tensor by "
                  "tensor, whatever the model's size")
