@@ -22,9 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="the .onnx file")
     parser.add_argument("--providers", default="cpu", help=_BACKEND_HELP)
     parser.add_argument("--reference", choices=("auto", "torch", "float64"), default="auto",
-                        help="what outputs are compared with: torch = the rebuilt PyTorch source in the model's "
-                        "dtype, float64 = the same source in float64 (for a standalone norm: its oracle); auto = "
-                        "torch when the model has our metadata, else the first backend (default)")
+                        help="what outputs are compared with: a whole exported model is always held to the float64 run "
+                        "of its rebuilt PyTorch source (no farther from it than the source in its own dtype is, "
+                        "times the table's bound); for a standalone norm, torch = its source in the model's dtype, "
+                        "float64 = its oracle; auto = the source when the model has our metadata, else the first "
+                        "backend (default)")
     parser.add_argument("--inputs", choices=("normal", "stress"), default="normal",
                         help="generated activations: normal N(0, 2^2), or stress values of 300..60000 whose squares "
                         "overflow float16, with all-zero rows (default normal)")

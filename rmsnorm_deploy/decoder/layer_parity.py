@@ -14,7 +14,8 @@ at a time instead, so that memory holds at most one layer of PyTorch weights:
    with the graph's and its weights go back to the meta device;
 3. the final norm's output times the LM head, read in blocks of rows, against the graph's logits.
 
-Tolerances are the whole model's rows of the tolerance table (``ort_parity.CHECKS``).
+Tolerances are the one-layer rows of the tolerance table (``ort_parity.LAYER_CHECKS``): each layer runs on
+the graph's own input, so rounding differences do not compound over depth as in a whole-model run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.tolerances import tolerance_at_scale
 from rmsnorm_deploy.decoder.convention import empty_past, layout_of
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, causal_lm, embedding_output, residual_output
-from rmsnorm_deploy.decoder.ort_parity import CHECKS, REFERENCES, ParityVerdict, decisive_tokens_equal
+from rmsnorm_deploy.decoder.ort_parity import LAYER_CHECKS, REFERENCES, ParityVerdict, decisive_tokens_equal
 from rmsnorm_deploy.decoder.quantize import (
     dequantize,
     dequantized_reference,
@@ -197,7 +198,7 @@ def layer_parity(loaded: LoadedModel, tensors: TensorSource, model_path: str | o
     names = [embedding_output(proto), *(residual_output(prefix, i) for i in range(layout.num_layers - 1))]
     graph = _graph_outputs(path, proto, names, feed, dtype)
     compute = quantization_of(meta.quantization)[0].compute if meta.quantization is not None else None
-    key = (CHECKS[compute], "onnxruntime", dtype)
+    key = (LAYER_CHECKS[compute], "onnxruntime", dtype)
     check = _LayerByLayer(loaded, tensors, proto, path.parent, graph, key, prefix)
     handles = []
     for i, layer in enumerate(lm.model.layers):

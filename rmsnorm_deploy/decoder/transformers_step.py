@@ -31,13 +31,15 @@ class TransformersStep:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: Any) -> tuple[np.ndarray, Any]:
-        """The last position's logits as float32 numpy (bfloat16 and float16 upcast exactly)."""
+        """The last position's logits as float32 numpy (bfloat16 and float16 upcast exactly; a float64 run
+        keeps float64)."""
         import torch
 
         with torch.no_grad():
             out = self.lm(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention_mask),
                           position_ids=torch.from_numpy(position_ids), cache=cache, use_cache=True)
-        return out.logits[:, -1, :].float().numpy(), out.cache
+        logits = out.logits[:, -1, :]
+        return (logits if logits.dtype == torch.float64 else logits.float()).numpy(), out.cache
 
 
 def transformers_steps(lm: Any, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,

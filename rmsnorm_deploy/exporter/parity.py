@@ -8,11 +8,13 @@ and a larger one, so the dynamic batch and sequence axes are exercised too):
   (``upcast.float64_view``): the ideal;
 * the ONNX model in ONNX Runtime CPU at its default optimization level (``all``).
 
-Checks: ONNX Runtime against PyTorch in the same dtype, within the ``("model",
-"onnxruntime", dtype)`` tolerance; ONNX Runtime against float64 no farther than the
-``("model_vs_float64", "onnxruntime", dtype)`` accuracy bound allows *relative to PyTorch's
-own distance from float64* (an exported model may not be less accurate than its source);
-and every norm reduction of the graph ONNX Runtime actually ran accumulates in float32.
+Checks: ONNX Runtime against float64 no farther than the ``("model_vs_float64",
+"onnxruntime", dtype)`` accuracy bound allows *relative to PyTorch's own distance from
+float64* (an exported model may not be less accurate than its source); and every norm
+reduction of the graph ONNX Runtime actually ran accumulates in float32. ONNX Runtime against
+PyTorch in the same dtype is shown as context: two runtimes summing in different orders drift
+apart with depth, on a trained 30-layer model further than either is from float64, so that
+distance cannot decide (the tolerance table says why). A parity that compared nothing fails.
 When ONNX Runtime CPU has no kernel for an op of the model (bfloat16 ``MatMul``), the
 parity is *not run* and says why: it is never reported as passed.
 
@@ -36,11 +38,7 @@ import numpy as np
 import torch
 
 from rmsnorm_deploy.contract.compare import CompareResult, compare
-from rmsnorm_deploy.contract.tolerances import (
-    Tolerance,
-    accuracy_bound_for,
-    tolerance_for,
-)
+from rmsnorm_deploy.contract.tolerances import Tolerance, accuracy_bound_for, tolerance_for
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.routing import TopKRecorder, diagnose_routing, has_topk
 from rmsnorm_deploy.exporter.upcast import float64_outputs
@@ -183,7 +181,7 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
         for e in expected:
             parity.comparisons += [Comparison(f"torch {dtype} vs float64", r, checked=False) for r in e.baseline.values()]
         return parity
-    tol = tolerance_for("model", BACKEND, dtype)
+    context = Tolerance(reason="context: the distance to PyTorch in the same dtype decides nothing (see module doc)")
     bound = accuracy_bound_for("model_vs_float64", BACKEND, dtype)
     failed_feeds = []
     for ort_outputs, e in zip(ort_runs, expected):
@@ -192,12 +190,13 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
             if name not in e.same_dtype:
                 parity.status, parity.reason = "FAIL", f"ONNX output {name!r} has no PyTorch counterpart"
                 continue
-            parity.comparisons.append(Comparison(
-                f"onnxruntime[cpu] vs torch {dtype}", compare(out, e.same_dtype[name], tol, name=name, dtype=dtype), True))
             allowed = bound.tolerance(e.baseline[name].max_abs)
             parity.comparisons.append(Comparison(
                 "onnxruntime[cpu] vs float64", compare(out, e.float64[name], allowed, name=name, dtype=dtype), True))
             parity.comparisons.append(Comparison(f"torch {dtype} vs float64", e.baseline[name], checked=False))
+            parity.comparisons.append(Comparison(
+                f"onnxruntime[cpu] vs torch {dtype}", compare(out, e.same_dtype[name], context, name=name, dtype=dtype),
+                checked=False))
         if any(c.checked and not c.result.passed for c in parity.comparisons[before:]):
             failed_feeds.append((ort_outputs, e))
     if ran is not None:
@@ -208,10 +207,12 @@ def compare_with_onnxruntime(model_path: str | os.PathLike, expected: Sequence[E
             parity.status = "FAIL"
             parity.reason = f"ONNX Runtime ran {len(low)} norm reduction(s) in {low[0].accumulation}"
     failed = [c for c in parity.comparisons if c.checked and not c.result.passed]
+    if not any(c.checked for c in parity.comparisons) and parity.status != "FAIL":
+        parity.status, parity.reason = "FAIL", "no output of the graph was compared with the float64 reference"
     if failed and parity.status != "FAIL":
         parity.status = "FAIL"
         parity.reason = "; ".join(f"{c.label}: {c.result.summary()}" for c in failed)
-        _diagnose_routing(parity, Path(model_path), failed_feeds, tol, dtype)
+        _diagnose_routing(parity, Path(model_path), failed_feeds, tolerance_for("model", BACKEND, dtype), dtype)
     return parity
 
 

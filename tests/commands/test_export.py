@@ -147,7 +147,7 @@ def test_parity_failure_is_exit_1_with_the_table(tmp_path, monkeypatch, capsys):
     out_dir = tmp_path / "out"
     assert main(["export", "tiny", "-o", str(out_dir)]) == 1
     out = capsys.readouterr().out
-    assert "parity: FAIL: onnxruntime[cpu] vs torch float32: logits" in out
+    assert "parity: FAIL: onnxruntime[cpu] vs float64: logits" in out
     report = json.loads((out_dir / "report.json").read_text())
     assert report["parity"]["status"] == "FAIL" and (out_dir / "model.onnx").is_file()
 

@@ -111,7 +111,7 @@ def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, b
     dec = build_decoder(llama, quantization=Quantization(scheme, block, level, head), max_length=64)
     parity = decode_parity(llama, dec.model, batch=3, prompt=7, steps=3)
     compute = "int8" if level == 4 else "float32"
-    assert parity.tolerance_key == ("quantized_model_int8" if compute == "int8" else "quantized_model",
+    assert parity.tolerance_key == ("quantized_model_int8" if compute == "int8" else "quantized_model_vs_float64",
                                     "onnxruntime", "float32")
     assert ("rounded to int8" in parity.reference) == (compute == "int8")
     assert not parity.failed, parity.table()
@@ -219,7 +219,7 @@ def test_cli_export_audit_and_generate(hf_folder, tmp_path, capsys):
     assert "int8 weights (block 16, symmetric), accuracy_level 1 (float32 compute), LM head too" in printed
     assert "vs the unquantized model (what quantization costs, not checked)" in printed
     report = json.loads((out / "report.json").read_text())
-    assert report["parity"]["status"] == "pass" and report["parity"]["tolerance"][0] == "quantized_model"
+    assert report["parity"]["status"] == "pass" and report["parity"]["tolerance"][0] == "quantized_model_vs_float64"
     assert report["parity"]["steps"][0]["name"] == "quantized weights vs the model's"
     assert main(["audit", str(out / "model.onnx")]) == 0
     audit = capsys.readouterr().out

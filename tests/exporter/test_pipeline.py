@@ -143,7 +143,7 @@ def test_parity_check_fails_on_a_graph_that_computes_something_else(tmp_path):
     onnx.save(model, str(path))
     feed = {"input_ids": torch.from_numpy(token_ids((2, 5), 512))}
     parity = check_parity(path, loaded.module, result.detection.norms, [feed], dtype="float32")
-    assert parity.failed and "onnxruntime[cpu] vs torch float32: logits" in parity.reason
+    assert parity.failed and "onnxruntime[cpu] vs float64: logits" in parity.reason
     assert "FAIL" in parity.table()
 
 

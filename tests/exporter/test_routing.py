@@ -144,7 +144,7 @@ def test_parity_reports_a_routing_tie_as_such_and_never_as_a_pass(tmp_path):
     parity = compare_with_onnxruntime(path, expected, dtype="float32")
     assert parity.status == ROUTING_TIE and parity.failed
     assert parity.reason.startswith("input 5 x 4: routing tie: the first of 1 TopK nodes")
-    assert "Before imposing the routing: onnxruntime[cpu] vs torch float32: y [float32[5, 4]]: FAIL" in parity.reason
+    assert "Before imposing the routing: onnxruntime[cpu] vs float64: y [float32[5, 4]]: FAIL" in parity.reason
     assert parity.to_dict()["routing"][0]["verdict"] == "tie"
     assert "parity: ROUTING TIE: input 5 x 4: routing tie" in parity.table()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]  # the diagnosis' copies are removed
@@ -154,7 +154,7 @@ def test_parity_of_a_real_difference_stays_a_failure_and_says_why(tmp_path):
     path, module, feed = _case(tmp_path, graph_experts_off=True)
     parity = compare_with_onnxruntime(path, torch_expectations(module, [], [feed], dtype="float32"), dtype="float32")
     assert parity.status == "FAIL"
-    assert parity.reason.startswith("onnxruntime[cpu] vs torch float32: y [float32[5, 4]]: FAIL")
+    assert parity.reason.startswith("onnxruntime[cpu] vs float64: y [float32[5, 4]]: FAIL")
     assert "; input 5 x 4: not a routing tie: " in parity.reason
 
 

@@ -12,7 +12,6 @@ import torch
 from onnx import helper, numpy_helper
 
 from rmsnorm_deploy.cli import main
-from rmsnorm_deploy.contract import tolerances
 from rmsnorm_deploy.contract.dtypes import numpy_dtype, onnx_type, torch_dtype
 from rmsnorm_deploy.contract.reference import SpecRMSNorm
 from rmsnorm_deploy.contract.spec import RMSNormSpec
@@ -81,7 +80,7 @@ def test_model_matches_its_source(tmp_path, dtype, inputs):
     path = save_onnx(linear_norm_model(dtype), tmp_path / "model.onnx")
     report = validate_model(path, inputs=inputs)
     assert report.passed, report.table()
-    assert [(r.output, r.check) for r in report.rows] == [("y", "model"), ("norm norm", "norm")]
+    assert [(r.output, r.check) for r in report.rows] == [("y", "model_vs_float64"), ("norm norm", "norm")]
     assert report.inputs["x"]["shape"] == [2, 7, HIDDEN]  # the metadata's optimal sizes
     assert report.source.startswith(f"{KIND} (rmsnorm_deploy metadata")
 
@@ -99,9 +98,6 @@ def test_model_that_departs_from_its_source_fails(tmp_path, capsys):
     assert main(["validate", str(path)]) == 1
 
 
-@pytest.mark.skipif(not hasattr(tolerances, "accuracy_bound_for"),
-                    reason="needs the export pipeline's accuracy bounds (tolerances.accuracy_bound_for): merge the "
-                    "export branch")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_model_against_its_float64_source(tmp_path, dtype):
     report = validate_model(save_onnx(linear_norm_model(dtype), tmp_path / "model.onnx"), reference="float64")
@@ -135,13 +131,12 @@ def test_tiny_preset_export_validates_against_its_source(tiny_preset, dtype, inp
     report = validate_model(tiny_preset[dtype], inputs=inputs)
     assert report.passed, report.table()
     assert report.source.startswith("preset")
-    assert any(r.check == "model" for r in report.rows) and any(r.check == "norm" for r in report.rows)
+    assert any(r.check == "model_vs_float64" for r in report.rows) and any(r.check == "norm" for r in report.rows)
     assert all(n.precision == "float32" for n in report.norms)
     assert main(["audit", str(tiny_preset[dtype])]) == 0
 
 
 @needs_presets
-@pytest.mark.skipif(not hasattr(tolerances, "accuracy_bound_for"), reason="needs tolerances.accuracy_bound_for")
 def test_tiny_preset_export_against_float64(tiny_preset):
     report = validate_model(tiny_preset["float16"], reference="float64")
     assert report.passed, report.table()
