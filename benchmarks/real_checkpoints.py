@@ -392,10 +392,9 @@ def markdown(results: dict[str, Any]) -> str:
                 parity, context = "-", "-"
             g = row.get("greedy")
             if g:
-                divergences = [r["first_divergence"] for r in g["rows"]]
-                greedy = f"{g['identical']}/{g['prompts']}" + (
-                    "" if g["identical"] == g["prompts"] else
-                    " (first differs at " + ", ".join("-" if d is None else str(d) for d in divergences) + ")")
+                differ = [f"prompt {i + 1} from token {r['first_divergence']}" for i, r in enumerate(g["rows"])
+                          if r["first_divergence"] is not None]
+                greedy = f"{g['identical']}/{g['prompts']}" + (f" ({'; '.join(differ)})" if differ else "")
             else:
                 greedy = "-"
             ppl = row.get("perplexity")
@@ -405,7 +404,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {path} | {exit_text} | {row['wall_s']} | {_gib(row['peak_rss_bytes'])} | {parity} | "
                          f"{context} | {greedy} | {ours} | {theirs} |")
         lines.append("")
-        notes = [f"- {path}: {row['parity']['tolerance']}; {row['parity']['worst']['reason']}"
+        notes = [f"- {path}: " + (f"`{tuple(row['parity']['tolerance'])}`; " if row["parity"]["tolerance"] else "")
+                 + row["parity"]["worst"]["reason"]
                  for path, row in ckpt["paths"].items() if row.get("parity") and row["parity"]["worst"]]
         if notes:
             lines += ["Bounds (tolerance table key; reason):", "", *notes, ""]
