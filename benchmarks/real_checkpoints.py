@@ -120,8 +120,9 @@ def run_export(hf_dir: Path, out: Path, options: list[str], log: Path) -> dict[s
     if time_file.is_file():
         found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", time_file.read_text())
         peak = int(found.group(1)) * 1024 if found else None
-    return {"command": "rmsnorm-deploy " + " ".join(command[3:]), "exit_code": proc.returncode, "wall_s": round(wall, 1),
-            "peak_rss_bytes": peak, "peak_rss_why_none": None if peak is not None else "no /usr/bin/time on this machine",
+    return {"command": "rmsnorm-deploy " + " ".join(command[3:]), "exit_code": proc.returncode,
+            "wall_s": round(wall, 1), "peak_rss_bytes": peak,
+            "peak_rss_why_none": None if peak is not None else "no /usr/bin/time on this machine",
             "last_line": lines[-1] if lines else ""}
 
 
@@ -235,12 +236,23 @@ def llama_cpp_f32(llama: Path, hf_dir: Path, gguf: Path, out: Path) -> tuple[Pat
     if proc.returncode == 0 and target.is_file():
         return target, "convert_hf_to_gguf.py --outtype f32 of the Hugging Face folder", ""
     converter_error = _tail(proc.stderr or proc.stdout)
-    proc = subprocess.run([str(llama / "build/bin/llama-quantize"), "--allow-requantize", str(gguf), str(target), "F32"],
-                          capture_output=True, text=True)
+    proc = subprocess.run([str(llama / "build/bin/llama-quantize"), "--allow-requantize", str(gguf), str(target),
+                           "F32"], capture_output=True, text=True)
     if proc.returncode == 0 and target.is_file():
         return target, (f"llama-quantize --allow-requantize {gguf.name} F32 (the converter refused the folder: "
                         f"{converter_error})"), ""
     return None, "", f"no F32 GGUF: converter: {converter_error}; llama-quantize: {_tail(proc.stderr or proc.stdout)}"
+
+
+def gguf_add_bos(path: Path) -> str:
+    """The F32 file's ``tokenizer.ggml.add_bos_token`` (whether llama-perplexity starts each chunk with
+    BOS), read with ``gguf``: this llama.cpp does not print it."""
+    try:
+        import gguf
+    except ImportError:
+        return "not read (gguf is not installed)"
+    field = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.add_bos_token")
+    return "absent" if field is None else str(bool(field.parts[field.data[0]][0])).lower()
 
 
 def llama_perplexity(llama: Path, f32: Path, text: Path) -> dict[str, Any]:
@@ -252,12 +264,11 @@ def llama_perplexity(llama: Path, f32: Path, text: Path) -> dict[str, Any]:
     log = proc.stdout + proc.stderr
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
     chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
-    add_bos = re.search(r"tokenizer\.ggml\.add_bos_token\s+bool\s+=\s+(\w+)", log)
     result = {"command": " ".join(["llama-perplexity", "-m", f32.name, *command[3:]]), "exit_code": proc.returncode,
               "seconds": round(seconds, 1), "perplexity": float(final.group(1)) if final else None,
               "plus_minus": float(final.group(2)) if final else None,
               "chunks": int(chunks.group(1)) if chunks else None,
-              "add_bos_token": add_bos.group(1) if add_bos else None}
+              "add_bos_token": gguf_add_bos(f32)}
     if final is None:
         result["why_none"] = f"llama-perplexity gave no final estimate (exit {proc.returncode}): {_tail(log)}"
     return result
@@ -353,7 +364,8 @@ def _gib(n: int | None) -> str:
 def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = ["# Real checkpoints through every export path", "",
-             f"{meta['date']}, {meta['machine']}, {THREADS} threads; rmsnorm-deploy {meta['versions'].get('rmsnorm-deploy')}, "
+             f"{meta['date']}, {meta['machine']}, {THREADS} threads; "
+             f"rmsnorm-deploy {meta['versions'].get('rmsnorm-deploy')}, "
              f"onnxruntime {meta['versions'].get('onnxruntime')}, torch {meta['versions'].get('torch')}, "
              f"transformers {meta['versions'].get('transformers')}. Written by `benchmarks/real_checkpoints.py` "
              "(`make bench-real-checkpoints`); every number below was measured in that run.", "",
@@ -361,31 +373,42 @@ def markdown(results: dict[str, Any]) -> str:
              f"{meta['text']['sha256'][:16]}...); chunks of {CONTEXT} tokens, the second half of each scored "
              f"(llama-perplexity's scheme). Greedy: {len(PROMPTS)} fixed prompts, {NEW_TOKENS} new tokens, batch 1, "
              "no early stop, against transformers' `generate` on the same dequantized float32 weights.", "",
-             "Parity: the worst checked comparison's max |difference| over its allowed bound (ratio < 1 passes), "
-             "and, as context that decides nothing, the largest distance to the reference run in the model's own dtype.", ""]
+             "Parity, from each export's `report.json`: the worst checked comparison's max |difference| to the "
+             "float64 reference over its allowed bound (ratio < 1 passes; a quantized graph is held to its "
+             "dequantized model, see the bounds below), and, as context that decides nothing, the largest distance "
+             "to the reference run in the model's own dtype, over every output compared (the portable "
+             "graph's parity compares its present tensors too, the others only logits).", ""]
     for ckpt in results["checkpoints"]:
         lines += [f"## {ckpt['description']}", ""]
         if ckpt.get("not_run"):
             lines += [f"Not run: {ckpt['not_run']}", ""]
             continue
         lc = ckpt["llama_cpp"]
-        lines += [f"GGUF `{Path(ckpt['gguf']).name}` ({ckpt['gguf_bytes'] / 2**20:.1f} MiB), dequantized by transformers' "
-                  f"loader into a float32 Hugging Face folder ({ckpt['hf_folder_s']} s). Text: {ckpt['text_tokens']} tokens "
+        lines += [f"GGUF `{Path(ckpt['gguf']).name}` ({ckpt['gguf_bytes'] / 2**20:.1f} MiB), dequantized by "
+                  f"transformers' loader into a float32 Hugging Face folder ({ckpt['hf_folder_s']} s). "
+                  f"Text: {ckpt['text_tokens']} tokens "
                   f"with this tokenizer (BOS at each chunk: {ckpt['bos_token_id']}); prompts: {ckpt['prompting']}.", ""]
         if lc.get("perplexity") is not None:
-            lines += [f"llama.cpp perplexity on the same weights: **{lc['perplexity']:.4f}** ± {lc['plus_minus']} over "
-                      f"{lc['chunks']} chunks (`{lc['command']}`, {lc['seconds']} s; add_bos_token {lc['add_bos_token']}; "
+            lines += [f"llama.cpp perplexity on the same weights: **{lc['perplexity']:.4f}** ± {lc['plus_minus']} "
+                      f"over {lc['chunks']} chunks (`{lc['command']}`, {lc['seconds']} s; "
+                      f"add_bos_token {lc['add_bos_token'] or 'not recorded'}; "
                       f"F32 GGUF from {lc['f32_from']}).", ""]
         else:
             lines += [f"llama.cpp perplexity: not run: {lc['why_none']}", ""]
+        ours = next((r["perplexity"] for r in ckpt["paths"].values() if r.get("perplexity")), None)
+        if ours:
+            lines += [f"Our perplexity (`decoder.perplexity`): {ours['chunks']} chunks of {ours['context']}, "
+                      f"{ours['scored_tokens']} tokens scored, BOS {ours['bos_token_id']} at each chunk's start.", ""]
         lines += ["| path | exit | wall s | peak RSS GiB | parity: worst / bound (ratio) | same dtype (context) | "
                   "greedy = transformers | perplexity ours | llama.cpp |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for path, row in ckpt["paths"].items():
             p = row.get("parity")
             if p and p["worst"]:
-                parity = f"{p['worst']['max_abs']:.3g} / {p['worst']['atol']:.3g} ({p['worst_ratio']:.2f}), {p['status']}"
-                context = f"{p['context_same_dtype_max_abs']:.3g}" if p["context_same_dtype_max_abs"] is not None else "-"
+                parity = (f"{p['worst']['max_abs']:.3g} / {p['worst']['atol']:.3g} ({p['worst_ratio']:.2f}), "
+                          f"{p['status']}")
+                same = p["context_same_dtype_max_abs"]
+                context = f"{same:.3g}" if same is not None else "-"
             elif p:
                 parity, context = f"{p['status']} (no checked comparison with a bound)", "-"
             else:
