@@ -14,12 +14,16 @@ export pipeline can run the same comparison on the graph it wrote.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+from onnx import numpy_helper
 
 from rmsnorm_deploy.contract.spec import RMSNormSpec
 from rmsnorm_deploy.exporter.detect import Detection, DetectedNorm
+from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.placement import name_norms
 from rmsnorm_deploy.graph.reductions import LOW_PRECISION, Reduction
@@ -175,13 +179,6 @@ def _effective_gain(spec: RMSNormSpec, weight: Any) -> np.ndarray | None:
 def check_file_contract(path: Any, detection: Detection) -> NormContract:
     """:func:`check_norm_contract` of the graph at ``path`` (its weights left on disk: only the norms'
     gains are read from its external data) against ``detection``, the norms of the module exported."""
-    from pathlib import Path
-
-    import onnx
-    from onnx import numpy_helper
-
-    from rmsnorm_deploy.graph.audit import audit_model
-
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
     reductions = audit_model(model)

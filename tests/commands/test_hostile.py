@@ -86,10 +86,13 @@ def test_a_broken_epsilon_fails_validate_and_audit(tmp_path, capsys, build, eps)
 
 
 @pytest.mark.parametrize("build", [fused_norm, chain_norm], ids=["fused", "chain"])
-def test_a_sound_third_party_norm_still_passes(tmp_path, capsys, build):
+def test_a_sound_third_party_norm_is_self_consistent_but_not_verified(tmp_path, capsys, build):
+    """A third party's norm agrees with the oracle of its own spec: nothing independent of the graph
+    was compared (one backend, no source), so the verdict is "not verified" (exit 3), never a pass."""
     path = save_onnx(build(1e-6), tmp_path / "m.onnx")
-    assert main(["validate", str(path), "--dim", "rows=199"]) == 0
-    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main(["validate", str(path), "--dim", "rows=199"]) == 3
+    out = capsys.readouterr().out
+    assert "1 passed, 0 failed" in out and "NOT VERIFIED" in out and "self-consistency" in out
     assert main(["audit", str(path), "--optimization", "none"]) == 0
 
 
@@ -106,14 +109,15 @@ def test_a_nan_weight_is_not_comparable_and_fails(tmp_path, capsys):
 
 
 def test_zero_comparisons_is_not_a_pass(tmp_path, capsys):
-    """A graph with no norm and one backend: nothing is compared, so nothing is verified."""
+    """A graph with no norm and one backend: nothing is compared, so nothing is verified (exit 3)."""
     model = _model([helper.make_node("Relu", ["x"], ["y"])], [])
     path = save_onnx(model, tmp_path / "relu.onnx")
-    assert main(["validate", str(path)]) == 1
+    assert main(["validate", str(path)]) == 3
     out = capsys.readouterr().out
-    assert "0 passed, 0 failed" in out and "FAIL: nothing was compared" in out
-    assert main(["validate", str(path), "--providers", "cpu", "--json"]) == 1
-    assert "nothing was compared" in json.loads(capsys.readouterr().out)["failure"]
+    assert "0 passed, 0 failed" in out and "NOT VERIFIED: nothing was compared" in out
+    assert main(["validate", str(path), "--providers", "cpu", "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "not verified" and "nothing was compared" in report["failure"]
 
 
 # -- 5. check-trt runs the ONNX checker first --------------------------------------------------
@@ -204,7 +208,7 @@ def test_outputs_follow_the_users_umask(tmp_path, capsys):
     os.umask(mask)
     path = save_onnx(fused_norm(1e-6), tmp_path / "m.onnx")
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
-    assert main(["validate", str(path), "--output", str(tmp_path / "out.json")]) == 0
+    assert main(["validate", str(path), "--output", str(tmp_path / "out.json")]) == 3  # self-consistency only
     assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == 0o666 & ~mask
 
 
@@ -239,8 +243,8 @@ def test_metadata_cannot_open_a_folder_outside_the_model(tmp_path, capsys):
     path = _with_metadata(tmp_path / "model", source=json.dumps({"kind": "hf", "path": str(outside)}))
     err = _one_line_error(capsys, main(["validate", str(path), "--reference", "torch"]))
     assert f"names its source folder {outside}, outside the model's folder" in err and "--source PATH" in err
-    # with the default reference it is a note, and outputs are not compared with a source
-    assert main(["validate", str(path), "--json"]) == 0
+    # with the default reference it is a note, and outputs are not compared with a source: not verified
+    assert main(["validate", str(path), "--json"]) == 3
     assert "outside the model's folder" in " ".join(json.loads(capsys.readouterr().out)["notes"])
     # the user may name the folder: it is then what is opened
     err = _one_line_error(capsys, main(["validate", str(path), "--reference", "torch", "--source", str(outside)]))
