@@ -48,3 +48,15 @@ def real_weights(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return RealWeights(shared / "real-weights")
+
+
+@pytest.fixture(scope="session")
+def real_plain_base(real_weights, tmp_path_factory):
+    """The real plain export with its weights moved once into an external data file, which the copies
+    with planted defects share (``tests/real_mutations.py``)."""
+    from tests.real_mutations import external_base
+
+    export = real_weights.export("plain")
+    assert export.exit_code == 0, export.output
+    return external_base(export.model, export.folder / "report.json", real_weights.hf_folder(),
+                         tmp_path_factory.mktemp("real-plain-base"))

@@ -19,7 +19,7 @@ import torch
 from rmsnorm_deploy.exporter.detect import detect_norms
 from rmsnorm_deploy.exporter.parity import compare_with_onnxruntime, torch_expectations
 from rmsnorm_deploy.exporter.plan import load_torch_model
-from tests.real_mutations import STATIC_DEFECTS, Base, external_base, plant_swapped_layers
+from tests.real_mutations import STATIC_DEFECTS, Base, plant_swapped_layers
 
 #: defects that move the logits: each must fail the float64 comparison by itself, by at least this factor.
 #: Not the others: a gain applied before the cast back is the same float32 number, and ONNX Runtime's
@@ -37,11 +37,8 @@ class Source:
 
 
 @pytest.fixture(scope="module")
-def base(real_weights, tmp_path_factory) -> Base:
-    export = real_weights.export("plain")
-    assert export.exit_code == 0, export.output
-    return external_base(export.model, export.folder / "report.json", real_weights.hf_folder(),
-                         tmp_path_factory.mktemp("export-defects-base"))
+def base(real_plain_base) -> Base:
+    return real_plain_base
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,14 @@ from tests.real_mutations import (
     ORDER_NORM,
     STATIC_DEFECTS,
     Base,
-    external_base,
     plant_swapped_layers,
 )
 from tests.real_weights import run_cli
 
 
 @pytest.fixture(scope="module")
-def base(real_weights, tmp_path_factory) -> Base:
-    export = real_weights.export("plain")
-    assert export.exit_code == 0, export.output
-    return external_base(export.model, export.folder / "report.json", real_weights.hf_folder(),
-                         tmp_path_factory.mktemp("real-mutations-base"))
+def base(real_plain_base) -> Base:
+    return real_plain_base
 
 
 #: tokens per validation: a real model's float64 run is the slow part on a CPU
