@@ -13,6 +13,8 @@ portable            ``KVExport``: the portable graph through the norm export pip
                     call, metadata, serving files)
 ort_graph           ``--target onnxruntime``: the graph (fused QKV, GroupQueryAttention, exact norm
                     nodes, optionally int8/int4 MatMulNBits) and ``build_decoder``, its entry point
+families            one module per model family that graph writes (projection names, norm places,
+                    windows, rotary tables, softcaps, multipliers, MoE), found by the package
 ort_model           what that graph needs from a model: dimensions, LM head, rotary tables, refusals,
                     its metadata; read from the module tree, never from the projections' weights
 ort_builder         ``OrtDecoderBuilder``: the graph written part by part (``make_embedding``,

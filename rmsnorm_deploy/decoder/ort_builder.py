@@ -32,17 +32,16 @@ from rmsnorm_deploy.decoder.ort_model import (
     EMBED_SCALED_OUTPUT,
     MS_DOMAIN,
     OPSET,
-    POST_SUBLAYER_TYPES,
     TARGET,
     OrtDecoderError,
     causal_lm,
     decoder_dims,
+    model_family,
     inputs_metadata,
     kv_cache_metadata,
     lm_head_of,
     residual_output,
     rotary_caches,
-    rotary_types,
     skip_norm_node,
     skip_refusal,
 )
@@ -80,7 +79,8 @@ class OrtDecoderBuilder:
             raise OrtDecoderError(f"--target onnxruntime writes {', '.join(ORT_DTYPES)} graphs (GroupQueryAttention "
                                   f"has no {self.dtype} CPU kernel); export {self.dtype} with --target portable")
         self.loaded, self.lm = loaded, causal_lm(loaded)
-        self.dims = decoder_dims(self.lm)
+        self.family = model_family(self.lm)
+        self.dims = decoder_dims(self.lm, self.family)
         self.max_length = int(max_length or self.dims.max_positions)
         if not 1 <= self.max_length <= self.dims.max_positions:
             raise OrtDecoderError(f"max_length {self.max_length} is outside the model's 1..{self.dims.max_positions} "
@@ -102,7 +102,10 @@ class OrtDecoderBuilder:
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
         self.skip_fusion = lowering == "ort"
-        self.layer_types = list(getattr(self.lm.config, "layer_types", None) or [None] * self.dims.layers)
+        config = self.lm.config
+        self.windows = [self.family.window(config, i) for i in range(self.dims.layers)]
+        self.rotary_kinds = [self.family.rotary_kind(self.lm, i) if self.family.rotates(config, i) else ""
+                             for i in range(self.dims.layers)]
         self.head_path = ""
 
     # -- the whole graph --------------------------------------------------------------------
@@ -236,26 +239,26 @@ class OrtDecoderBuilder:
         return self.w.init(f"const/{name}", np.array(value, dtype=np.int64))
 
     def make_rotary(self) -> None:
-        """One cos/sin pair per rotary table (Gemma3: local and global attention)."""
-        kinds = rotary_types(self.lm)
+        """One cos/sin pair per rotary table the layers read (Gemma3: local and global attention;
+        ``""``: a layer without rotary, no table)."""
         self.caches: dict[str | None, tuple[str, str]] = {}
-        for kind in dict.fromkeys(self.layer_types):
-            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind if kind in kinds else None)
-            tag = f"_{kind}" if kind in kinds else ""
+        for kind in dict.fromkeys(self.rotary_kinds):
+            if kind == "":
+                continue
+            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind)
+            tag = f"_{kind}" if kind else ""
             self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
 
     def make_embedding(self) -> str:
-        """Gather from the embedding, written in blocks of rows; Gemma's scale after it."""
+        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""
         embed = self.lm.get_input_embeddings()
         name = self._tensor_name(embed.weight, "the input embedding")
         vocab, hidden = (int(d) for d in embed.weight.shape)
         table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
                               (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
         x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
-        embed_scale = getattr(embed, "embed_scale", None)
-        if isinstance(embed_scale, torch.Tensor):
-            # Gemma: embedding * embed_scale, the scale rounded to the weight's dtype first (as transformers does).
-            scale = embed_scale.detach().to(embed.weight.dtype).reshape(())
+        scale = self.family.embedding_scale(self.lm)
+        if scale is not None:
             scale_name = self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)
             x = self.w.one("Mul", [x, scale_name], EMBED_SCALED_OUTPUT)
         return x
@@ -306,94 +309,136 @@ class OrtDecoderBuilder:
         return self.w.one("Reshape", [y, flat], f"{base}/flat")
 
     def make_attention(self, i: int, layer: torch.nn.Module, x: str, base: str) -> str:
-        """Fused Q/K/V, the q/k norms where the model has them, GroupQueryAttention with rotary
-        inside and the K/V heads unrepeated, the output projection."""
-        attn, dims = layer.self_attn, self.dims
-        qkv = self.make_linear(f"{base}.self_attn.qkv_proj.weight", x, [attn.q_proj, attn.k_proj, attn.v_proj],
+        """Fused Q/K/V, the q/k norms where the family has them, GroupQueryAttention with the layer's
+        rotary table, window and softcap inside and the K/V heads unrepeated, the output projection."""
+        attn, dims, family = layer.self_attn, self.dims, self.family
+        qkv = self.make_linear(f"{base}.self_attn.qkv_proj.weight", x, [getattr(attn, n) for n in family.qkv],
                                f"{base}/attn/qkv")
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        if q_norm is not None or k_norm is not None:
+        if family.qk_norms is not None:
             q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
             split = self.w.init(f"{base}/attn/split", np.array([q_size, kv_size, kv_size], dtype=np.int64))
             q, k, v = self.w.node("Split", [qkv, split], f"{base}/attn/split", outputs=3, axis=-1)
+            q_norm, k_norm = (getattr(attn, n) for n in family.qk_norms)
             q = self.make_head_norm(q_norm, q, dims.heads, f"{base}/attn/q")
             k = self.make_head_norm(k_norm, k, dims.kv_heads, f"{base}/attn/k")
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed
+        kind = self.rotary_kinds[i]
+        rotary = list(self.caches[kind]) if kind != "" else []
+        window = self.windows[i]
+        softcap = family.attention_softcap(self.lm.config)
         gqa_out = self.w.node(
             "GroupQueryAttention",
             qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens, self.total_i32,
-                          *self.caches[self.layer_types[i]]],
+                          *rotary],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
-            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=1, rotary_interleaved=0,
-            local_window_size=-1,
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=int(bool(rotary)),
+            rotary_interleaved=0,
+            # local_window_size counts the query itself, as transformers' sliding_window does (measured:
+            # window - 1 is 0.1 off on the logits from the first token past the window).
+            local_window_size=-1 if window is None else window,
+            **({"softcap": float(softcap)} if softcap is not None else {}),
         )
         # The present outputs carry the convention's names.
         gqa_node = self.w.nodes[-1]
         gqa_node.output[1], gqa_node.output[2] = f"present.{i}.key", f"present.{i}.value"
-        return self.make_linear(f"{base}.self_attn.o_proj.weight", gqa_out[0], [attn.o_proj], f"{base}/attn/o_proj")
+        return self.make_linear(f"{base}.self_attn.o_proj.weight", gqa_out[0], [getattr(attn, family.o_proj)],
+                                f"{base}/attn/o_proj")
 
-    def make_mlp(self, layer: torch.nn.Module, x: str, base: str) -> str:
-        """Gate and up as two MatMuls on the same input, not one fused MatMul and a Split: the Split
-        copies both halves every step, and ONNX Runtime runs two MatMuls as fast as one."""
-        mlp = layer.mlp
-        gate = self.make_linear(f"{base}.mlp.gate_proj.weight", x, [mlp.gate_proj], f"{base}/mlp/gate")
-        up = self.make_linear(f"{base}.mlp.up_proj.weight", x, [mlp.up_proj], f"{base}/mlp/up")
-        if self.dims.activation == "gelu_pytorch_tanh":
-            act = self.w.one("Gelu", [gate], f"{base}/mlp/gelu", approximate="tanh")
+    def make_dense_mlp(self, mlp: torch.nn.Module, x: str, base: str) -> str:
+        """``down(act(gate(x)) * up(x))``. Gate and up apart are two MatMuls on the same input, not one
+        fused MatMul and a Split: the Split copies both halves every step, and ONNX Runtime runs two
+        MatMuls as fast as one. A fused [gate; up] Linear (Phi-3) is one MatMul and a Split."""
+        family = self.family
+        if len(family.gate_up) == 1:
+            fused = self.make_linear(f"{base}.mlp.gate_up_proj.weight", x, [getattr(mlp, family.gate_up[0])],
+                                     f"{base}/mlp/gate_up")
+            gate, up = self.w.node("Split", [fused], f"{base}/mlp/split", outputs=2, axis=-1, num_outputs=2)
         else:
-            act = self.w.one("Mul", [gate, self.w.one("Sigmoid", [gate], f"{base}/mlp/sigmoid")], f"{base}/mlp/silu")
-        gated = self.w.one("Mul", [act, up], f"{base}/mlp/gated")
-        return self.make_linear(f"{base}.mlp.down_proj.weight", gated, [mlp.down_proj], f"{base}/mlp/down")
+            gate_proj, up_proj = (getattr(mlp, n) for n in family.gate_up)
+            gate = self.make_linear(f"{base}.mlp.gate_proj.weight", x, [gate_proj], f"{base}/mlp/gate")
+            up = self.make_linear(f"{base}.mlp.up_proj.weight", x, [up_proj], f"{base}/mlp/up")
+        gated = self.w.one("Mul", [self.make_activation(gate, f"{base}/mlp"), up], f"{base}/mlp/gated")
+        return self.make_linear(f"{base}.mlp.down_proj.weight", gated, [getattr(mlp, family.down)],
+                                f"{base}/mlp/down")
+
+    def make_activation(self, x: str, base: str) -> str:
+        """The family's activation of ``x`` (one of ``families.ACTIVATIONS``)."""
+        if self.dims.activation == "gelu_pytorch_tanh":
+            return self.w.one("Gelu", [x], f"{base}/gelu", approximate="tanh")
+        return self.w.one("Mul", [x, self.w.one("Sigmoid", [x], f"{base}/sigmoid")], f"{base}/silu")
+
+    def _scaled(self, x: str, scale: float | None, base: str) -> str:
+        """``x * scale`` in the model dtype, or ``x`` where there is no scale."""
+        if scale is None:
+            return x
+        return self.w.one("Mul", [x, self.w.init(f"{base}/scale", np.array(scale, dtype=self.w.np_dtype))], base)
 
     def make_layers(self, hidden: str) -> str:
-        """Every decoder layer and the final norm: the normalized last hidden state."""
-        if self.dims.model_type in POST_SUBLAYER_TYPES:
-            return self._post_sublayer_layers(hidden)
-        pending: str | None = None  # the MLP output of the layer before, not yet added to the residual stream
-        layers = self.lm.model.layers
-        sandwich = hasattr(layers[0], "pre_feedforward_layernorm")
-        for i, layer in enumerate(layers):
-            base = f"{self.prefix}model.layers.{i}"
-            if pending is None:
-                x = self.make_norm(layer.input_layernorm, hidden)
-            else:
-                x, hidden = self.make_residual_norm(layer.input_layernorm, hidden, pending,
-                                                    residual_output(self.prefix, i - 1))
-            o = self.make_attention(i, layer, x, base)
-            if sandwich:  # Gemma3: norms before and after each sublayer
-                o = self.make_norm(layer.post_attention_layernorm, o)
-                x, hidden = self.make_residual_norm(layer.pre_feedforward_layernorm, hidden, o, f"{base}/attn/residual")
-                pending = self.make_norm(layer.post_feedforward_layernorm, self.make_mlp(layer, x, base))
-            else:
-                x, hidden = self.make_residual_norm(layer.post_attention_layernorm, hidden, o, f"{base}/attn/residual")
-                pending = self.make_mlp(layer, x, base)  # added with the next norm
-        assert pending is not None
-        last = residual_output(self.prefix, self.dims.layers - 1)
-        x, _ = self.make_residual_norm(self.lm.model.norm, hidden, pending, last, keep_sum=False)
-        return x
+        """Every decoder layer and the final norm: the normalized last hidden state.
 
-    def _post_sublayer_layers(self, hidden: str) -> str:
-        """OLMo2: h = h + norm(attn(h)); h = h + norm(mlp(h)); the final norm. Each norm comes before
-        its Add, so there is no residual to fold into a norm."""
+        Per layer ``h + attn_out(attn(attn_in(h)))`` then ``h + mlp_out(mlp(mlp_in(h)))``, each norm
+        where the family has it (``families.LayerNorms``). A sublayer's output is added to the residual
+        stream by the norm after it, where there is one: with the ``ort`` lowering the add and the norm
+        are one kernel."""
+        norms, config = self.family.norms, self.lm.config
+        residual_scale = self.family.residual_scale(config)
+        pending: str | None = None  # the last sublayer's output, not yet added to the residual stream
         for i, layer in enumerate(self.lm.model.layers):
             base = f"{self.prefix}model.layers.{i}"
-            o = self.make_norm(layer.post_attention_layernorm, self.make_attention(i, layer, hidden, base))
-            hidden = self.w.one("Add", [hidden, o], f"{base}/attn/residual")
-            o = self.make_norm(layer.post_feedforward_layernorm, self.make_mlp(layer, hidden, base))
-            hidden = self.w.one("Add", [hidden, o], residual_output(self.prefix, i))
-        return self.make_norm(self.lm.model.norm, hidden)
+            for part, norm_in, norm_out in (("attn", norms.attn_in, norms.attn_out),
+                                            ("mlp", norms.mlp_in, norms.mlp_out)):
+                total = residual_output(self.prefix, i - 1) if part == "attn" else f"{base}/attn/residual"
+                if pending is None:  # the embedding: nothing to add yet
+                    x = self.make_norm(getattr(layer, norm_in), hidden) if norm_in else hidden
+                elif norm_in:
+                    x, hidden = self.make_residual_norm(getattr(layer, norm_in), hidden, pending, total)
+                else:
+                    x = hidden = self.w.one("Add", [hidden, pending], total)
+                if part == "attn":
+                    out = self.make_attention(i, layer, x, base)
+                else:
+                    out = self.family.make_mlp(self, layer, x, base)
+                if norm_out:
+                    out = self.make_norm(getattr(layer, norm_out), out)
+                pending = self._scaled(out, residual_scale, f"{base}/{part}/residual_scale")
+        assert pending is not None
+        last = residual_output(self.prefix, self.dims.layers - 1)
+        x, _ = self.make_residual_norm(getattr(self.lm.model, self.family.final_norm), hidden, pending, last,
+                                       keep_sum=False)
+        return x
 
     def make_lm_head(self, x: str) -> None:
         """The hidden state back in the input's order (each row of the head is computed alone: the
-        hidden size is moved, not the vocabulary), then the LM head the forward uses -> ``logits``."""
+        hidden size is moved, not the vocabulary), then the LM head the forward uses, then the family's
+        divisor and softcap -> ``logits``."""
         head_weight, self.head_path = lm_head_of(self.lm)
         head = self.lm.get_output_embeddings()
         back_3d = self.w.one("Unsqueeze", [self.back, self.i64("axes_last", [-1])], "mask/to_original_3d")
         x = self.w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
         quantize = self.quantization is not None and self.quantization.lm_head
-        self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize, out="logits")
+        config = self.lm.config
+        divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
+        steps = [("Div", divisor), ("softcap", cap)]
+        steps = [(op, v) for op, v in steps if v is not None]
+        y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize,
+                             out=None if steps else "logits")
+        for n, (op, value) in enumerate(steps):
+            out = "logits" if n == len(steps) - 1 else None
+            const = self.w.init(f"lm_head/{op}_value", np.array(value, dtype=self.w.np_dtype))
+            if op == "Div":
+                y = self._node_to(op, [y, const], "lm_head/divide", out)
+            else:  # cap * tanh(y / cap), in transformers' order
+                t = self.w.one("Tanh", [self.w.one("Div", [y, const], "lm_head/softcap/div")], "lm_head/softcap/tanh")
+                y = self._node_to("Mul", [t, const], "lm_head/softcap/mul", out)
+
+    def _node_to(self, op: str, inputs: list[str], base: str, out: str | None) -> str:
+        """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""
+        if out is None:
+            return self.w.one(op, inputs, base)
+        self.w.nodes.append(helper.make_node(op, inputs, [out], name=self.w.name(base)))
+        return out
 
     def make_model(self) -> onnx.ModelProto:
         """Inputs and outputs in the convention, the norms lowered, the metadata written."""

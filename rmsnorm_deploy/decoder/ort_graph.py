@@ -49,7 +49,8 @@ preallocated [batch, kv_heads, max_length, head_dim] buffer (bound to both with 
 ``attention_mask`` still [batch, past + sequence]. The metadata's ``kv_cache`` entry says
 which mode a graph uses.
 
-Where it is written: ``ort_model`` reads what the graph needs from the model (dimensions, LM
+Where it is written: ``families`` says what each model family is (one module each),
+``ort_model`` reads what the graph needs from the model (dimensions, LM
 head, rotary tables, refusals), ``ort_builder`` writes it part by part, reading the weights from
 a tensor source (``weights``) into a sink (``ort_writer``: in memory, or streamed to the
 external-data file), ``ort_parity`` audits its norms and holds it to transformers (to the

@@ -28,6 +28,8 @@ from rmsnorm_deploy.decoder.convention import (
     INPUT_KINDS,
     POSITION_IDS,
 )
+from rmsnorm_deploy.decoder.families import FAMILIES, Family, family_of
+from rmsnorm_deploy.decoder.families import refusal as family_refusal
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.lowerings import refusal
@@ -36,15 +38,9 @@ from rmsnorm_deploy.graph.lowerings import refusal
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
 TARGET = "onnxruntime"
-#: model_type -> what the builder knows of it. Only these are written; others are refused.
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3_text")
-#: Families whose norms follow each sublayer (``h + norm(f(h))``) instead of preceding it.
-POST_SUBLAYER_TYPES = ("olmo2",)
 #: The embedding's output (Gemma's: the scaled one after it): names the builder writes and the
 #: layer-by-layer check (``layer_parity``) reads, with :func:`residual_output`.
 EMBED_OUTPUT, EMBED_SCALED_OUTPUT = "embed", "embed/scale"
-#: Activation names (config.hidden_act) the MLP is written for.
-_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def residual_output(prefix: str, layer: int) -> str:
@@ -75,7 +71,7 @@ class DecoderDims:
     vocab: int
     max_positions: int
     scale: float  # the attention's score scale (module.scaling)
-    activation: str = "silu"  # config.hidden_act (hidden_activation for Gemma3)
+    activation: str = "silu"  # the family's activation field of the config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,40 +85,36 @@ def causal_lm(loaded: LoadedModel) -> torch.nn.Module:
     config = getattr(model, "config", None)
     if model is None or config is None or not hasattr(model, "get_output_embeddings"):
         raise OrtDecoderError(f"{loaded.name}: --target onnxruntime writes Hugging Face causal LMs "
-                              f"({', '.join(SUPPORTED_TYPES)}); this model is not one")
+                              f"({', '.join(sorted(FAMILIES))}); this model is not one")
     return model
 
 
-def decoder_dims(lm: torch.nn.Module) -> DecoderDims:
-    """The dimensions of ``lm`` (a transformers ``*ForCausalLM``), or a one-line refusal."""
+def model_family(lm: torch.nn.Module) -> Family:
+    """The family of ``lm`` (a transformers ``*ForCausalLM``), or a one-line refusal."""
     config = lm.config
-    model_type = getattr(config, "model_type", "")
-    if model_type not in SUPPORTED_TYPES:
-        raise OrtDecoderError(f"--target onnxruntime does not write {model_type!r} models yet; it writes "
-                              f"{', '.join(SUPPORTED_TYPES)} (use --target portable)")
-    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-    if act not in _ACTIVATIONS:
-        raise OrtDecoderError(f"{model_type}: activation {act!r} is not written by --target onnxruntime "
-                              f"(it writes {', '.join(_ACTIVATIONS)})")
-    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, field, None) is not None:
-            raise OrtDecoderError(f"{model_type}: {field} ({getattr(config, field)}) is not written by --target "
-                                  "onnxruntime yet; use --target portable")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise OrtDecoderError(f"{model_type}: bidirectional attention is not a causal decoder; use --target portable")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-        raise OrtDecoderError(f"{model_type}: sliding-window attention ({window}) is not written by "
-                              "--target onnxruntime yet; use --target portable")
+    model_type = str(getattr(config, "model_type", ""))
+    family = family_of(config)
+    if family is None:
+        raise OrtDecoderError(family_refusal(model_type))
+    reason = family.refusal(config)
+    if reason:
+        raise OrtDecoderError(f"{model_type}: {reason}")
+    return family
+
+
+def decoder_dims(lm: torch.nn.Module, family: Family) -> DecoderDims:
+    """The dimensions of ``lm``, read from its config and first attention module."""
+    config = lm.config
     layers = lm.model.layers
     attn = layers[0].self_attn
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(attn, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // heads)
     return DecoderDims(
-        model_type=model_type, layers=len(layers), hidden=int(config.hidden_size), heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, vocab=int(config.vocab_size), max_positions=int(config.max_position_embeddings),
-        scale=float(attn.scaling), activation=str(act),
+        model_type=family.model_type, layers=len(layers), hidden=int(config.hidden_size), heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, vocab=int(config.vocab_size),
+        max_positions=int(config.max_position_embeddings), scale=float(attn.scaling),
+        activation=family.activation(config),
     )
 
 
@@ -165,14 +157,6 @@ def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype,
     scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
     cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
     return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
-
-
-
-def rotary_types(lm: torch.nn.Module) -> tuple[str, ...]:
-    """The layer types with their own rotary tables (Gemma3's ``{type}_inv_freq``); () for one table."""
-    rotary = getattr(lm.model, "rotary_emb", None)
-    kinds = getattr(rotary, "layer_types", None) or ()
-    return tuple(k for k in kinds if isinstance(getattr(rotary, f"{k}_inv_freq", None), torch.Tensor))
 
 
 

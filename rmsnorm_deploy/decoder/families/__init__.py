@@ -1,0 +1,50 @@
+"""The model families ``--target onnxruntime`` writes: one module each, found by this package.
+
+Each module here defines ``FAMILY`` (a :class:`~rmsnorm_deploy.decoder.families.base.Family`,
+or a tuple of them for families that share a module): adding a family is one module. A
+``model_type`` without a family is refused with the reason :data:`REFUSED` gives, or the list
+of those written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from rmsnorm_deploy.decoder.families.base import ACTIVATIONS, Family, LayerNorms
+
+__all__ = ["ACTIVATIONS", "FAMILIES", "Family", "LayerNorms", "REFUSED", "family_of", "refusal"]
+
+
+def _discover() -> dict[str, Family]:
+    found: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name == "base":
+            continue
+        value = importlib.import_module(f"{__name__}.{info.name}").FAMILY
+        for family in value if isinstance(value, tuple) else (value,):
+            if family.model_type in found:
+                raise RuntimeError(f"two family modules define {family.model_type!r}")
+            found[family.model_type] = family
+    return found
+
+
+#: model_type -> its family, every module of this package.
+FAMILIES: dict[str, Family] = _discover()
+
+#: model_type -> why it is not written (families with an RMS norm that this graph cannot hold).
+REFUSED: dict[str, str] = {}
+
+
+def refusal(model_type: str) -> str:
+    """The one-line reason a ``model_type`` without a family is refused."""
+    if model_type in REFUSED:
+        return f"--target onnxruntime does not write {model_type!r} models: {REFUSED[model_type]}"
+    return (f"--target onnxruntime does not write {model_type!r} models yet; it writes "
+            f"{', '.join(sorted(FAMILIES))} (use --target portable)")
+
+
+def family_of(config: Any) -> Family | None:
+    """The family of a transformers config, or ``None`` (see :func:`refusal`)."""
+    return FAMILIES.get(getattr(config, "model_type", ""))

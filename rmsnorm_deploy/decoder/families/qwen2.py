@@ -1,0 +1,5 @@
+"""Qwen2: Llama's graph with q/k/v biases (read from the modules); sliding layers from ``layer_types``."""
+
+from rmsnorm_deploy.decoder.families.base import Family
+
+FAMILY = Family("qwen2")

@@ -1,0 +1,141 @@
+"""Every family ``--target onnxruntime`` writes, one row of ``tests/decoder/families.py`` each,
+held to transformers in float32: the logits of prefill and 4 decode steps, greedy tokens past the
+sliding window, every norm our exact node in float32, int4 against its dequantized model, and the
+written folder under ``generate``, the serving engine and onnxruntime-genai."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers", reason="transformers builds the reference models")
+pytest.importorskip("onnxruntime", reason="the graphs run in ONNX Runtime")
+
+from rmsnorm_deploy.decoder.convention import KVCacheLayout, left_padded  # noqa: E402
+from rmsnorm_deploy.decoder.families import FAMILIES  # noqa: E402
+from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
+from rmsnorm_deploy.decoder.genai_config import write_serving_files  # noqa: E402
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.ort_export import write_ort_decoder  # noqa: E402
+from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
+from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
+from rmsnorm_deploy.decoder.quantize import Quantization, dequantized_reference  # noqa: E402
+from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
+from rmsnorm_deploy.exporter import hf  # noqa: E402
+from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
+from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
+from tests.decoder.families import ROWS, FamilyRow  # noqa: E402
+from tests.kv_models import random_left_padded  # noqa: E402
+
+NEW_TOKENS = 32
+#: Prompt tokens beyond the window in the past-window tests (decode then runs 32 more past it).
+PAST_WINDOW = 5
+IDS = [row.name for row in ROWS]
+
+
+def _prompt_length(row: FamilyRow) -> int:
+    return (row.window or 4) + PAST_WINDOW
+
+
+_MODELS: dict[str, object] = {}
+
+
+def _loaded(row: FamilyRow):
+    if row.name not in _MODELS:
+        _MODELS[row.name] = hf.from_config(row.config, "float32", seed=0)
+    return _MODELS[row.name]
+
+
+def _generate(lm, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
+    return transformers_generate(lm, ids, mask, max_new_tokens=new_tokens, pad_token_id=0, stop_at_eos=False)
+
+
+def test_every_family_has_a_row():
+    assert set(FAMILIES) == {row.model_type for row in ROWS}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_step_logits_exact_past_the_window(row):
+    """Prefill and 4 decode steps, 3 rows left-padded by 0, 2 and 4 tokens, the prompt longer than
+    the window: every step within the float64-grounded bound and below 1e-4 of transformers."""
+    loaded = _loaded(row)
+    dec = build_decoder(loaded)
+    parity = decode_parity(loaded, dec.model, batch=3, prompt=_prompt_length(row), steps=4)
+    assert len(parity.results) == 5
+    for result in parity.results:
+        assert result.passed, result.summary()
+        assert result.max_abs <= 1e-4, result.summary()
+    assert parity.tokens_equal and not parity.failed, parity.table()
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_greedy_tokens_past_the_window_equal_transformers(row):
+    loaded = _loaded(row)
+    dec = build_decoder(loaded, share_buffer=row.window is not None, max_length=64)
+    ids, mask = random_left_padded(3, _prompt_length(row), loaded.vocab_size, seed=3)
+    got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=NEW_TOKENS)
+    np.testing.assert_array_equal(got.tokens, _generate(loaded.module.model, ids, mask, NEW_TOKENS))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_every_norm_is_our_node_audited_in_float32(row):
+    loaded = _loaded(row)
+    dec = build_decoder(loaded)
+    nodes = [n for n in dec.model.graph.node if is_rmsnorm_node(n)]
+    assert len(nodes) == dec.norm_nodes == row.norms == len(dec.detection.norms)
+    assert audit_norms(dec.model, dec.norm_nodes) == row.norms
+    windows = [a.i for n in dec.model.graph.node if n.op_type == "GroupQueryAttention"
+               for a in n.attribute if a.name == "local_window_size"]
+    assert len(windows) == row.config["num_hidden_layers"]
+    assert (row.window is not None) == (row.window in windows)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_int4_matches_its_dequantized_model(row):
+    """int4 (block 32, float32 compute): step logits within the quantized row of the tolerance
+    table and greedy tokens equal to transformers on the dequantized weights."""
+    loaded = _loaded(row)
+    dec = build_decoder(loaded, quantization=Quantization("int4", 32, 0, False), max_length=64)
+    parity = decode_parity(loaded, dec.model, batch=2, prompt=_prompt_length(row), steps=2)
+    assert not parity.failed, parity.table()
+    ids, mask = random_left_padded(2, _prompt_length(row), loaded.vocab_size, seed=5)
+    got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=16).tokens
+    with dequantized_reference(loaded.module, dec.model, ModelMetadata.read(dec.model).quantization):
+        want = _generate(loaded.module.model, ids, mask, 16)
+    np.testing.assert_array_equal(got, want)
+
+
+def _folder(row: FamilyRow, tmp_path):
+    """The written folder: the graph with its weights beside it, genai_config.json and config.json."""
+    loaded = _loaded(row)
+    path = tmp_path / row.name / "model.onnx"
+    dec = write_ort_decoder(loaded, path, force=False, max_length=64)
+    layout = KVCacheLayout.from_dict(ModelMetadata.read(dec.model).kv_cache)
+    write_serving_files(path, layout, loaded.source, force=False)
+    return loaded, path.parent
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_folder_generates_serves_and_runs_in_genai(row, tmp_path):
+    """``generate`` and the serving engine give transformers' tokens for a prompt past the window;
+    onnxruntime-genai gives the same tokens where it knows the model type."""
+    from rmsnorm_deploy.serving.engine import Engine, EngineOptions
+
+    loaded, folder = _folder(row, tmp_path)
+    prompts = [[int(t) for t in np.random.default_rng(7).integers(3, 250, size=_prompt_length(row))], [5, 17, 99]]
+    ids, mask = left_padded(prompts, 0)
+    want = _generate(loaded.module.model, ids, mask, NEW_TOKENS).tolist()
+    with KVCacheModel(folder) as kv:
+        assert generate(kv, prompts, max_new_tokens=NEW_TOKENS, eos_token_id=None).tokens == want
+        engine = Engine(kv, EngineOptions(max_batch=2, prefill_chunk=4)).start(warm=False)
+        try:
+            streams = [engine.submit(p, max_new_tokens=NEW_TOKENS, eos_token_id=None) for p in prompts]
+            assert [s.result(timeout=120) for s in streams] == want
+        finally:
+            engine.drain(5)
+    if row.genai:
+        pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+        from rmsnorm_deploy.decoder.genai_client import genai_greedy
+
+        theirs = genai_greedy(folder, prompts[0], NEW_TOKENS)
+        assert theirs == want[0][:len(theirs)] and theirs, (theirs, want[0])
