@@ -1,9 +1,9 @@
 """The model families ``--target onnxruntime`` writes: one module each, found by this package.
 
 Each module here defines ``FAMILY`` (a :class:`~rmsnorm_deploy.decoder.families.base.Family`,
-or a tuple of them for families that share a module): adding a family is one module. A
-``model_type`` without a family is refused with the reason :data:`REFUSED` gives, or the list
-of those written.
+or a tuple of them for families that share a module) and may define ``REFUSED``, the model types
+of its kin it does not write, each with the reason: adding a family is one module. A
+``model_type`` without a family is refused with that reason, or with the list of those written.
 """
 
 from __future__ import annotations
@@ -17,24 +17,26 @@ from rmsnorm_deploy.decoder.families.base import ACTIVATIONS, Family, LayerNorms
 __all__ = ["ACTIVATIONS", "FAMILIES", "Family", "LayerNorms", "REFUSED", "family_of", "refusal"]
 
 
-def _discover() -> dict[str, Family]:
+def _discover() -> tuple[dict[str, Family], dict[str, str]]:
     found: dict[str, Family] = {}
+    refused: dict[str, str] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name == "base":
             continue
-        value = importlib.import_module(f"{__name__}.{info.name}").FAMILY
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        value = getattr(module, "FAMILY", ())
         for family in value if isinstance(value, tuple) else (value,):
             if family.model_type in found:
                 raise RuntimeError(f"two family modules define {family.model_type!r}")
             found[family.model_type] = family
-    return found
+        refused.update(getattr(module, "REFUSED", {}))
+    if set(found) & set(refused):
+        raise RuntimeError(f"model types both written and refused: {sorted(set(found) & set(refused))}")
+    return found, refused
 
 
-#: model_type -> its family, every module of this package.
-FAMILIES: dict[str, Family] = _discover()
-
-#: model_type -> why it is not written (families with an RMS norm that this graph cannot hold).
-REFUSED: dict[str, str] = {}
+#: model_type -> its family; model_type -> why it is not written: every module of this package.
+FAMILIES, REFUSED = _discover()
 
 
 def refusal(model_type: str) -> str:
