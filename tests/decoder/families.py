@@ -49,4 +49,12 @@ ROWS: list[FamilyRow] = [
     FamilyRow("gemma3", _config("gemma3_text", head_dim=16, sliding_window=WINDOW,
                                 layer_types=["sliding_attention", "full_attention"]),
               norms=13, window=WINDOW, genai=True),
+    # multipliers far from 1, so that any one left out moves the logits
+    FamilyRow("granite", _config("granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                                 attention_multiplier=0.0078125, logits_scaling=8.0), norms=5, genai=True),
+    FamilyRow("smollm3", _config("smollm3", no_rope_layer_interval=2), norms=5, genai=True),
+    FamilyRow("smollm3-window", _config("smollm3", no_rope_layers=[0, 1], use_sliding_window=True,
+                                        sliding_window=WINDOW), norms=5, window=WINDOW, genai=True),
+    FamilyRow("ernie4_5", _config("ernie4_5", head_dim=16, use_bias=True), norms=5, genai=True),
+    FamilyRow("hunyuan_v1_dense", _config("hunyuan_v1_dense", head_dim=16), norms=9),
 ]
