@@ -351,9 +351,8 @@ class OrtDecoderBuilder:
                                 f"{base}/attn/o_proj")
 
     def rotate(self, x: str, cache: list[str], base: str) -> str:
-        """``com.microsoft.RotaryEmbedding`` on ``x`` [B, S, heads * head_dim] at each compact token's
-        position: the rotation GroupQueryAttention does inside, written before it where a norm reads the
-        rotated q and k (HunYuan)."""
+        """``com.microsoft.RotaryEmbedding`` on ``x`` [B, S, H * D] at each compact token's position: GQA's
+        own rotation, written before it where a norm reads the rotated q and k (HunYuan)."""
         if self.positions is None:  # cumsum(mask) - 1 over the chunk, in GQA's order (padding: 0)
             w = self.w
             pos = w.one("Sub", [w.one("CumSum", ["attention_mask", self.i64("axis_1", 1)], "positions/cumsum"),
@@ -396,7 +395,7 @@ class OrtDecoderBuilder:
         if np.asarray(value).dtype == self.w.np_dtype:
             return self._node_to(op, [x, const], base, out)
         up = self.w.one("Cast", [x], f"{base}/to_float32", to=TensorProto.FLOAT)
-        return self._node_to("Cast", [self.w.one(op, [up, const], base)], f"{base}/to_model_dtype", out,
+        return self._node_to("Cast", [self.w.one(op, [up, const], f"{base}/float32")], f"{base}/to_model_dtype", out,
                              to=onnx_type(self.dtype))
 
     def _scaled(self, x: str, scale: float | None, base: str) -> str:
@@ -448,18 +447,14 @@ class OrtDecoderBuilder:
         quantize = self.quantization is not None and self.quantization.lm_head
         config = self.lm.config
         divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
-        steps = [("Div", divisor), ("softcap", cap)]
-        steps = [(op, v) for op, v in steps if v is not None]
         y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize,
-                             out=None if steps else "logits")
-        for n, (op, value) in enumerate(steps):  # Python floats in the config: float32 math (scalar_op)
-            out = "logits" if n == len(steps) - 1 else None
-            if op == "Div":
-                y = self.scalar_op(op, y, np.float32(value), "lm_head/divide", out)
-            else:  # cap * tanh(y / cap), in transformers' order
-                t = self.w.one("Tanh", [self.scalar_op("Div", y, np.float32(value), "lm_head/softcap/div")],
-                               "lm_head/softcap/tanh")
-                y = self.scalar_op("Mul", t, np.float32(value), "lm_head/softcap/mul", out)
+                             out="logits" if divisor is None and cap is None else None)
+        if divisor is not None:  # Python floats in the config: float32 math (scalar_op)
+            y = self.scalar_op("Div", y, np.float32(divisor), "lm_head/divide", "logits" if cap is None else None)
+        if cap is not None:  # cap * tanh(y / cap), in transformers' order
+            t = self.w.one("Tanh", [self.scalar_op("Div", y, np.float32(cap), "lm_head/softcap/div")],
+                           "lm_head/softcap/tanh")
+            self.scalar_op("Mul", t, np.float32(cap), "lm_head/softcap/mul", "logits")
 
     def _node_to(self, op: str, inputs: list[str], base: str, out: str | None, **attrs: Any) -> str:
         """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""
