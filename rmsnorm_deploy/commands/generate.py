@@ -3,19 +3,22 @@
 MODEL_DIR is the folder the export wrote (or its model.onnx). The prompt is text (encoded with the
 folder's tokenizer.json) or token ids; greedy decoding unless --sample. Past and present stay in
 ONNX Runtime's memory between steps (IOBinding). Prints the text (or the tokens), the prefill time,
-the decode time per token and the decode throughput. Exit code 2 on bad input: a model without a
-KV cache, a prompt longer than the model's maximum, an unknown or unavailable provider."""
+the decode time per token and the decode throughput; with --speculative, the share of proposed
+tokens accepted and the tokens per run of the model. Exit code 2 on bad input: a model without a
+KV cache, a prompt longer than the model's maximum, an unknown or unavailable provider, a draft
+model whose tokenizer is not the model's."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from rmsnorm_deploy.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS
+    from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_SPECULATIVE_K
 
     parser.add_argument("model", metavar="MODEL_DIR", help="folder written by `export --kv-cache` (or its model.onnx)")
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -34,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int,
                         help="ONNX Runtime intra-op threads, at most the CPUs this process may use (default: ONNX "
                         "Runtime's)")
+    parser.add_argument("--speculative", metavar="ngram|DRAFT_DIR",
+                        help="speculative decoding: propose tokens by prompt lookup (ngram) or with a draft model "
+                        "(a folder written by `export --kv-cache` with the same tokenizer) and check several in one "
+                        "run; greedy output is unchanged, sampling keeps the model's distribution")
+    parser.add_argument("--speculative-k", type=int, default=DEFAULT_SPECULATIVE_K, metavar="K",
+                        help=f"--speculative: at most K tokens proposed a run, fewer while they fail (default "
+                        f"{DEFAULT_SPECULATIVE_K})")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -48,18 +58,27 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, SpeculationOptions, generate
     from rmsnorm_deploy.runners.onnxruntime import check_threads
 
     sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p)
     check_threads(args.threads)  # before the model is read
+    if args.speculative is not None and (isinstance(args.speculative_k, bool) or args.speculative_k < 1):
+        raise UserError(f"--speculative-k must be an integer >= 1, got {args.speculative_k}")
     providers = [p for p in args.providers.split(",") if p.strip()]
     ids = parse_ids(args.input_ids) if args.input_ids is not None else None
     model = KVCacheModel(args.model, providers, intra_op_threads=args.threads)
-    with model:
+    draft = None
+    if args.speculative not in (None, "ngram"):
+        draft = KVCacheModel(args.speculative, providers, intra_op_threads=args.threads)
+    with model, (draft or contextlib.nullcontext()):
         prompt = ids if ids is not None else model.encode(args.prompt)
-        result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling)
+        speculation = None
+        if args.speculative is not None:
+            speculation = SpeculationOptions(draft or "ngram", args.speculative_k)
+        result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          speculation=speculation)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
         return 0
@@ -70,4 +89,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"prefill {result.prefill_ms:.2f} ms ({len(prompt)} tokens), decode {result.decode_ms_per_token:.3f} ms/token "
           f"over {result.steps} steps, {result.tokens_per_s:.1f} tokens/s "
           f"on {','.join(result.providers)}")
+    if result.speculation is not None:
+        spec = result.speculation
+        print(f"speculation ({spec['proposer']}, k <= {spec['max_k']}): {spec['accepted']} of {spec['proposed']} "
+              f"proposed tokens accepted ({100 * spec['acceptance_rate']:.0f} %), {spec['tokens_per_pass']:.2f} "
+              f"tokens per run of the model")
     return 0

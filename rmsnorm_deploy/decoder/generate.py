@@ -35,6 +35,7 @@ from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
 from rmsnorm_deploy.decoder.genai_config import folder_tokens
 from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.decoder.speculative import DraftModel, PromptLookup, Speculator, check_draft
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.exporter.hf_files import side_file
 from rmsnorm_deploy.graph.metadata import ModelMetadata
@@ -42,11 +43,13 @@ from rmsnorm_deploy.graph.onnx_file import load_onnx
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, provider_name
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "FROM_FOLDER", "GenerationResult", "KVCacheModel", "Sampling", "generate",
-           "model_file"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_SPECULATIVE_K", "FROM_FOLDER", "GenerationResult", "KVCacheModel",
+           "Sampling", "SpeculationOptions", "generate", "model_file"]
 
 MODEL_FILE = "model.onnx"
 DEFAULT_MAX_NEW_TOKENS = 32
+#: ``--speculative-k``'s default: the most tokens proposed for one run (adapted down as they fail).
+DEFAULT_SPECULATIVE_K = 5
 #: ``generate``'s default special tokens: those of the model folder (genai_config.json / config.json).
 FROM_FOLDER = "from the model folder"
 
@@ -62,6 +65,8 @@ class GenerationResult:
     text: list[str] | None = None
     #: With ``return_logits``: each step's last-position logits, [batch, vocab] float32 arrays.
     step_logits: list[np.ndarray] | None = None
+    #: With speculation: ``decoder.speculative.SpeculationStats.to_dict()`` (acceptance, tokens per run).
+    speculation: dict[str, Any] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,7 +78,8 @@ class GenerationResult:
     def to_dict(self) -> dict[str, Any]:
         return {"prompts": self.prompts, "tokens": self.tokens, "text": self.text, "providers": self.providers,
                 "prefill_ms": round(self.prefill_ms, 3), "decode_ms_per_token": round(self.decode_ms_per_token, 3),
-                "decode_steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 1)}
+                "decode_steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 1),
+                **({"speculation": self.speculation} if self.speculation is not None else {})}
 
 
 def model_file(path: str | os.PathLike) -> Path:
@@ -203,17 +209,19 @@ def _prepare(model: KVCacheModel, prompts: Sequence[Sequence[int]], max_new_toke
 def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              sampling: Sampling | None = None, return_logits: bool = False,
              eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
-             pad_token_id: int | None = None) -> GenerationResult:
+             pad_token_id: int | None = None, speculation: SpeculationOptions | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` after each prompt (see the module docstring).
 
     ``eos_token_id``: the end-of-sequence ids; by default (:data:`FROM_FOLDER`) the folder's,
     ``None`` to never stop early. ``pad_token_id``: by default the folder's, else the first
-    end-of-sequence id, else 0.
+    end-of-sequence id, else 0. ``speculation``: propose tokens and check several per run
+    (``decoder.speculative``; greedy gives the same tokens, sampling the same distribution).
     """
     rows, eos, pad = _prepare(model, prompts, max_new_tokens, eos_token_id, pad_token_id)
     ids, mask = left_padded(rows, pad)
+    speculator = speculation.speculator(model, ids.shape[1] + max_new_tokens, sampling) if speculation else None
     run = decode_loop(model.stepper, ids, mask, max_new_tokens=max_new_tokens, pick=token_picker(sampling),
-                      eos_token_ids=eos, pad_token_id=pad, keep_logits=return_logits)
+                      eos_token_ids=eos, pad_token_id=pad, keep_logits=return_logits, speculation=speculator)
     tokens = run.tokens.tolist()
     text = [model.decode(t) for t in tokens] if model.tokenizer is not None else None
     return GenerationResult(
@@ -221,19 +229,40 @@ def generate(model: KVCacheModel, prompts: Sequence[Sequence[int]], *, max_new_t
         decode_ms_per_token=run.decode_ms_per_token, steps=run.steps,
         providers=list(model.runner.actual_providers), text=text,
         step_logits=[np.asarray(g, dtype=np.float32) for g in run.step_logits] if return_logits else None,
+        speculation=speculator.stats.to_dict() if speculator else None,
     )
 
 
 def stream(model: KVCacheModel, prompt: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
            sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
-           pad_token_id: int | None = None) -> Iterator[int]:
+           pad_token_id: int | None = None, speculation: SpeculationOptions | None = None) -> Iterator[int]:
     """One prompt's new tokens, one at a time, as :func:`generate` makes them (the same loop, so the
     same tokens). The request is checked here, before the first token is asked for."""
     rows, eos, pad = _prepare(model, [prompt], max_new_tokens, eos_token_id, pad_token_id)
     ids, mask = left_padded(rows, pad)
+    speculator = speculation.speculator(model, ids.shape[1] + max_new_tokens, sampling) if speculation else None
     steps = decode_steps(model.stepper, ids, mask, max_new_tokens=max_new_tokens, pick=token_picker(sampling),
-                         eos_token_ids=eos, pad_token_id=pad)
+                         eos_token_ids=eos, pad_token_id=pad, speculation=speculator)
     return (int(token[0]) for token, _ in steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationOptions:
+    """``generate --speculative``: ``proposer`` is ``"ngram"`` (prompt lookup) or an open
+    :class:`KVCacheModel` of the same vocabulary (a draft model); at most ``k`` tokens a run."""
+
+    proposer: Any = "ngram"
+    k: int = DEFAULT_SPECULATIVE_K
+
+    def speculator(self, model: KVCacheModel, longest: int, sampling: Sampling | None) -> Speculator:
+        """A fresh :class:`~rmsnorm_deploy.decoder.speculative.Speculator` for one generation."""
+        if self.proposer == "ngram":
+            return Speculator(PromptLookup(), self.k, sampling)
+        if not isinstance(self.proposer, KVCacheModel):
+            raise UserError(f"--speculative takes ngram or a draft model folder, got {self.proposer!r}")
+        check_draft(model, self.proposer, longest)
+        return Speculator(DraftModel(self.proposer.stepper, name=f"draft:{self.proposer.folder.name}"), self.k,
+                          sampling)
 
 
 def _tokenizer(folder: Path) -> Any:

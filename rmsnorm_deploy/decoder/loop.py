@@ -34,6 +34,7 @@ loop); ``decoder.generate`` is the user-facing API over the same loop.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from typing import Any, Callable, Iterable, Iterator, Protocol
@@ -82,24 +83,31 @@ def token_picker(sampling: Sampling | None = None) -> Callable[[np.ndarray], np.
     rng = np.random.default_rng(sampling.seed)
 
     def sample(logits: np.ndarray) -> np.ndarray:
-        # The largest logit is subtracted before dividing: a tiny temperature then sends the others to
-        # -inf (probability 0) instead of every logit to +-inf (inf - inf: NaN probabilities).
-        shifted = logits.astype(np.float64)
-        shifted -= shifted.max(axis=-1, keepdims=True)
-        if not np.isfinite(shifted).any(axis=-1).all():
-            raise InputError("the model's logits are not finite (NaN or infinite); no token can be sampled")
-        with np.errstate(over="ignore"):  # -inf for every token far below the best: probability 0
-            scaled = shifted / sampling.temperature
-        if sampling.top_k and sampling.top_k < scaled.shape[-1]:
-            kth = np.partition(scaled, -sampling.top_k, axis=-1)[:, -sampling.top_k][:, None]
-            scaled = np.where(scaled < kth, -np.inf, scaled)
-        probs = np.exp(scaled)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        if sampling.top_p < 1:
-            probs = nucleus(probs, sampling.top_p)
+        probs = sampling_probabilities(logits, sampling)
         return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int64)
 
     return sample
+
+
+def sampling_probabilities(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """The distribution ``sampling`` draws from, float64 [..., vocab]: softmax(logits / temperature)
+    cut to the top-k, then to the nucleus (the sampler and speculation's acceptance rule read it)."""
+    # The largest logit is subtracted before dividing: a tiny temperature then sends the others to
+    # -inf (probability 0) instead of every logit to +-inf (inf - inf: NaN probabilities).
+    shifted = np.asarray(logits).astype(np.float64)
+    shifted -= shifted.max(axis=-1, keepdims=True)
+    if not np.isfinite(shifted).any(axis=-1).all():
+        raise InputError("the model's logits are not finite (NaN or infinite); no token can be sampled")
+    with np.errstate(over="ignore"):  # -inf for every token far below the best: probability 0
+        scaled = shifted / sampling.temperature
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = np.partition(scaled, -sampling.top_k, axis=-1)[..., -sampling.top_k][..., None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if sampling.top_p < 1:
+        probs = nucleus(probs, sampling.top_p)
+    return probs
 
 
 def nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
@@ -133,6 +141,18 @@ class Step(Protocol):
         a backend may hand out its own output buffer), and the next step's cache."""
 
 
+class VerifyingStep(Step, Protocol):
+    """A step speculation can use (``decoder.speculative``): every position's logits of one run,
+    and the cache cut back to its first ``length`` slots after rejected proposals."""
+
+    def run_all(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                cache: Any) -> tuple[np.ndarray, Any]:
+        """Like ``run``, with the logits of every fed position [batch, sequence, vocab] (the caller's copy)."""
+
+    def rollback(self, cache: Any, length: int) -> Any:
+        """The cache keeping only the slots of the first ``length`` mask columns."""
+
+
 @dataclasses.dataclass
 class Generation:
     tokens: np.ndarray  # [batch, new tokens] int64 (pad after a row's end-of-sequence token)
@@ -160,13 +180,14 @@ class DecodeClock:
 def decode_steps(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
                  max_new_tokens: int, pick: Callable[[np.ndarray], np.ndarray] = greedy,
                  eos_token_ids: Iterable[int] = (), pad_token_id: int = 0,
-                 clock: DecodeClock | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                 clock: DecodeClock | None = None, speculation: Any = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The decode loop, lazily: each step's new tokens [batch] (pad after a row's end of sequence)
     and the last-position logits they were picked from. The model runs the next step only when
     the next token is asked for, so a stream can hand each token out before the next is made.
     ``input_ids`` [batch, prompt], left padding marked by zeros in ``attention_mask``;
     ``eos_token_ids`` empty: never stop early. Times go to ``clock``. The arguments are checked
-    before the first step runs."""
+    before the first step runs. ``speculation`` (a ``decoder.speculative.Speculator``) proposes
+    tokens and verifies several in one run: the same loop, several tokens per run."""
     ids = np.ascontiguousarray(input_ids, dtype=np.int64)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -175,6 +196,9 @@ def decode_steps(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray |
     mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
     if mask.shape != ids.shape:
         raise InputError(f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}")
+    if speculation is not None:
+        return speculation.steps(step, ids, mask, max_new_tokens, pick, eos_token_ids, pad_token_id,
+                                 clock or DecodeClock())
     return _steps(step, ids, mask, max_new_tokens, pick, eos_token_ids, pad_token_id, clock or DecodeClock())
 
 
@@ -217,21 +241,27 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
 def decode_loop(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
                 max_new_tokens: int, pick: Callable[[np.ndarray], np.ndarray] = greedy,
                 eos_token_ids: Iterable[int] = (), pad_token_id: int = 0, keep_logits: bool = False,
-                on_token: Callable[[np.ndarray], None] | None = None) -> Generation:
+                on_token: Callable[[np.ndarray], None] | None = None, speculation: Any = None) -> Generation:
     """:func:`decode_steps` run to the end: up to ``max_new_tokens`` new tokens, their timings and
     (``keep_logits``) each step's logits. ``on_token(tokens [batch])`` is called with each step's
-    new tokens."""
+    new tokens. ``speculation``: see :func:`decode_steps` (``steps`` then counts tokens, not runs)."""
     clock = DecodeClock()
     tokens: list[np.ndarray] = []
     kept: list[np.ndarray] = []
     for token, logits in decode_steps(step, input_ids, attention_mask, max_new_tokens=max_new_tokens, pick=pick,
-                                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, clock=clock):
+                                      eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, clock=clock,
+                                      speculation=speculation):
         tokens.append(token)
         if keep_logits:
             kept.append(np.array(logits, copy=True))
         if on_token is not None:
             on_token(token)
     return Generation(np.stack(tokens, axis=1), clock.prefill_s, clock.decode_s, clock.steps, kept, clock.step_s)
+
+
+#: Why speculation refuses a batch on a GroupQueryAttention graph.
+SPECULATION_ONE_ROW = ("speculation checks one prompt at a time on a --target onnxruntime graph (ONNX Runtime's "
+                       "GroupQueryAttention takes several new tokens after a past only for one row); give one prompt")
 
 
 # -- ONNX Runtime's step -------------------------------------------------------------------------
@@ -245,6 +275,9 @@ class CacheLayout:
     head_dim: int
     share_buffer: bool = False
     max_length: int = 0  # the shared buffer's length (share_buffer only)
+    #: GroupQueryAttention's graph (``--target onnxruntime``): its CPU kernel takes several new
+    #: tokens after a past only for a batch of one (speculation checks one row at a time).
+    grouped_query_attention: bool = False
     past_key: str = "past_key_values.{i}.key"
     past_value: str = "past_key_values.{i}.value"
     present_key: str = "present.{i}.key"
@@ -256,7 +289,8 @@ class CacheLayout:
             return cls(layers=int(kv_cache["num_layers"]), kv_heads=int(kv_cache["kv_heads"]),
                        head_dim=int(kv_cache["head_dim"]),
                        share_buffer=bool(kv_cache.get("past_present_share_buffer", False)),
-                       max_length=int(kv_cache.get("max_length", 0)))
+                       max_length=int(kv_cache.get("max_length", 0)),
+                       grouped_query_attention=kv_cache.get("target") == "onnxruntime")
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the model's kv_cache metadata is incomplete ({exc!r}); export it again") from None
 
@@ -264,7 +298,8 @@ class CacheLayout:
     def of(cls, layout: Any) -> CacheLayout:
         """From an ``decoder.convention.KVCacheLayout`` (already checked)."""
         return cls(layers=layout.num_layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                   share_buffer=layout.past_present_share_buffer, max_length=layout.max_length)
+                   share_buffer=layout.past_present_share_buffer, max_length=layout.max_length,
+                   grouped_query_attention=layout.target == "onnxruntime")
 
     def pairs(self) -> list[tuple[str, str]]:
         out = []
@@ -285,6 +320,7 @@ class _OrtCache:
     logits: np.ndarray | None = None
     #: The decode steps' [batch, 1] input_ids and position_ids, bound once and written in place.
     step_inputs: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    step_bound: bool = False  # whether step_inputs and logits are what the binding holds now
 
 
 class OrtStep:
@@ -325,27 +361,61 @@ class OrtStep:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: _OrtCache) -> tuple[np.ndarray, _OrtCache]:
+        logits, cache = self._run(input_ids, attention_mask, position_ids, cache)
+        if logits is cache.logits:
+            return logits[:, -1, :], cache
+        if self._bf16:  # numpy has no bfloat16 of its own: read the memory, compare in float32
+            return ortvalue_to_numpy(logits)[:, -1, :].astype(np.float32), cache
+        return np.array(logits.numpy()[:, -1, :]), cache  # a copy: the prefill's output is freed next step
 
+    def run_all(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                cache: _OrtCache) -> tuple[np.ndarray, _OrtCache]:
+        """Every fed position's logits [batch, sequence, vocab] (speculation's verification)."""
+        if input_ids.shape[0] > 1 and self.layout.grouped_query_attention and cache.vocab:
+            raise InputError(f"{SPECULATION_ONE_ROW} ({input_ids.shape[0]} rows)")
+        logits, cache = self._run(input_ids, attention_mask, position_ids, cache)
+        if logits is cache.logits:
+            return np.array(logits), cache
+        return ortvalue_to_numpy(logits).astype(np.float32, copy=False), cache
+
+    def rollback(self, cache: _OrtCache, length: int) -> _OrtCache:
+        """The cache cut to its first ``length`` slots. A shared buffer is left as it is:
+        GroupQueryAttention reads and writes each row at ``sum(attention_mask)`` (seqlens_k), so
+        the next run's shorter mask forgets the rejected slots and overwrites them. Separate past
+        and present: each present is sliced (valid keys first on the onnxruntime target, one slot
+        per mask column on the portable one: the first ``length`` slots hold every kept key)."""
+        if self.layout.share_buffer or not cache.values or cache.values[0].shape()[2] == length:
+            return cache
+        # A copy: the view reads the old present's memory, freed when it is replaced.
+        cache.values = [self._value(np.array(_host_view(v)[:, :, :length], copy=True)) for v in cache.values]
+        return cache
+
+    def _run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+             cache: _OrtCache) -> tuple[Any, _OrtCache]:
+        """One run; the logits as ``cache.logits`` (a one-token step's bound numpy buffer) or an OrtValue."""
         lay, binding = self.layout, cache.binding
         if lay.share_buffer and attention_mask.shape[1] > lay.max_length:
             raise InputError(f"{attention_mask.shape[1]} tokens exceed the shared buffer's {lay.max_length}")
-        decoding = input_ids.shape[1] == 1 and attention_mask.shape[1] > 1 and cache.vocab > 0
+        decoding = input_ids.shape[1] == 1 and attention_mask.shape[1] > 1 and cache.vocab > 0 and not self._bf16
         binding.bind_cpu_input(ATTENTION_MASK, attention_mask)
         fixed = {INPUT_IDS: input_ids, **({POSITION_IDS: position_ids} if self.takes_positions else {})}
-        if decoding and not self._bf16:
+        if decoding:
             if not cache.step_inputs:  # the first decode step: [batch, 1] buffers, bound for good
                 cache.step_inputs = {name: np.empty((cache.batch, 1), np.int64) for name in fixed}
+                cache.logits = np.empty((cache.batch, 1, cache.vocab), self.dtype)
+            if not cache.step_bound:  # again after a run of several tokens (speculation) rebound them
                 for name, array in cache.step_inputs.items():
                     binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(array))
-                cache.logits = np.empty((cache.batch, 1, cache.vocab), self.dtype)
                 binding.bind_ortvalue_output(LOGITS, self.ort.OrtValue.ortvalue_from_numpy(cache.logits))
+                cache.step_bound = True
             for name, array in fixed.items():
                 np.copyto(cache.step_inputs[name], array)
         else:
             for name, array in fixed.items():
                 binding.bind_cpu_input(name, array)
-            if decoding:  # bfloat16: a new output each step (a bound one keeps its first shape)
+            if cache.vocab:  # a bound output keeps its first shape: a new one for this run's
                 binding.bind_output(LOGITS, "cpu")
+            cache.step_bound = False
         if not lay.share_buffer:
             for (past, present), value in zip(lay.pairs(), cache.values):
                 binding.bind_ortvalue_input(past, value)
@@ -354,18 +424,27 @@ class OrtStep:
             self.session.run_with_iobinding(binding)
         except Exception as exc:
             raise UserError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
-        if decoding and lay.share_buffer and cache.logits is not None:
+        if decoding and lay.share_buffer:
             # Nothing to collect: the cache was written in place, the logits into cache.logits.
-            return cache.logits[:, -1, :], cache
+            return cache.logits, cache
         outputs = binding.get_outputs()
         if not lay.share_buffer:
             cache.values = list(outputs[1:])
-        if decoding and cache.logits is not None:
-            return cache.logits[:, -1, :], cache
+        if decoding:
+            return cache.logits, cache
         cache.vocab = int(outputs[0].shape()[-1])
-        if self._bf16:  # numpy has no bfloat16 of its own: read the memory, compare in float32
-            return ortvalue_to_numpy(outputs[0])[:, -1, :].astype(np.float32), cache
-        return np.array(outputs[0].numpy()[:, -1, :]), cache  # a copy: the prefill's output is freed next step
+        return outputs[0], cache
+
+
+def _host_view(value: Any) -> np.ndarray:
+    """A CPU float ``OrtValue``'s memory as numpy without a copy (anything else: copied to the host)."""
+    ctype = {"tensor(float)": (ctypes.c_float, np.float32), "tensor(float16)": (ctypes.c_uint16, np.float16)}
+    kind, shape = ctype.get(value.data_type()), tuple(value.shape())
+    count = int(np.prod(shape)) if shape else 1
+    if kind is None or not count or value.device_name().lower() != "cpu":
+        return ortvalue_to_numpy(value)
+    buffer = (kind[0] * count).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(buffer).view(kind[1]).reshape(shape)
 
 
 class KVDecoderRunner:
