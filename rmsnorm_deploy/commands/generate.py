@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: propose tokens by prompt lookup (ngram) or with a draft model "
                         "(a folder written by `export --kv-cache` with the same tokenizer) and check several in one "
                         "run; greedy output is unchanged, sampling keeps the model's distribution")
-    parser.add_argument("--speculative-k", type=int, default=DEFAULT_SPECULATIVE_K, metavar="K",
+    parser.add_argument("--speculative-k", type=int, metavar="K",
                         help=f"--speculative: at most K tokens proposed a run, fewer while they fail (default "
                         f"{DEFAULT_SPECULATIVE_K})")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -58,14 +58,18 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, SpeculationOptions, generate
+    from rmsnorm_deploy.decoder.generate import (DEFAULT_SPECULATIVE_K, KVCacheModel, Sampling, SpeculationOptions,
+                                                 generate)
     from rmsnorm_deploy.runners.onnxruntime import check_threads
 
     sampling = Sampling(do_sample=args.sample, seed=args.seed, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p)
     check_threads(args.threads)  # before the model is read
-    if args.speculative is not None and (isinstance(args.speculative_k, bool) or args.speculative_k < 1):
-        raise UserError(f"--speculative-k must be an integer >= 1, got {args.speculative_k}")
+    if args.speculative_k is not None and args.speculative is None:
+        raise UserError("--speculative-k needs --speculative ngram|DRAFT_DIR")
+    k = DEFAULT_SPECULATIVE_K if args.speculative_k is None else args.speculative_k
+    if k < 1:
+        raise UserError(f"--speculative-k must be an integer >= 1, got {k}")
     providers = [p for p in args.providers.split(",") if p.strip()]
     ids = parse_ids(args.input_ids) if args.input_ids is not None else None
     model = KVCacheModel(args.model, providers, intra_op_threads=args.threads)
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = ids if ids is not None else model.encode(args.prompt)
         speculation = None
         if args.speculative is not None:
-            speculation = SpeculationOptions(draft or "ngram", args.speculative_k)
+            speculation = SpeculationOptions(draft or "ngram", k)
         result = generate(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
                           speculation=speculation)
     if args.json:

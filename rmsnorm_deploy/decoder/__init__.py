@@ -37,10 +37,13 @@ genai_config        ``genai_config.json`` and the Hugging Face config and tokeni
 loop                ``decode_loop``: the one decode loop (mask, positions, token choice, end of
                     sequence, timings) over a backend's step; ``OrtStep``: ONNX Runtime's step through
                     IOBinding; ``KVDecoderRunner``: greedy decoding in an ONNX Runtime CPU session
+speculative         ``Speculator``: speculative decoding inside that loop (prompt lookup or a draft
+                    model proposes, one run checks several tokens, the cache rolled back, k adapted)
 transformers_step   ``TransformersStep``: transformers with its own cache as the loop's step; the
                     reference every KV-cache graph is held to
 generate            ``KVCacheModel`` and ``generate``/``stream``: greedy or seeded sampling over an
-                    exported folder, prompts checked against the model, special tokens from its folder
+                    exported folder, prompts checked against the model, special tokens from its folder,
+                    ``SpeculationOptions`` (``generate --speculative``)
 perplexity          ``perplexity``: llama-perplexity's scheme (chunks from an empty cache, second half
                     scored, float64 log-softmax) over token ids, on any KV-cache export
 genai_client        ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder

@@ -36,6 +36,8 @@ def test_a_model_without_a_kv_cache_is_refused(capsys, tmp_path):
     (["--input-ids", "1", "--temperature", "0", "--sample"], ["--temperature must be a finite number > 0"]),
     (["--input-ids", "1", "--top-k", "-2", "--sample"], ["--top-k must be an integer >= 0"]),
     (["--input-ids", "1", "--top-p", "0", "--sample"], ["--top-p must be a number > 0 and <= 1"]),
+    (["--input-ids", "1", "--speculative-k", "3"], ["--speculative-k needs --speculative"]),
+    (["--input-ids", "1", "--speculative", "ngram", "--speculative-k", "0"], ["--speculative-k must be an integer >= 1"]),
 ])
 def test_bad_options_are_one_line_errors_before_the_model_is_read(capsys, tmp_path, argv, fragments):
     (tmp_path / "model.onnx").write_bytes(b"not read")
