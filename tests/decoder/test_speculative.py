@@ -166,16 +166,19 @@ def test_verify_greedy_keeps_the_matching_prefix_and_the_models_next_token():
     assert accepted.tolist() == [3, 1] and tokens[1, :2].tolist() == [3, 9]
 
 
-def test_adaptive_k_grows_backs_off_and_pauses_after_misses():
+def test_adaptive_k_follows_the_acceptance_rate_and_pauses_when_nothing_pays():
     adapt = AdaptiveK(6)
-    adapt.update(6, 2)
-    assert adapt.next_k() == 5
-    adapt.update(5, 0)  # none kept: one run without proposals, then 3
-    assert [adapt.next_k() for _ in range(2)] == [0, 4]
-    adapt.update(4, 0)
-    assert [adapt.next_k() for _ in range(4)] == [0, 0, 0, 3]
-    adapt.update(3, 3)
-    assert adapt.next_k() == 5 and adapt.misses == 0
+    start = adapt.next_k()
+    for _ in range(5):
+        adapt.update(6, 6)
+    assert adapt.next_k() == 6 > start  # everything kept: the longest runs pay
+    for _ in range(30):
+        adapt.update(3, 0)
+    assert adapt.best_k() == 0
+    assert [adapt.next_k() for _ in range(6)] == [1, 0, 1, 0, 0, 0]  # probe, pause 1, probe, pause 3
+    adapt.update(1, 1)
+    adapt.update(1, 1)
+    assert adapt.next_k() >= 1 and adapt.misses == 0
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
