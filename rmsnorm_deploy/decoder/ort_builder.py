@@ -46,7 +46,14 @@ from rmsnorm_deploy.decoder.ort_model import (
     skip_refusal,
 )
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
-from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
+from rmsnorm_deploy.decoder.ort_moe import make_moe
+from rmsnorm_deploy.decoder.quantize import (
+    Quantization,
+    QuantizedExperts,
+    QuantizedLinear,
+    WeightQuantizer,
+    metadata_entry,
+)
 from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -99,6 +106,7 @@ class OrtDecoderBuilder:
         self.w = GraphWriter(self.dtype, sink)
         self.quantizer = WeightQuantizer(quantization) if quantization is not None else None
         self.quantized: list[QuantizedLinear] = []
+        self.quantized_experts: list[QuantizedExperts] = []
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
         self.skip_fusion = lowering == "ort"
@@ -363,6 +371,10 @@ class OrtDecoderBuilder:
         return self.make_linear(f"{base}.mlp.down_proj.weight", gated, [getattr(mlp, family.down)],
                                 f"{base}/mlp/down")
 
+    def make_moe_mlp(self, mlp: torch.nn.Module, x: str, base: str) -> str:
+        """A mixture-of-experts MLP of a ``MoEFamily`` (``ort_moe``): router, then one MoE / QMoE node."""
+        return make_moe(self, self.family, mlp, x, base)
+
     def make_activation(self, x: str, base: str) -> str:
         """The family's activation of ``x`` (one of ``families.ACTIVATIONS``)."""
         if self.dims.activation == "gelu_pytorch_tanh":
@@ -399,7 +411,7 @@ class OrtDecoderBuilder:
                 if part == "attn":
                     out = self.make_attention(i, layer, x, base)
                 else:
-                    out = self.family.make_mlp(self, layer, x, base)
+                    out = self.family.make_mlp(self, i, layer, x, base)
                 if norm_out:
                     out = self.make_norm(getattr(layer, norm_out), out)
                 pending = self._scaled(out, residual_scale, f"{base}/{part}/residual_scale")
@@ -471,7 +483,7 @@ class OrtDecoderBuilder:
             versions=tool_versions(),
             kv_cache=kv_cache_metadata(dims, self.dtype, share_buffer=self.share_buffer, max_length=max_len,
                                        head=self.head_path),
-            quantization=(metadata_entry(self.quantization, self.quantized)
+            quantization=(metadata_entry(self.quantization, self.quantized, self.quantized_experts)
                           if self.quantization is not None else None),
         ).write(model)
         return model

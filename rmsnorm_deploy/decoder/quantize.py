@@ -155,12 +155,59 @@ class QuantizedLinear:
                 "parts": [list(p) for p in self.parts]}
 
 
-def metadata_entry(q: Quantization, linears: list[QuantizedLinear]) -> dict[str, Any]:
+def expert_rows(w: torch.Tensor, *, transposed: bool, halves: bool) -> torch.Tensor:
+    """One expert's weight (or bias, 1-D) as ``com.microsoft.MoE`` reads it, [N, K], from the model's
+    [N, K] ([K, N] when ``transposed``); ``halves``: the model's N rows are all gates then all ups,
+    which the op wants interleaved (gate 0, up 0, gate 1, ...)."""
+    w = w.t() if transposed else w
+    if halves:
+        half = w.shape[0] // 2
+        w = torch.stack([w[:half], w[half:]], dim=1).reshape(w.shape)
+    return w
+
+
+def expert_parameter(w: torch.Tensor, *, transposed: bool, halves: bool) -> torch.Tensor:
+    """The inverse of :func:`expert_rows`: the op's [N, K] back in the model's layout."""
+    if halves:
+        w = torch.cat([w[0::2], w[1::2]], dim=0)
+    return w.t() if transposed else w
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+    """One QMoE weight of the graph: packed [experts, N, K * bits / 8] and scales [experts, N, K / block],
+    and the model's fused experts parameter (its path) they hold, in the layout :func:`expert_rows` reads."""
+
+    packed: str
+    scales: str
+    k: int
+    n: int
+    experts: int
+    parameter: str
+    transposed: bool
+    halves: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def metadata_entry(q: Quantization, linears: list[QuantizedLinear],
+                   experts: list[QuantizedExperts] = ()) -> dict[str, Any]:  # type: ignore[assignment]
     """The ``quantization`` entry of the model's metadata."""
     return {"scheme": q.scheme, "bits": q.bits, "block_size": q.block_size, "accuracy_level": q.accuracy_level,
             "compute": q.compute, "symmetric": True, "lm_head": q.lm_head,
             "quantizer": f"onnxruntime {package_version('onnxruntime')} DefaultWeightOnlyQuantizer",
-            "linears": [lin.to_dict() for lin in linears]}
+            "linears": [lin.to_dict() for lin in linears], "experts": [e.to_dict() for e in experts]}
+
+
+def quantized_experts_of(entry: Any) -> list[QuantizedExperts]:
+    """The QMoE weights of a metadata ``quantization`` entry (none before mixtures of experts were written)."""
+    try:
+        return [QuantizedExperts(str(e["packed"]), str(e["scales"]), int(e["k"]), int(e["n"]), int(e["experts"]),
+                                 str(e["parameter"]), bool(e["transposed"]), bool(e["halves"]))
+                for e in entry.get("experts", [])]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"the model's quantization metadata is damaged ({exc}); export it again") from None
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
@@ -254,19 +301,19 @@ class Reference:
 def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base_dir: Any = None,
                           under: str = "", check: WeightCheck | None = None) -> Iterator[Reference]:
     """``root`` (the exported module tree) computing what the quantized ``model`` (a ModelProto;
-    its external data under ``base_dir``) computes: each quantized Linear's weight replaced by the
-    dequantized values read back from the graph (checked against the weight it replaces:
-    :class:`WeightCheck`) and, at int8 compute, its input rounded as the kernel rounds it; only the
-    Linears under the module path ``under`` when given (one layer at a time; ``check`` then gathers
-    the weights' check over the layers). Restored on exit."""
+    its external data under ``base_dir``) computes: each quantized Linear's weight and each quantized
+    experts parameter (QMoE's) replaced by the dequantized values read back from the graph (checked
+    against the weight it replaces: :class:`WeightCheck`) and, at int8 compute, their inputs rounded
+    as the kernels round them; only the weights under the module path ``under`` when given (one layer
+    at a time; ``check`` then gathers the weights' check over the layers). Restored on exit."""
     q, linears = quantization_of(entry)
+    experts = quantized_experts_of(entry)
     if under:
         linears = [lin for lin in linears if all(path.startswith(under + ".") for path, _ in lin.parts)]
+        experts = [e for e in experts if e.parameter.startswith(under + ".")]
     modules = dict(root.named_modules())
-    saved: list[tuple[torch.nn.Linear, torch.nn.Parameter]] = []
-    hooks = []
     check = check if check is not None else WeightCheck()
-    try:
+    with contextlib.ExitStack() as stack:
         for lin in linears:
             scales = read_initializer(model, lin.scales, base_dir)
             weight = dequantize(read_initializer(model, lin.packed, base_dir), scales, bits=q.bits,
@@ -279,17 +326,58 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                                     "Linear of that shape in the model; export it again")
                 values = np.ascontiguousarray(weight[:, start:start + rows].T)
                 check.add(path, module.weight, values, scales[start:start + rows], q.bits, q.block_size)
-                saved.append((module, module.weight))
-                # A new Parameter, not an in-place copy: a head tied to the embedding stays untied.
-                module.weight = torch.nn.Parameter(torch.from_numpy(values).to(module.weight.dtype),
-                                                   requires_grad=False)
+                stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
                 start += rows
                 if q.compute == "int8":
-                    hooks.append(module.register_forward_pre_hook(
-                        lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])))
+                    stack.callback(module.register_forward_pre_hook(
+                        lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])).remove)
+        for item in experts:
+            _dequantized_experts(stack, modules, model, base_dir, q, item, check)
         yield Reference(q.compute, check)
+
+
+@contextlib.contextmanager
+def _replaced(module: torch.nn.Module, name: str, values: torch.Tensor) -> Iterator[None]:
+    """``module.name`` a new Parameter of ``values`` (not an in-place copy: a head tied to the embedding
+    stays untied) for the time of the block."""
+    saved = getattr(module, name)
+    setattr(module, name, torch.nn.Parameter(values.to(saved.dtype), requires_grad=False))
+    try:
+        yield
     finally:
-        for hook in hooks:
-            hook.remove()
-        for module, weight in reversed(saved):
-            module.weight = weight
+        setattr(module, name, saved)
+
+
+def _dequantized_experts(stack: contextlib.ExitStack, modules: dict[str, torch.nn.Module], model: Any, base_dir: Any,
+                         q: Quantization, item: QuantizedExperts, check: WeightCheck) -> None:
+    """One QMoE weight's dequantized values in place of the experts parameter it holds; at int8 compute,
+    the experts' input and their activated intermediate rounded per block (QMoE's two GEMMs): the experts
+    then run transformers' ``batched_mm`` implementation, which calls ``_apply_gate`` where the eager loop
+    inlines it."""
+    path, _, attr = item.parameter.rpartition(".")
+    module = modules.get(path)
+    original = getattr(module, attr, None)
+    if not isinstance(original, torch.Tensor) or original.dim() != 3 or original.shape[0] != item.experts:
+        raise UserError(f"the quantization metadata names {item.parameter!r}, which is not a fused experts parameter "
+                        "of the model; export it again")
+    packed, scales = read_initializer(model, item.packed, base_dir), read_initializer(model, item.scales, base_dir)
+    blocks = item.k // q.block_size
+    values = []
+    for e in range(item.experts):
+        rows = dequantize(packed[e].reshape(item.n, blocks, -1), scales[e], bits=q.bits, block_size=q.block_size,
+                          k=item.k).T
+        mine = expert_rows(original[e].detach().float(), transposed=item.transposed, halves=item.halves)
+        check.add(f"{item.parameter}[{e}]", mine, np.ascontiguousarray(rows), scales[e], q.bits, q.block_size)
+        values.append(expert_parameter(torch.from_numpy(np.ascontiguousarray(rows)), transposed=item.transposed,
+                                       halves=item.halves))
+    stack.enter_context(_replaced(module, attr, torch.stack(values)))
+    if q.compute == "int8" and attr == "gate_up_proj":
+        config, block = module.config, q.block_size
+        saved = config._experts_implementation_internal
+        config._experts_implementation_internal = "batched_mm"
+        stack.callback(setattr, config, "_experts_implementation_internal", saved)
+        gate = module._apply_gate
+        module._apply_gate = lambda gate_up: round_activations(gate(gate_up), block)
+        stack.callback(delattr, module, "_apply_gate")
+        stack.callback(module.register_forward_pre_hook(
+            lambda _m, args: (round_activations(args[0], block), *args[1:])).remove)
