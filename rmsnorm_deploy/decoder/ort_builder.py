@@ -334,6 +334,11 @@ class OrtDecoderBuilder:
             qkv_inputs = [qkv, "", ""]  # packed
         kind = self.rotary_kinds[i]
         rotary = list(self.caches[kind]) if kind != "" else []
+        if family.sinks is not None:  # head_sink is input 11: after cos, sin, position_ids, attention_bias
+            sinks = getattr(attn, family.sinks)
+            name = self._tensor_name(sinks, f"{base}.self_attn.{family.sinks}")
+            rotary = (rotary or ["", ""]) + ["", "", self.w.weight(f"{base}.self_attn.{family.sinks}",
+                                                                   self.tensors.get(name))]
         window = self.windows[i]
         softcap = family.attention_softcap(self.lm.config)
         gqa_out = self.w.node(
@@ -341,7 +346,7 @@ class OrtDecoderBuilder:
             qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens, self.total_i32,
                           *rotary],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
-            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=int(bool(rotary)),
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=int(kind != ""),
             rotary_interleaved=0,
             # local_window_size counts the query itself, as transformers' sliding_window does (measured:
             # window - 1 is 0.1 off on the logits from the first token past the window).

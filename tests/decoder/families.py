@@ -54,6 +54,13 @@ ROWS: list[FamilyRow] = [
               norms=9),
     FamilyRow("mixtral-window", _config("mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                                         sliding_window=WINDOW), norms=5, window=WINDOW),
+    # gpt-oss: a limit the tiny gate/up values reach, sinks far from zero, YaRN within the tiny context
+    FamilyRow("gpt_oss", _config("gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                 intermediate_size=32, sliding_window=WINDOW, swiglu_limit=0.5, initializer_range=0.1,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0,
+                                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                  "beta_slow": 1.0}),
+              norms=5, window=WINDOW),
     FamilyRow("gemma3", _config("gemma3_text", head_dim=16, sliding_window=WINDOW,
                                 layer_types=["sliding_attention", "full_attention"]),
               norms=13, window=WINDOW, genai=True),

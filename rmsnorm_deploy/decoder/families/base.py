@@ -42,6 +42,9 @@ class Family:
     o_proj: str = "o_proj"
     #: ``self_attn``'s q/k norms (Qwen3: per head; OLMo2: over all heads), or ``None``
     qk_norms: tuple[str, str] | None = None
+    #: ``self_attn``'s per-head attention sink logits (gpt-oss: a learned extra column of each head's
+    #: softmax, dropped after it), GroupQueryAttention's ``head_sink``; or ``None``
+    sinks: str | None = None
     #: ``mlp``'s gate and up projections: two Linears, or one fused [gate; up] Linear (Phi-3)
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
     down: str = "down_proj"
