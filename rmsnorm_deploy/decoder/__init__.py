@@ -19,6 +19,8 @@ ort_model           what that graph needs from a model: dimensions, LM head, rot
                     its metadata; read from the module tree, never from the projections' weights
 ort_builder         ``OrtDecoderBuilder``: the graph written part by part (``make_embedding``,
                     ``make_attention``, ``make_mlp``, ``make_norm``, ``make_lm_head`` ...)
+ort_moe             a mixture-of-experts MLP: the router's MatMul and one ``com.microsoft.MoE`` (``QMoE``
+                    when quantized), what their CPU kernels compute and where they are exact
 ort_writer          ``GraphWriter``: unique names, and the initializers kept in memory or appended to
                     the external-data file block by block (``ExternalData``)
 weights             tensor sources the builder reads: the modules, or a checkpoint's safetensors files

@@ -185,3 +185,27 @@ def test_safetensors_header_is_read_without_the_weights(checkpoints):
                                   tensors.get("model.embed_tokens.weight")[3:5].float().numpy())
     np.testing.assert_array_equal(tensors.columns("model.embed_tokens.weight", 7, 9).float().numpy(),
                                   tensors.get("model.embed_tokens.weight")[:, 7:9].float().numpy())
+
+
+@pytest.mark.parametrize("row", ["qwen3_moe", "mixtral-window", "gpt_oss"])
+def test_experts_stream_whether_stored_apart_or_fused(tmp_path, row):
+    """Qwen3-MoE and Mixtral checkpoints store each expert apart (transformers 5 saves them so), gpt-oss
+    fused: the streamed int4 export equals the in-memory one byte for byte and passes layer by layer."""
+    from tests.decoder.families import ROWS
+
+    config = next(r for r in ROWS if r.name == row).config
+    folder = tmp_path / "checkpoint"
+    hf.from_config(config, "bfloat16", seed=0).module.model.save_pretrained(folder, max_shard_size="40KB")
+    stored = set(SafetensorsTensors(folder).files)
+    assert any(".experts.0." in n for n in stored) == (row != "gpt_oss"), sorted(stored)[:8]
+    quantization = Quantization("int4", 16, 4)
+    whole = hf.load_folder(folder, "float32")
+    write_ort_decoder(whole, tmp_path / "memory" / "model.onnx", force=False, quantization=quantization)
+    streamed, tensors = open_folder(folder, "float32")
+    assert all(p.is_meta for n, p in streamed.module.named_parameters() if "experts" in n)
+    out = tmp_path / "streamed" / "model.onnx"
+    write_ort_decoder(streamed, out, force=False, quantization=quantization, tensors=tensors)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (tmp_path / "memory" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
+    parity = layer_parity(streamed, tensors, out, prompt=6)
+    assert not parity.failed, parity.table()

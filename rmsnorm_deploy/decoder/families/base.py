@@ -143,6 +143,9 @@ class MoEFamily(Family):
     #: ``gate_up_proj``'s 2I outputs alternate gate and up (gpt-oss), not all gates then all ups
     gate_up_interleaved: bool = False
     expert_bias: bool = False
+    #: how checkpoints store the experts apart (``weights.SafetensorsTensors`` fuses them on read):
+    #: ``(block, gate, up, down)`` in ``{layer}.{block}.experts.{e}.{gate}.weight``; ``None``: stored fused
+    checkpoint_experts: tuple[str, str, str, str] | None = None
 
     def sparse(self, config: Any, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is the mixture of experts (else the dense MLP)."""

@@ -3,4 +3,4 @@ mixture of SiLU-gated experts in every layer, the top-k routing weights renormal
 
 from rmsnorm_deploy.decoder.families.base import MoEFamily
 
-FAMILY = MoEFamily("mixtral")
+FAMILY = MoEFamily("mixtral", checkpoint_experts=("block_sparse_moe", "w1", "w3", "w2"))

@@ -19,4 +19,5 @@ class Qwen3Moe(MoEFamily):
         return bool(config.norm_topk_prob)
 
 
-FAMILY = Qwen3Moe("qwen3_moe", qk_norms=("q_norm", "k_norm"))
+FAMILY = Qwen3Moe("qwen3_moe", qk_norms=("q_norm", "k_norm"),
+                  checkpoint_experts=("mlp", "gate_proj", "up_proj", "down_proj"))
