@@ -1,21 +1,24 @@
 """A mixture-of-experts MLP in the ONNX Runtime decoder graph: the router's MatMul and one
 ``com.microsoft.MoE`` (``QMoE`` with ``--quantize``).
 
-Measured on ONNX Runtime 1.32's CPU provider (``benchmarks/moe_ops.py``): ``MoE`` takes the
-router's *logits* ([tokens, experts]) and computes softmax, top-k and (``normalize_routing_weights``)
-the renormalization over the k itself, then ``sum_k w_k * fc2_k(swiglu(fc1_k(x)))`` with
-``swiglu = G * sigmoid(alpha * G) * (L + beta)`` (``G``, ``L`` the gate and up clamped to
-``swiglu_limit``): within 6e-7 of the float64 expert math of transformers' Qwen3-MoE, Mixtral and
-gpt-oss experts. Its CPU kernel takes only the fused, interleaved gate/up layout (``swiglu_fusion=1``:
-fc1 [experts, 2I, hidden], rows gate 0, up 0, gate 1, ...; fc2 [experts, hidden, I]); separate fc3
-or ``swiglu_fusion`` 0/2 are refused at session start. ``QMoE``'s CPU kernel ignores ``normalize_routing_weights=0`` (it
-always renormalizes); its ``router_weights`` input (the softmax, mixed at the chosen experts) writes
-the unnormalized routing exactly. ``QMoE`` reads ONNX Runtime's own
-``quantize_matmul_{4,8}bits`` packing per expert ([experts, N, K * bits / 8], scales
-[experts, N, K / block]; ``weights_prepacked=0``), symmetric like ``MatMulNBits``, and is exact
-against the dequantized weights: with float32 activations for int4 at ``accuracy_level`` 0/1, and
-for int8 weights (always) or int4 at level 4 with each expert input and each activated
-intermediate rounded to int8 per block (``quantize.round_activations``), as ``MatMulNBits`` does.
+What ONNX Runtime 1.32's CPU kernels compute (measured; held by the MoE rows of the family table
+and ``tests/decoder/test_moe.py``):
+
+- ``MoE`` takes the router's *logits* [tokens, experts] and computes softmax, top-k and, with
+  ``normalize_routing_weights``, the renormalization over the k; then ``sum_k w_k * fc2_k(swiglu(fc1_k(x)))``
+  with ``swiglu = G * sigmoid(alpha * G) * (L + beta)``, ``G``, ``L`` the gate and up clamped to
+  ``swiglu_limit``: within 6e-7 of the float64 expert math of Qwen3-MoE, Mixtral and gpt-oss.
+- Only the fused, interleaved gate/up layout runs on CPU (``swiglu_fusion=1``: fc1 [experts, 2I,
+  hidden], rows gate 0, up 0, gate 1, ...; fc2 [experts, hidden, I]); fc3 and ``swiglu_fusion`` 0/2
+  are refused at session start.
+- ``QMoE`` reads ONNX Runtime's own ``quantize_matmul_{4,8}bits`` packing per expert ([experts, N,
+  K * bits / 8], scales [experts, N, K / block], ``weights_prepacked=0``; symmetric, as
+  ``MatMulNBits``) and is exact against the dequantized weights: float32 activations for int4 at
+  ``accuracy_level`` 0/1; int8 weights always, and int4 at level 4, round each expert's input and
+  activated intermediate to int8 per block (``quantize.round_activations``).
+- ``QMoE`` renormalizes the top k even at ``normalize_routing_weights=0``; given ``router_weights``
+  it selects on ``router_probs`` and mixes with ``router_weights``' values there: the softmax is the
+  unnormalized routing, exactly.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ def make_moe(b: Any, family: Any, mlp: torch.nn.Module, x: str, base: str) -> st
         raise OrtDecoderError(f"{b._path(mlp)}: not a mixture-of-experts block with {family.router!r} and fused "
                               f"{family.experts!r} parameters, as {family.model_type} layers are")
     count, k = int(experts.gate_up_proj.shape[0]), family.top_k(config)
-    names = {p: b._tensor_name(getattr(experts, p), f"{b._path(experts)}.{p}")
-             for p in ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if family.expert_bias else ())}
+    params = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if family.expert_bias else ())
+    names = {p: b._tensor_name(getattr(experts, p), f"{b._path(experts)}.{p}") for p in params}
     hidden, inter = b.dims.hidden, int(experts.down_proj.shape[1 if family.experts_transposed else 2])
     # the router: [tokens, experts] logits (its weight is not quantized: the op routes on them)
     r_name = b._tensor_name(router.weight, f"{b._path(router)}.weight")
@@ -63,7 +66,8 @@ def make_moe(b: Any, family: Any, mlp: torch.nn.Module, x: str, base: str) -> st
         n, kk, rows_halves = layouts[param]
         where = f"{base}.mlp.experts.{fc_name}"
         if b.quantizer is None:
-            fc[fc_name] = [b.w.blocks(where, (count, n, kk), b.w.np_dtype, (b.w.cast(m)[None] for m in matrices(param)))]
+            fc[fc_name] = [b.w.blocks(where, (count, n, kk), b.w.np_dtype,
+                                      (b.w.cast(m)[None] for m in matrices(param)))]
         else:
             fc[fc_name] = _quantized(b, where, matrices(param), count, n, kk,
                                      f"{b._path(experts)}.{param}", family.experts_transposed, rows_halves)
@@ -78,8 +82,7 @@ def make_moe(b: Any, family: Any, mlp: torch.nn.Module, x: str, base: str) -> st
         return b.w.one("MoE", [x, flat, *fc["fc1"], *fc["fc2"]], f"{base}/mlp/moe", domain=MS_DOMAIN, **attrs)
     q = b.quantization
     (p1, s1, b1), (p2, s2, b2) = fc["fc1"], fc["fc2"]
-    # QMoE's CPU kernel renormalizes the top k whatever normalize_routing_weights says (measured); given
-    # router_weights it selects on router_probs and mixes with router_weights' values: the softmax.
+    # QMoE renormalizes whatever normalize_routing_weights says: unnormalized, it mixes with the softmax
     mix = [] if attrs["normalize_routing_weights"] else [""] * 6 + [
         b.w.one("Softmax", [flat], f"{base}/mlp/router_softmax", axis=-1)]
     return b.w.one("QMoE", [x, flat, p1, s1, b1, p2, s2, b2, *mix], f"{base}/mlp/qmoe", domain=MS_DOMAIN,

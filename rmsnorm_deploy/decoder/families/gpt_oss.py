@@ -13,7 +13,8 @@ from rmsnorm_deploy.decoder.families.base import MoEFamily
 
 class GptOss(MoEFamily):
     def swiglu(self, config: Any) -> tuple[float, float, float | None]:
-        # GptOssExperts._apply_gate: gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(alpha * gate)
+        # GptOssExperts._apply_gate: gate.clamp(max=limit), up.clamp(-limit, limit),
+        # (up + 1) * gate * sigmoid(alpha * gate)
         return float(config.swiglu_alpha), 1.0, float(config.swiglu_limit)
 
 
