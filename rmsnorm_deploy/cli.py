@@ -151,6 +151,22 @@ def _escape_unprintable() -> None:
                 stream.reconfigure(errors="backslashreplace")
 
 
+def _fill_closed_std_streams() -> None:
+    """A standard stream the caller closed (``cmd >&-``) is /dev/null for this process: Python leaves
+    ``sys.stdout`` None then, and the next file opened would take descriptor 1, where anything that
+    writes to standard output would write into it."""
+    for fd, name, mode in ((0, "stdin", os.O_RDONLY), (1, "stdout", os.O_WRONLY), (2, "stderr", os.O_WRONLY)):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, mode)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "r" if fd == 0 else "w", encoding="utf-8"))  # noqa: SIM115
+
+
 def _silence_stdout() -> None:
     """After the reader of our stdout went away: point it at /dev/null, so that the flush at exit
     does not complain a second time."""
@@ -180,6 +196,7 @@ def os_error_line(exc: OSError) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _fill_closed_std_streams()
     _escape_unprintable()
     prog = "rmsnorm-deploy"
     clear_interrupts()

@@ -13,7 +13,10 @@ Projections are one MatMul on the fused weights, or with ``quantization`` one
 ``com.microsoft.MatMulNBits`` whose weights ONNX Runtime's quantizer packed (``quantize``). Large
 weights (the embedding, the LM head) are cast or quantized in blocks of rows or columns, each
 block handed to the writer's sink as it is made (``ort_writer``): with an external-data sink no
-weight is ever whole in memory.
+weight is ever whole in memory. A mixture-of-experts MLP is written by ``ort_moe``.
+
+Long: the one writer of every family's graph, a method per part; what is one family's own lives in
+``families`` (and a mixture of experts in ``ort_moe``), so this grows only with the graph's parts.
 """
 
 from __future__ import annotations
@@ -47,13 +50,8 @@ from rmsnorm_deploy.decoder.ort_model import (
 )
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
 from rmsnorm_deploy.decoder.ort_moe import make_moe
-from rmsnorm_deploy.decoder.quantize import (
-    Quantization,
-    QuantizedExperts,
-    QuantizedLinear,
-    WeightQuantizer,
-    metadata_entry,
-)
+from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
+from rmsnorm_deploy.decoder.quantize import QuantizedExperts
 from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -232,11 +230,12 @@ class OrtDecoderBuilder:
         one_1d, axes1 = self.i64("one_1d", [1]), self.i64("axes_1", [1])
         seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
         total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
-        chunk = w.one("Slice", ["attention_mask", w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d, axes1],
-                      "mask/chunk")
+        self.chunk_bounds = (w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d)
+        chunk = w.one("Slice", ["attention_mask", *self.chunk_bounds, axes1], "mask/chunk")
         _, to_compact = w.node("TopK", [chunk, seq_1d], "mask/to_compact", outputs=2, axis=1, largest=1, sorted=1)
         _, self.back = w.node("TopK", [to_compact, seq_1d], "mask/to_original", outputs=2, axis=1, largest=0, sorted=1)
         self.ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
+        self.to_compact, self.positions = to_compact, None
         lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
         self.seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                              to=TensorProto.INT32)
@@ -267,8 +266,8 @@ class OrtDecoderBuilder:
         x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
         scale = self.family.embedding_scale(self.lm)
         if scale is not None:
-            scale_name = self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)
-            x = self.w.one("Mul", [x, scale_name], EMBED_SCALED_OUTPUT)
+            x = self.scalar_op("Mul", x, scale.detach().cpu().numpy(), "embed/scale", EMBED_SCALED_OUTPUT,
+                               const=f"{self.prefix}model.embed_tokens.embed_scale")
         return x
 
     def make_norm(self, module: torch.nn.Module, x: str, out: str | None = None) -> str:
@@ -322,32 +321,32 @@ class OrtDecoderBuilder:
         attn, dims, family = layer.self_attn, self.dims, self.family
         qkv = self.make_linear(f"{base}.self_attn.qkv_proj.weight", x, [getattr(attn, n) for n in family.qkv],
                                f"{base}/attn/qkv")
+        kind = self.rotary_kinds[i]
+        rotary = list(self.caches[kind]) if kind != "" else []
         if family.qk_norms is not None:
             q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
             split = self.w.init(f"{base}/attn/split", np.array([q_size, kv_size, kv_size], dtype=np.int64))
             q, k, v = self.w.node("Split", [qkv, split], f"{base}/attn/split", outputs=3, axis=-1)
+            if family.qk_norms_after_rotary and rotary:  # the norms read rotated q and k: rotate here
+                q, k = (self.rotate(t, rotary, f"{base}/attn/{n}") for t, n in ((q, "q"), (k, "k")))
+                rotary = []
             q_norm, k_norm = (getattr(attn, n) for n in family.qk_norms)
             q = self.make_head_norm(q_norm, q, dims.heads, f"{base}/attn/q")
             k = self.make_head_norm(k_norm, k, dims.kv_heads, f"{base}/attn/k")
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed
-        kind = self.rotary_kinds[i]
-        rotary = list(self.caches[kind]) if kind != "" else []
-        if family.sinks is not None:  # head_sink is input 11: after cos, sin, position_ids, attention_bias
-            sinks = getattr(attn, family.sinks)
-            name = self._tensor_name(sinks, f"{base}.self_attn.{family.sinks}")
-            rotary = (rotary or ["", ""]) + ["", "", self.w.weight(f"{base}.self_attn.{family.sinks}",
-                                                                   self.tensors.get(name))]
-        window = self.windows[i]
-        softcap = family.attention_softcap(self.lm.config)
+        window, softcap, do_rotary = self.windows[i], family.attention_softcap(self.lm.config), int(bool(rotary))
+        if family.sinks is not None:  # head_sink is input 11, after cos, sin, position_ids, attention_bias
+            sinks = self.tensors.get(self._tensor_name(getattr(attn, family.sinks), f"{base}.self_attn.{family.sinks}"))
+            rotary = (rotary or ["", ""]) + ["", "", self.w.weight(f"{base}.self_attn.{family.sinks}", sinks)]
         gqa_out = self.w.node(
             "GroupQueryAttention",
             qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens, self.total_i32,
                           *rotary],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
-            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=int(kind != ""),
-            rotary_interleaved=0,
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=do_rotary,
+            rotary_interleaved=int(family.rotary_interleaved),
             # local_window_size counts the query itself, as transformers' sliding_window does (measured:
             # window - 1 is 0.1 off on the logits from the first token past the window).
             local_window_size=-1 if window is None else window,
@@ -358,6 +357,19 @@ class OrtDecoderBuilder:
         gqa_node.output[1], gqa_node.output[2] = f"present.{i}.key", f"present.{i}.value"
         return self.make_linear(f"{base}.self_attn.o_proj.weight", gqa_out[0], [getattr(attn, family.o_proj)],
                                 f"{base}/attn/o_proj")
+
+    def rotate(self, x: str, cache: list[str], base: str) -> str:
+        """``com.microsoft.RotaryEmbedding`` on ``x`` [B, S, H * D] at each compact token's position: GQA's
+        own rotation, written before it where a norm reads the rotated q and k (HunYuan)."""
+        if self.positions is None:  # cumsum(mask) - 1 over the chunk, in GQA's order (padding: 0)
+            w = self.w
+            pos = w.one("Sub", [w.one("CumSum", ["attention_mask", self.i64("axis_1", 1)], "positions/cumsum"),
+                                self.i64("one", 1)], "positions/all")
+            pos = w.one("Max", [pos, self.i64("zero", 0)], "positions/clipped")
+            chunk = w.one("Slice", [pos, *self.chunk_bounds, self.i64("axes_1_pos", [1])], "positions/chunk")
+            self.positions = w.one("GatherElements", [chunk, self.to_compact], "positions/compact", axis=1)
+        return self.w.one("RotaryEmbedding", [x, self.positions, *cache], f"{base}/rotary", domain=MS_DOMAIN,
+                          interleaved=int(self.family.rotary_interleaved))
 
     def make_dense_mlp(self, mlp: torch.nn.Module, x: str, base: str) -> str:
         """``down(act(gate(x)) * up(x))``. Gate and up apart are two MatMuls on the same input, not one
@@ -386,11 +398,21 @@ class OrtDecoderBuilder:
             return self.w.one("Gelu", [x], f"{base}/gelu", approximate="tanh")
         return self.w.one("Mul", [x, self.w.one("Sigmoid", [x], f"{base}/sigmoid")], f"{base}/silu")
 
+    def scalar_op(self, op: str, x: str, value: np.ndarray, base: str, out: str | None = None, *,
+                  const: str | None = None) -> str:
+        """``op(x, value)`` for a 0-d ``value`` in the dtype torch computes in: a value in the model dtype
+        (Gemma's embedding scale) in the model dtype; a float32 one (a Python float: torch's float32
+        math for a float16 tensor) in float32, ``x`` cast to it and the result cast back, rounded once."""
+        const = self.w.init(const or f"{base}/value", np.asarray(value))
+        if np.asarray(value).dtype == self.w.np_dtype:
+            return self._node_to(op, [x, const], base, out)
+        up = self.w.one("Cast", [x], f"{base}/to_float32", to=TensorProto.FLOAT)
+        return self._node_to("Cast", [self.w.one(op, [up, const], f"{base}/float32")], f"{base}/to_model_dtype", out,
+                             to=onnx_type(self.dtype))
+
     def _scaled(self, x: str, scale: float | None, base: str) -> str:
-        """``x * scale`` in the model dtype, or ``x`` where there is no scale."""
-        if scale is None:
-            return x
-        return self.w.one("Mul", [x, self.w.init(f"{base}/scale", np.array(scale, dtype=self.w.np_dtype))], base)
+        """``x * scale`` (a Python float: in float32), or ``x`` where there is no scale."""
+        return x if scale is None else self.scalar_op("Mul", x, np.float32(scale), base)
 
     def make_layers(self, hidden: str) -> str:
         """Every decoder layer and the final norm: the normalized last hidden state.
@@ -437,24 +459,20 @@ class OrtDecoderBuilder:
         quantize = self.quantization is not None and self.quantization.lm_head
         config = self.lm.config
         divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
-        steps = [("Div", divisor), ("softcap", cap)]
-        steps = [(op, v) for op, v in steps if v is not None]
         y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize,
-                             out=None if steps else "logits")
-        for n, (op, value) in enumerate(steps):
-            out = "logits" if n == len(steps) - 1 else None
-            const = self.w.init(f"lm_head/{op}_value", np.array(value, dtype=self.w.np_dtype))
-            if op == "Div":
-                y = self._node_to(op, [y, const], "lm_head/divide", out)
-            else:  # cap * tanh(y / cap), in transformers' order
-                t = self.w.one("Tanh", [self.w.one("Div", [y, const], "lm_head/softcap/div")], "lm_head/softcap/tanh")
-                y = self._node_to("Mul", [t, const], "lm_head/softcap/mul", out)
+                             out="logits" if divisor is None and cap is None else None)
+        if divisor is not None:  # Python floats in the config: float32 math (scalar_op)
+            y = self.scalar_op("Div", y, np.float32(divisor), "lm_head/divide", "logits" if cap is None else None)
+        if cap is not None:  # cap * tanh(y / cap), in transformers' order
+            t = self.w.one("Tanh", [self.scalar_op("Div", y, np.float32(cap), "lm_head/softcap/div")],
+                           "lm_head/softcap/tanh")
+            self.scalar_op("Mul", t, np.float32(cap), "lm_head/softcap/mul", "logits")
 
-    def _node_to(self, op: str, inputs: list[str], base: str, out: str | None) -> str:
+    def _node_to(self, op: str, inputs: list[str], base: str, out: str | None, **attrs: Any) -> str:
         """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""
         if out is None:
-            return self.w.one(op, inputs, base)
-        self.w.nodes.append(helper.make_node(op, inputs, [out], name=self.w.name(base)))
+            return self.w.one(op, inputs, base, **attrs)
+        self.w.nodes.append(helper.make_node(op, inputs, [out], name=self.w.name(base), **attrs))
         return out
 
     def make_model(self) -> onnx.ModelProto:

@@ -217,6 +217,33 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
     assert proc.wait(timeout=60) == 141 and err == "", err
 
 
+def _kv_folder(tmp_path):
+    """A tiny Llama's --target onnxruntime folder (the graph, its genai_config.json, config.json)."""
+    from rmsnorm_deploy.decoder.convention import KVCacheLayout
+    from rmsnorm_deploy.decoder.genai_config import write_serving_files
+    from rmsnorm_deploy.decoder.ort_export import write_ort_decoder
+    from rmsnorm_deploy.exporter import hf
+    from rmsnorm_deploy.graph.metadata import ModelMetadata
+
+    loaded = hf.from_config(hf.TINY_CONFIGS["llama"], "float32", seed=0)
+    path = tmp_path / "kv" / "model.onnx"
+    written = write_ort_decoder(loaded, path, force=False, max_length=32)
+    write_serving_files(path, KVCacheLayout.from_dict(ModelMetadata.read(written.model).kv_cache), loaded.source,
+                        force=False)
+    return path.parent
+
+
+@pytest.mark.parametrize("command", ["validate", "generate"])
+def test_a_closed_stdout_is_no_output_not_a_traceback(tmp_path, command):
+    """``rmsnorm-deploy ... >&-``: the command runs, its verdict is the exit code, stderr stays clean."""
+    pytest.importorskip("transformers", reason="the generate case builds a tiny transformers model")
+    argv = [str(_model(tmp_path))] if command == "validate" else [str(_kv_folder(tmp_path)), "--input-ids", "5,6,7",
+                                                                   "--max-new-tokens", "4"]
+    proc = subprocess.run(["bash", "-c", 'exec "$@" >&-', "bash", *CLI, command, *argv], cwd=ROOT,
+                          capture_output=False, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 # -- 7. generate options ---------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["--threads", "2147483648"], "--threads 2147483648: give an integer from 1 to"),

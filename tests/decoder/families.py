@@ -33,35 +33,55 @@ class FamilyRow:
         return str(self.config["model_type"])
 
 
-def _config(model_type: str, **fields: Any) -> dict[str, Any]:
+def tiny_config(model_type: str, **fields: Any) -> dict[str, Any]:
     return {**_BASE, **_TOKENS, "model_type": model_type, **fields}
 
 
 ROWS: list[FamilyRow] = [
-    FamilyRow("llama", _config("llama"), norms=5, genai=True),
-    FamilyRow("mistral", _config("mistral", sliding_window=None), norms=5, genai=True),
-    FamilyRow("mistral-window", _config("mistral", sliding_window=WINDOW), norms=5, window=WINDOW, genai=True),
-    FamilyRow("qwen2", _config("qwen2"), norms=5, genai=True),
-    FamilyRow("qwen2-window", _config("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    FamilyRow("llama", tiny_config("llama"), norms=5, genai=True),
+    FamilyRow("mistral", tiny_config("mistral", sliding_window=None), norms=5, genai=True),
+    FamilyRow("mistral-window", tiny_config("mistral", sliding_window=WINDOW), norms=5, window=WINDOW, genai=True),
+    FamilyRow("qwen2", tiny_config("qwen2"), norms=5, genai=True),
+    FamilyRow("qwen2-window", tiny_config("qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
               norms=5, window=WINDOW, genai=True),
-    FamilyRow("qwen3", _config("qwen3", head_dim=16), norms=9, genai=True),
-    FamilyRow("olmo2", _config("olmo2"), norms=9),
-    # mixtures of experts: 4 experts, top 2; Qwen3-MoE with a dense layer among sparse ones
-    FamilyRow("qwen3_moe", _config("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                   moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), norms=9),
-    FamilyRow("qwen3_moe-unnormalized", _config("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=2),
-              norms=9),
-    FamilyRow("mixtral-window", _config("mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
-                                        sliding_window=WINDOW), norms=5, window=WINDOW),
-    # gpt-oss: a limit the tiny gate/up values reach, sinks far from zero, YaRN within the tiny context
-    FamilyRow("gpt_oss", _config("gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                 intermediate_size=32, sliding_window=WINDOW, swiglu_limit=0.5, initializer_range=0.1,
-                                 rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0,
-                                                  "original_max_position_embeddings": 64, "beta_fast": 32.0,
-                                                  "beta_slow": 1.0}),
-              norms=5, window=WINDOW),
-    FamilyRow("gemma3", _config("gemma3_text", head_dim=16, sliding_window=WINDOW,
+    FamilyRow("qwen3", tiny_config("qwen3", head_dim=16), norms=9, genai=True),
+    FamilyRow("olmo2", tiny_config("olmo2"), norms=9),
+    FamilyRow("gemma3", tiny_config("gemma3_text", head_dim=16, sliding_window=WINDOW,
                                 layer_types=["sliding_attention", "full_attention"]),
               norms=13, window=WINDOW, genai=True),
+    # multipliers far from 1, so that any one left out moves the logits
+    FamilyRow("granite", tiny_config("granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                                 attention_multiplier=0.0078125, logits_scaling=8.0), norms=5, genai=True),
+    FamilyRow("smollm3", tiny_config("smollm3", no_rope_layer_interval=2), norms=5, genai=True),
+    FamilyRow("smollm3-window", tiny_config("smollm3", no_rope_layers=[0, 1], use_sliding_window=True,
+                                        sliding_window=WINDOW), norms=5, window=WINDOW, genai=True),
+    FamilyRow("ernie4_5", tiny_config("ernie4_5", head_dim=16, use_bias=True), norms=5, genai=True),
+    FamilyRow("hunyuan_v1_dense", tiny_config("hunyuan_v1_dense", head_dim=16), norms=9),
+    FamilyRow("internlm3", tiny_config("internlm3", head_dim=16, qkv_bias=True, bias=True), norms=5),
+    FamilyRow("seed_oss", tiny_config("seed_oss", head_dim=16, attention_bias=True, attention_out_bias=True), norms=5),
+    FamilyRow("ministral-window", tiny_config("ministral", head_dim=16, sliding_window=WINDOW,
+                                              layer_types=["sliding_attention", "full_attention"]),
+              norms=5, window=WINDOW),
+    FamilyRow("helium", tiny_config("helium", head_dim=16), norms=5),
+    FamilyRow("exaone4-window", tiny_config("exaone4", head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2),
+              norms=9, window=WINDOW),
+    FamilyRow("olmo3-window", tiny_config("olmo3", sliding_window=WINDOW,
+                                          layer_types=["sliding_attention", "full_attention"]),
+              norms=9, window=WINDOW),
+    # mixtures of experts: 4 experts, top 2; Qwen3-MoE with a dense layer among sparse ones
+    FamilyRow("qwen3_moe", tiny_config("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]), norms=9),
+    FamilyRow("qwen3_moe-unnormalized",
+              tiny_config("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          norm_topk_prob=False, decoder_sparse_step=2), norms=9),
+    FamilyRow("mixtral-window", tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                            intermediate_size=64, sliding_window=WINDOW), norms=5, window=WINDOW),
+    # gpt-oss: a limit the tiny gate/up values reach, sinks far from zero, YaRN within the tiny context
+    FamilyRow("gpt_oss", tiny_config("gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     intermediate_size=32, sliding_window=WINDOW, swiglu_limit=0.5,
+                                     initializer_range=0.1,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 2.0,
+                                                      "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0}),
+              norms=5, window=WINDOW),
 ]

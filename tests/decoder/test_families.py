@@ -12,19 +12,20 @@ pytest.importorskip("transformers", reason="transformers builds the reference mo
 pytest.importorskip("onnxruntime", reason="the graphs run in ONNX Runtime")
 
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, left_padded  # noqa: E402
-from rmsnorm_deploy.decoder.families import FAMILIES  # noqa: E402
+from rmsnorm_deploy.decoder.families import FAMILIES, REFUSED, refusal  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.decoder.genai_config import write_serving_files  # noqa: E402
 from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.ort_export import write_ort_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
+from rmsnorm_deploy.decoder.ort_model import OrtDecoderError  # noqa: E402
 from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
 from rmsnorm_deploy.decoder.quantize import Quantization, dequantized_reference  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
-from tests.decoder.families import ROWS, FamilyRow  # noqa: E402
+from tests.decoder.families import ROWS, FamilyRow, tiny_config  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
 NEW_TOKENS = 32
@@ -52,6 +53,20 @@ def _generate(lm, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndar
 
 def test_every_family_has_a_row():
     assert set(FAMILIES) == {row.model_type for row in ROWS}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_model_types_are_refused_with_their_reason(model_type):
+    """A refused kin that transformers builds from a tiny config is refused by ``build_decoder`` with
+    its reason; one it cannot build (remote code, a composite config) at least by ``refusal``."""
+    assert REFUSED[model_type] in refusal(model_type)
+    try:
+        loaded = hf.from_config(tiny_config(model_type, head_dim=16), "float32", seed=0)
+    except hf.HFModelError:
+        return
+    with pytest.raises(OrtDecoderError) as caught:
+        build_decoder(loaded)
+    assert str(caught.value) == refusal(model_type)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=IDS)

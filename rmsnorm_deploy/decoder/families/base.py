@@ -42,6 +42,11 @@ class Family:
     o_proj: str = "o_proj"
     #: ``self_attn``'s q/k norms (Qwen3: per head; OLMo2: over all heads), or ``None``
     qk_norms: tuple[str, str] | None = None
+    #: the q/k norms apply to the rotated q and k (HunYuan), not before the rotary embedding (Qwen3):
+    #: the graph then rotates outside GroupQueryAttention, whose own rotary comes after its inputs
+    qk_norms_after_rotary: bool = False
+    #: the rotary embedding rotates adjacent pairs (GLM's ``rotate_half``: Ernie 4.5), not the two halves
+    rotary_interleaved: bool = False
     #: ``self_attn``'s per-head attention sink logits (gpt-oss: a learned extra column of each head's
     #: softmax, dropped after it), GroupQueryAttention's ``head_sink``; or ``None``
     sinks: str | None = None
@@ -100,11 +105,14 @@ class Family:
 
     # -- scales and caps ------------------------------------------------------------------------
     def embedding_scale(self, lm: torch.nn.Module) -> torch.Tensor | None:
-        """The factor the embedding's output is multiplied by (a 0-d tensor in the weight's dtype), or ``None``."""
+        """The factor the embedding's output is multiplied by, or ``None``: a 0-d tensor in the dtype the
+        model multiplies in (Gemma: a buffer in the weight's dtype; Granite: a Python float, which torch
+        applies in float32 to a float16 tensor, rounding once)."""
         return None
 
     def residual_scale(self, config: Any) -> float | None:
-        """The factor each sublayer's output is multiplied by before the residual add (Granite), or ``None``."""
+        """The factor each sublayer's output is multiplied by before the residual add (Granite), or ``None``
+        (a Python float: applied in float32, as torch applies it to a float16 tensor)."""
         return None
 
     def logits_divisor(self, config: Any) -> float | None:
