@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
-from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
 
 LIMIT = 1 << 20  # --max-request-bytes of the plain server
 VOCAB = 512  # the tiny preset's

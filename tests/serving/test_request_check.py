@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rmsnorm_deploy.serving.request_check import (ClaimedInput, ExpectedInput, Refused, ServedModel, check_inputs,
+from rmsnorm_deploy.serving.kserve.request_check import (ClaimedInput, ExpectedInput, Refused, ServedModel, check_inputs,
                                                   claimed_http_inputs, count_data, parse_http_request)
 
 PLAIN = ServedModel("model", (ExpectedInput("input_ids", "INT64", ("batch", "seq")),), max_batch=8,
@@ -81,7 +81,7 @@ def app_with(monkeypatch):
     pytest.importorskip("starlette", reason="the front needs starlette (the serve extra)")
     from starlette.testclient import TestClient
 
-    from rmsnorm_deploy.serving.http_front import KServeProxy, kserve_app
+    from rmsnorm_deploy.serving.kserve.http_front import KServeProxy, kserve_app
 
     def make(handler, limit=1 << 20):
         proxy = KServeProxy([PLAIN], "http://triton", limit)
@@ -143,7 +143,7 @@ def test_the_public_sockets_listen_with_nagle_off():
     import socket
 
     from rmsnorm_deploy.errors import UserError
-    from rmsnorm_deploy.serving.front import listening_socket
+    from rmsnorm_deploy.serving.asgi.uvicorn_thread import listening_socket
 
     sock = listening_socket("127.0.0.1", 0, "--http-port")
     try:

@@ -1,4 +1,4 @@
-"""How ``serve`` runs the OpenAI-compatible API (``serving.openai_app``): whether and where
+"""How ``serve`` runs the OpenAI-compatible API (``serving.openai.app``): whether and where
 (:func:`openai_placement`), the app over the engine with the folder's chat template
 (:func:`engine_app`), and on a port of its own (:class:`OpenAIServer`: uvicorn on a thread of the
 serving process, listening once the engine is warm).
@@ -13,15 +13,14 @@ the startup summary says why it is off.
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
+import contextlib
 from typing import Any
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.serving.front import listening_socket
-from rmsnorm_deploy.serving.openai_app import openai_app
-from rmsnorm_deploy.serving.text import ChatTemplate
+from rmsnorm_deploy.serving.asgi.body import BODY_TIMEOUT_S
+from rmsnorm_deploy.serving.asgi.uvicorn_thread import GRACE_S, UvicornThread, listening_socket
+from rmsnorm_deploy.serving.openai.app import openai_app
+from rmsnorm_deploy.serving.openai.text import ChatTemplate
 
 
 def openai_placement(model: Any, *, enabled: bool, port: int | None) -> tuple[str | None, str | None]:
@@ -46,52 +45,41 @@ def openai_placement(model: Any, *, enabled: bool, port: int | None) -> tuple[st
     return "port", None
 
 
-def engine_app(engine: Any, model_name: str, *, max_request_bytes: int) -> tuple[Any, str]:
+def engine_app(engine: Any, model_name: str, *, max_request_bytes: int,
+               body_timeout_s: float = BODY_TIMEOUT_S) -> tuple[Any, str]:
     """The OpenAI app over ``engine`` (its model's folder gives the chat template), and what the
     startup summary says of chat."""
     chat, refusal = ChatTemplate.load(engine.model.folder)
-    app = openai_app(engine, model_name, chat=chat, chat_refusal=refusal, max_request_bytes=max_request_bytes)
+    app = openai_app(engine, model_name, chat=chat, chat_refusal=refusal, max_request_bytes=max_request_bytes,
+                     body_timeout_s=body_timeout_s)
     return app, ("chat through the folder's chat template" if chat else f"no chat ({refusal})")
 
 
 class OpenAIServer:
-    """The app on ``host:port``, served by uvicorn on its own thread: ``start()`` returns once it
-    listens, ``stop()`` lets requests in flight finish (``grace_s``) and returns."""
+    """The app on ``host:port`` (``asgi.uvicorn_thread``: uvicorn on its own thread): ``start()``
+    returns once it listens (``port`` is then the port it got), ``stop()`` lets requests in flight
+    finish (``grace_s``) and returns."""
 
-    def __init__(self, app: Any, host: str, port: int, *, grace_s: float = 5):
+    def __init__(self, app: Any, host: str, port: int, *, grace_s: float = GRACE_S):
         self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
-        self.server: Any = None
-        self.thread: threading.Thread | None = None
-        self.sock: socket.socket | None = None
+        self.thread: UvicornThread | None = None
 
     def start(self, timeout_s: float = 30) -> OpenAIServer:
-        import uvicorn  # optional: the serve extra
+        sock = listening_socket(self.host, self.port, "--openai-port")
+        self.port = sock.getsockname()[1]
 
-        self.sock = listening_socket(self.host, self.port, "--openai-port")
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=self.grace_s, timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="rmsnorm-deploy-openai", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise UserError(f"the OpenAI API did not start on {self.host}:{self.port} within {timeout_s:g} s")
-            time.sleep(0.01)
+        async def setup(stack: contextlib.AsyncExitStack) -> Any:
+            return self.app
+
+        self.thread = UvicornThread(setup, sock, name="rmsnorm-deploy-openai", grace_s=self.grace_s,
+                                    what=f"the OpenAI API on {self.host}:{self.port}")
+        self.thread.start(timeout_s)
         return self
 
     def is_alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
         if self.thread is not None:
-            self.thread.join(self.grace_s + 10)
-            self.thread = None
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+            thread, self.thread = self.thread, None
+            thread.stop()
