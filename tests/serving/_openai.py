@@ -31,12 +31,13 @@ class Served:
 
 
 @contextlib.contextmanager
-def openai_server(folder: Path, *, model_name: str = "model", max_request_bytes: int = 1 << 20,
+def openai_server(folder: Path, *, model_name: str = "model", max_request_bytes: int = 1 << 20, port: int = 0,
                   **engine_options: Any) -> Iterator[Served]:
+    """``port`` 0: a free one."""
     with KVCacheModel(folder) as model:
         engine = Engine(model, EngineOptions(**engine_options)).start()
         app, _ = engine_app(engine, model_name, max_request_bytes=max_request_bytes)
-        server = OpenAIServer(app, "127.0.0.1", 0).start()
+        server = OpenAIServer(app, "127.0.0.1", port).start()
         try:
             yield Served(f"http://127.0.0.1:{server.port}/v1", engine)
         finally:

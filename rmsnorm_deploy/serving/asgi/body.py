@@ -3,10 +3,10 @@ a time limit, within a size limit, decompressed where the client compressed it.
 
 - **Time.** A client that trickles its body holds a connection and a task: the whole body must
   arrive within ``timeout_s`` (:data:`BODY_TIMEOUT_S`), else 408.
-- **Size.** ``Content-Length`` over the limit is refused before a byte is read, and so is a body
-  whose bytes exceed it whatever the header said (chunked, or a lie): 413. Such a body is still
-  read and dropped up to :data:`DRAIN_FACTOR` times the limit, so that a client still sending
-  reads the 413 rather than a connection reset.
+- **Size.** A body over the limit is a 413, whether ``Content-Length`` says so or its bytes do
+  (chunked, or a lie). It is still read and dropped up to :data:`DRAIN_FACTOR` times the limit,
+  so that a client still sending reads the 413 rather than a connection reset; a
+  ``Content-Length`` beyond that is refused before a byte is read.
 - **Encoding.** gzip and deflate are decompressed here to at most the limit (a small bomb is a
   413); other encodings are a 415.
 - **A client gone mid-body** (Starlette's ``ClientDisconnect``) is one line in the server's log,
@@ -62,7 +62,7 @@ async def read_body(request: Any, limit: int, *, timeout_s: float = BODY_TIMEOUT
     if declared is not None:
         if not declared.isdigit():
             raise BodyRefused(f"Content-Length {declared[:40]!r} is not a byte count")
-        if int(declared) > limit:
+        if int(declared) > DRAIN_FACTOR * limit:
             raise _over(limit, declared)
     chunks: list[bytes] = []
     size = 0
@@ -86,8 +86,9 @@ async def read_body(request: Any, limit: int, *, timeout_s: float = BODY_TIMEOUT
         _log.warning("a client closed its connection after %d bytes of its body to %s; nothing was answered", size,
                      request.url.path[:200])
         raise BodyRefused("the client closed its connection before its body arrived", CLIENT_GONE) from None
-    if size > limit:
-        raise _over(limit)
+    said_over = declared is not None and int(declared) > limit
+    if size > limit or said_over:
+        raise _over(limit, declared if said_over else None)
     return b"".join(chunks)
 
 

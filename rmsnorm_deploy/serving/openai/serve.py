@@ -3,12 +3,11 @@
 (:func:`engine_app`), and on a port of its own (:class:`OpenAIServer`: uvicorn on a thread of the
 serving process, listening once the engine is warm).
 
-Where, and why on by default: a KV-cache export whose folder has ``tokenizer.json`` is a text
-model, and text is what its users send; the API costs nothing until called and every request goes
-through the engine the KServe models use. So it is on unless ``--no-openai``; ``--openai-port PORT``
-serves it on a port of its own. A plain graph has no text API, and a folder without
-``tokenizer.json`` cannot take text: asking for the API there is an error, and without asking
-the startup summary says why it is off.
+Where: on a port of its own, given with ``--openai-port PORT`` (the KServe front keeps
+``--http-port``); without it the API is off and the startup summary says how to turn it on. Every
+request goes through the engine the KServe models use. A plain graph has no text API, and a
+folder without ``tokenizer.json`` cannot take text: asking for the API there is an error, and
+without asking the startup summary says why it is off.
 """
 
 from __future__ import annotations
