@@ -1,7 +1,7 @@
 """``serve``: a real Triton Inference Server (embedded through PyTriton) behind our checking fronts,
-in front of our ONNX Runtime runner.
-
-Long: one server process: its ports, its Triton models and its stop, which share their state.
+in front of our ONNX Runtime runner: the glue that starts the rooms of ``serving`` in one process
+(the engine, Triton with the infer functions of ``triton.binding``, the KServe fronts, the OpenAI
+API) and stops them cleanly.
 
 The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
 batcher. Clients reach it through ``serving.kserve.front``: our HTTP (Starlette on uvicorn) and gRPC
