@@ -316,7 +316,8 @@ def test_the_last_fuzz_runs_finds_are_refused_in_one_line(generation):
     status, _, text = _request(proc.http, "POST", "/v2/models/model/infer", body)
     assert (status, json.loads(text)) == (400, {
         "error": "the request's parameter sequence_id is -1; give an integer from 0 to 2^64-1 or a string"})
-    status, _, text = _request(proc.http, "POST", "/v2/models/model_stream/infer", json.dumps({"inputs": inputs}).encode())
+    body = json.dumps({"inputs": inputs}).encode()
+    status, _, text = _request(proc.http, "POST", "/v2/models/model_stream/infer", body)
     assert status == 400 and "over a gRPC stream only" in json.loads(text)["error"]
     body = json.dumps({"inputs": inputs + [{"name": "max_new_tokens", "datatype": "INT64", "shape": [1], "data": [4]}]})
     status, _, text = _request(proc.http, "POST", "/v2/models/model/infer", body.encode())

@@ -276,8 +276,9 @@ def test_unknown_paths_methods_and_huge_bodies_get_one_line(server):
         "type": "invalid_request_error", "param": None, "code": None}})
     assert _raw(server, "/v1/completions", "", method="GET")[0] == 405
     status, body = _raw(server, "/v1/completions", b" " * (2 << 20))
-    assert (status, body["error"]["message"]) == (413, "the body is 2097152 bytes, over this server's limit of 1048576 bytes; "
-                                                 "send less (serve --max-request-bytes)")
+    assert (status, body["error"]["message"]) == (
+        413, "the body is 2097152 bytes, over this server's limit of 1048576 bytes; send less "
+             "(serve --max-request-bytes)")
 
 
 def test_a_folder_without_a_chat_template_refuses_chat_in_one_line_and_still_completes(folder, tmp_path, reference):

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from rmsnorm_deploy.serving.kserve.request_check import (ClaimedInput, ExpectedInput, Refused, ServedModel, check_inputs,
-                                                  claimed_http_inputs, count_data, parse_http_request)
+from rmsnorm_deploy.serving.kserve.request_check import (ClaimedInput, ExpectedInput, Refused, ServedModel,
+                                                         check_inputs, claimed_http_inputs, count_data,
+                                                         parse_http_request)
 
 PLAIN = ServedModel("model", (ExpectedInput("input_ids", "INT64", ("batch", "seq")),), max_batch=8,
                     ranges={"seq": (1, 256)})

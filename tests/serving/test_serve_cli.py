@@ -169,7 +169,8 @@ def _patched_proxy(*, dlpack: bool, answer_later: bool):
     pb_utils.InferenceResponse = lambda output_tensors=(), error=None: ("response", list(output_tensors), error)
     from pytriton import proxy
 
-    spec = importlib.util.spec_from_file_location("pytriton.proxy.rd_test_copy", Path(proxy.__file__).parent / "model.py")
+    source = Path(proxy.__file__).parent / "model.py"
+    spec = importlib.util.spec_from_file_location("pytriton.proxy.rd_test_copy", source)
     model = importlib.util.module_from_spec(spec)
     sys.modules["triton_python_backend_utils"] = pb_utils  # the stub's module, for this copy only
     try:

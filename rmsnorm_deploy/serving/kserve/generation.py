@@ -120,7 +120,7 @@ class EngineStreams:
             async for token in stream:
                 yield self.token(request, wanted, token, index)
                 index += 1
-        except Exception as exc:  # noqa: BLE001 - StreamFailed, StreamCancelled or a fault: one line, the front stays up
+        except Exception as exc:  # noqa: BLE001 - StreamFailed, StreamCancelled, a fault: one line, the front lives
             for item in self.refusal(request, ending(exc).message):
                 yield item
             return

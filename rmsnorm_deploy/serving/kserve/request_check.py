@@ -42,7 +42,8 @@ SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "
 #: the request-level parameters Triton parses itself, and what each must be
 REQUEST_PARAMETERS = {"sequence_id": "an integer from 0 to 2^64-1 or a string",
                       "sequence_start": "true or false", "sequence_end": "true or false",
-                      "priority": "an integer from 0 to 2^64-1", "timeout": "an integer from 0 to 2^64-1 (microseconds)",
+                      "priority": "an integer from 0 to 2^64-1",
+                      "timeout": "an integer from 0 to 2^64-1 (microseconds)",
                       "binary_data_output": "true or false"}
 _INT_RANGES = {"INT8": 8, "INT16": 16, "INT32": 32, "INT64": 64}
 _UINT_RANGES = {"UINT8": 8, "UINT16": 16, "UINT32": 32, "UINT64": 64}
@@ -87,8 +88,9 @@ class ServedModel:
 
 def stream_only_refusal(model: ServedModel) -> str:
     """Why a streaming twin takes no unary ``infer`` (Triton answers one with HTTP 501 / UNIMPLEMENTED)."""
+    whole = model.stream_of
     return (f"model {model.name!r} streams its tokens over a gRPC stream only (ModelStreamInfer); for the whole "
-            f"answer in one response, infer with model {model.stream_of!r} (HTTP: POST /v2/models/{model.stream_of}/infer)")
+            f"answer in one response, infer with model {whole!r} (HTTP: POST /v2/models/{whole}/infer)")
 
 
 @dataclasses.dataclass(frozen=True)
