@@ -14,7 +14,7 @@ _INSTALL_HINTS = {
     "triton": "pip install 'rmsnorm-deploy[triton]'",
     "transformers": "pip install 'rmsnorm-deploy[hf]'",
     "safetensors": "pip install 'rmsnorm-deploy[hf]'",
-    # nvidia-pytriton pins numpy<2 although it runs with numpy 2 here (serving/pytriton_env.py): no-deps install
+    # nvidia-pytriton pins numpy<2 although it runs with numpy 2 here (serving/triton/pytriton_env.py): no-deps install
     "pytriton": "pip install 'rmsnorm-deploy[serve]' && pip install --no-deps nvidia-pytriton==0.7.0",
     "tritonclient": "pip install 'rmsnorm-deploy[serve]'",
     "tokenizers": "pip install 'rmsnorm-deploy[hf]' (transformers brings tokenizers)",

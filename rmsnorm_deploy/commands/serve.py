@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.runners.onnxruntime import provider_name
-    from rmsnorm_deploy.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServeOptions, serve
+    from rmsnorm_deploy.serving.server import serve
+    from rmsnorm_deploy.serving.triton.process import DEFAULT_MAX_REQUEST_BYTES, ServeOptions
 
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
     for p in providers:

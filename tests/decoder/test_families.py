@@ -134,7 +134,7 @@ def _folder(row: FamilyRow, tmp_path):
 def test_folder_generates_serves_and_runs_in_genai(row, tmp_path):
     """``generate`` and the serving engine give transformers' tokens for a prompt past the window;
     onnxruntime-genai gives the same tokens where it knows the model type."""
-    from rmsnorm_deploy.serving.engine import Engine, EngineOptions
+    from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions
 
     loaded, folder = _folder(row, tmp_path)
     prompts = [[int(t) for t in np.random.default_rng(7).integers(3, 250, size=_prompt_length(row))], [5, 17, 99]]

@@ -18,7 +18,7 @@ pytest.importorskip("transformers", reason="transformers' greedy tokens are the 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_steps  # noqa: E402
 from rmsnorm_deploy.errors import InputError, UserError  # noqa: E402
-from rmsnorm_deploy.serving.engine import (  # noqa: E402
+from rmsnorm_deploy.serving.engine.engine import (  # noqa: E402
     Engine,
     EngineBusy,
     EngineOptions,
@@ -26,7 +26,7 @@ from rmsnorm_deploy.serving.engine import (  # noqa: E402
     StreamCancelled,
     StreamFailed,
 )
-from rmsnorm_deploy.serving.slots import SlotBatch, TurnBatch  # noqa: E402
+from rmsnorm_deploy.serving.engine.slots import SlotBatch, TurnBatch  # noqa: E402
 
 VOCAB, EOS = 256, 2  # the tiny Llama's
 TIMEOUT_S = 120

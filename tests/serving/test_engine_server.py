@@ -22,7 +22,7 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tes
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
-from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
 from tests.serving._serve import STARTUP_S, post_infer, running_server  # noqa: E402
 
 VOCAB = 256  # the tiny Llama's

@@ -276,7 +276,9 @@ def test_unknown_paths_methods_and_huge_bodies_get_one_line(server):
         "type": "invalid_request_error", "param": None, "code": None}})
     assert _raw(server, "/v1/completions", "", method="GET")[0] == 405
     status, body = _raw(server, "/v1/completions", b" " * (2 << 20))
-    assert (status, body["error"]["message"]) == (413, "the body is 2097152 bytes, over this server's limit of 1048576 bytes")
+    assert (status, body["error"]["message"]) == (
+        413, "the body is 2097152 bytes, over this server's limit of 1048576 bytes; send less "
+             "(serve --max-request-bytes)")
 
 
 def test_a_folder_without_a_chat_template_refuses_chat_in_one_line_and_still_completes(folder, tmp_path, reference):
@@ -369,3 +371,33 @@ def test_32_concurrent_streaming_chat_clients_each_get_generate_exactly(server, 
 
 def test_health_is_ready_while_the_engine_serves(server):
     assert _raw(server, "/health", "", method="GET") == (200, {"status": "ready"})
+
+
+def test_a_slow_body_is_a_408_as_on_the_kserve_front(tmp_path):
+    """A body at 1 byte/s was waited on for 47 s; the OpenAI API reads bodies as the KServe front does
+    (``serving.asgi.body``), so it answers 408 at its timeout (made short here)."""
+    import types
+
+    from rmsnorm_deploy.serving.openai.app import openai_app
+
+    model = types.SimpleNamespace(tokenizer=object(), folder=tmp_path)
+    app = openai_app(types.SimpleNamespace(model=model), "model", body_timeout_s=0.2)
+    sent: list[dict] = []
+    first = [{"type": "http.request", "body": b'{"model": "mo', "more_body": True}]
+
+    async def receive():
+        if first:
+            return first.pop()
+        await asyncio.sleep(3600)  # the rest of the body never comes
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 5),
+             "server": ("127.0.0.1", 8000)}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"]) == {"error": {"message": "the body did not arrive within 0.2 s",
+                                                     "type": "invalid_request_error", "param": None, "code": None}}

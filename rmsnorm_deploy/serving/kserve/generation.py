@@ -31,7 +31,7 @@ import numpy as np
 
 from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS
 from rmsnorm_deploy.errors import InputError, one_line
-from rmsnorm_deploy.serving.engine import EngineBusy, EngineUnavailable, StreamCancelled, StreamFailed
+from rmsnorm_deploy.serving.engine.submit import Refusal, ending, submit_generation
 
 __all__ = ["GENERATION_INPUTS", "GENERATION_OUTPUT", "STREAM_INDEX", "STREAM_SUFFIX", "EngineStreams",
            "parse_generation_request", "request_arrays"]
@@ -106,9 +106,13 @@ class EngineStreams:
             return
         try:
             prompt, max_new_tokens = parse_generation_request(request_arrays(request))
-            stream = self.engine.submit(prompt, max_new_tokens=max_new_tokens, name="max_new_tokens")
-        except (EngineBusy, EngineUnavailable, InputError) as exc:
+        except InputError as exc:
             for item in self.refusal(request, str(exc)):
+                yield item
+            return
+        stream = submit_generation(self.engine, prompt, max_new_tokens)
+        if isinstance(stream, Refusal):
+            for item in self.refusal(request, stream.message):
                 yield item
             return
         index = 0
@@ -116,12 +120,8 @@ class EngineStreams:
             async for token in stream:
                 yield self.token(request, wanted, token, index)
                 index += 1
-        except (StreamFailed, StreamCancelled) as exc:
-            for item in self.refusal(request, str(exc)):
-                yield item
-            return
-        except Exception as exc:  # noqa: BLE001 - one line to the client, the front stays up
-            for item in self.refusal(request, f"generation failed: {one_line(exc)}"):
+        except Exception as exc:  # noqa: BLE001 - StreamFailed, StreamCancelled, a fault: one line, the front lives
+            for item in self.refusal(request, ending(exc).message):
                 yield item
             return
         if _asks_final(request):

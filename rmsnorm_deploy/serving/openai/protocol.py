@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies (pydantic, strict), its answers and its error object, for
-``serving.openai_app``.
+``serving.openai.app``.
 
 A request is validated whole before anything runs: types are strict (``"max_tokens": "5"`` or
 ``true`` is refused, not coerced), ranges are OpenAI's (``temperature`` 0 to 2, ``top_p`` in

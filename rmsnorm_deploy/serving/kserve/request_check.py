@@ -4,7 +4,7 @@ Triton 2.51 (the one in nvidia-pytriton 0.7) trusts the shape a request claims: 
 claiming ``[4294967296]`` elements aborts its HTTP front end (``Signal (6)``, ``[2^62]``:
 ``Signal (11)``), and over gRPC a shape whose byte size wraps around 2^64 (``[2^61]`` INT64 with
 no data) passes its size check and kills the Python-backend stub, after which every request to
-that model fails. So the fronts (``serving.front``) check every request here, in Python integers
+that model fails. So the fronts (``serving.kserve.front``) check every request here, in Python integers
 that cannot overflow, and forward only what passes:
 
 - each input's name, datatype and rank against the served model, fixed dims exactly, the batch
@@ -13,7 +13,9 @@ that cannot overflow, and forward only what passes:
 - the elements the shape claims equal the elements (JSON ``data``, gRPC typed contents) or the
   bytes (binary extension, gRPC raw contents) the request carries;
 - JSON values of the right kind and range for the datatype, nesting no deeper than a shape;
-- no shared-memory parameters (this server registers no regions).
+- no shared-memory parameters (this server registers no regions);
+- the request parameters Triton reads itself (``sequence_id``, ``priority``, ...) of the kind
+  Triton parses: Triton 2.51 answers ``"sequence_id": -1`` with a 500, as if the server failed.
 
 A refusal is :class:`Refused`: an HTTP status and one line naming the problem and the fix.
 """
@@ -27,7 +29,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from rmsnorm_deploy.serving.signature import numpy_dtype_of_kserve
+from rmsnorm_deploy.serving.asgi.body import BodyRefused
+from rmsnorm_deploy.serving.kserve.signature import numpy_dtype_of_kserve
 
 #: the largest JSON part of a request: parsing it builds Python objects (about 50 bytes a number), so
 #: a large tensor comes as binary data (``Inference-Header-Content-Length``) instead
@@ -36,20 +39,18 @@ MAX_JSON_BYTES = 8 << 20
 MAX_JSON_DEPTH = 8
 #: parameters that point at shared memory, which this server never registers
 SHARED_MEMORY_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+#: the request-level parameters Triton parses itself, and what each must be
+REQUEST_PARAMETERS = {"sequence_id": "an integer from 0 to 2^64-1 or a string",
+                      "sequence_start": "true or false", "sequence_end": "true or false",
+                      "priority": "an integer from 0 to 2^64-1",
+                      "timeout": "an integer from 0 to 2^64-1 (microseconds)",
+                      "binary_data_output": "true or false"}
 _INT_RANGES = {"INT8": 8, "INT16": 16, "INT32": 32, "INT64": 64}
 _UINT_RANGES = {"UINT8": 8, "UINT16": 16, "UINT32": 32, "UINT64": 64}
 
 
-class Refused(Exception):
+class Refused(BodyRefused):
     """A request that is the client's fault: ``status`` (4xx) and a one-line ``message``."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(" ".join(message.split()))
-        self.status = status
-
-    @property
-    def message(self) -> str:
-        return str(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,8 @@ class ServedModel:
     max_batch: int = 0
     #: ``{dim name: (min, max)}`` from the model's metadata; other named dims are unbounded
     ranges: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    #: for a streaming twin (decoupled: answered over a gRPC stream only), the model of its whole answers
+    stream_of: str = ""
 
     def describe(self) -> str:
         return ", ".join(f"{i.name} {i.datatype} [{', '.join(str(d) for d in i.shape)}]" for i in self.inputs)
@@ -81,6 +84,13 @@ class ServedModel:
             if spec.name == name:
                 return spec
         raise Refused(f"model {self.name!r} has no input {name!r}; it takes {self.describe()}")
+
+
+def stream_only_refusal(model: ServedModel) -> str:
+    """Why a streaming twin takes no unary ``infer`` (Triton answers one with HTTP 501 / UNIMPLEMENTED)."""
+    whole = model.stream_of
+    return (f"model {model.name!r} streams its tokens over a gRPC stream only (ModelStreamInfer); for the whole "
+            f"answer in one response, infer with model {whole!r} (HTTP: POST /v2/models/{whole}/infer)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +206,7 @@ def claimed_http_inputs(request: dict[str, Any], binary: bytes) -> list[ClaimedI
     for key, value in request.items():
         if key not in ("inputs", "data"):
             _check_depth(value, MAX_JSON_DEPTH, key)
+    _check_request_parameters(_check_parameters(request.get("parameters"), "the request"))
     for output in outputs:
         _check_parameters(output.get("parameters"), f"output {output.get('name')!r}")
     claimed, carried = [], 0
@@ -235,6 +246,26 @@ def _check_parameters(parameters: Any, where: str) -> dict[str, Any]:
     if shared:
         raise Refused(f"{where}: {shared[0]}: this server registers no shared memory; send the data in the request")
     return parameters
+
+
+def _check_request_parameters(parameters: dict[str, Any]) -> None:
+    """The parameters Triton parses itself hold what it can parse (:data:`REQUEST_PARAMETERS`)."""
+    for name, wanted in REQUEST_PARAMETERS.items():
+        if name not in parameters:
+            continue
+        value = parameters[name]
+        if wanted.startswith("true"):
+            good = isinstance(value, bool)
+        else:
+            good = (not isinstance(value, bool) and isinstance(value, int) and 0 <= value < 1 << 64) or (
+                name == "sequence_id" and isinstance(value, str))
+        if not good:
+            raise Refused(f"the request's parameter {name} is {_short(value)}; give {wanted}")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_depth(value: Any, limit: int, where: str) -> None:
@@ -307,6 +338,7 @@ GRPC_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_
 def claimed_grpc_inputs(request: Any) -> list[ClaimedInput]:
     """The inputs of a ``ModelInferRequest`` (tritonclient's ``service_pb2``), raw or typed."""
     _check_grpc_parameters(request.parameters, "the request")
+    _check_request_parameters({k: _grpc_value(v) for k, v in request.parameters.items() if k in REQUEST_PARAMETERS})
     for output in request.outputs:
         _check_grpc_parameters(output.parameters, f"output {output.name!r}")
     raw = list(request.raw_input_contents)
@@ -336,6 +368,12 @@ def claimed_grpc_inputs(request: Any) -> list[ClaimedInput]:
                           f"use {field}")
         claimed.append(ClaimedInput(tensor.name, tensor.datatype, shape, elements=given.get(field, 0)))
     return claimed
+
+
+def _grpc_value(parameter: Any) -> Any:
+    """An ``InferParameter``'s value (``None`` when none is set)."""
+    which = parameter.WhichOneof("parameter_choice")
+    return getattr(parameter, which) if which else None
 
 
 def _check_grpc_parameters(parameters: Any, where: str) -> None:

@@ -8,7 +8,7 @@ a few shapes (batch 1 and 3, odd sequence lengths). The tolerance is the table's
 entry for the serving backend and dtype (``contract/tolerances.py``); ``--exact`` demands equal
 bits (the embedded server runs the very session this client compares with).
 
-    python -m rmsnorm_deploy.serving.served_answers MODEL.onnx --http 127.0.0.1:8000 --grpc 127.0.0.1:8001
+    python -m rmsnorm_deploy.serving.kserve.served_answers MODEL.onnx --http 127.0.0.1:8000 --grpc 127.0.0.1:8001
         [--model-name model] [--backend onnxruntime|tensorrt] [--exact]
 
 Exit 0 when every answer passes, 1 when one does not, 2 on bad input or an unreachable server.
@@ -28,7 +28,7 @@ from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
-from rmsnorm_deploy.serving.signature import Signature, model_path, read_signature
+from rmsnorm_deploy.serving.kserve.signature import Signature, model_path, read_signature
 from rmsnorm_deploy.table import format_table
 
 #: (rows, sequence) of each request; odd sizes on purpose
@@ -113,7 +113,7 @@ def check(model: str | Path, *, http: str | None, grpc: str | None, model_name: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rmsnorm_deploy.serving.served_answers",
+    parser = argparse.ArgumentParser(prog="python -m rmsnorm_deploy.serving.kserve.served_answers",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="the ONNX model the server serves (or the engine's source model)")
     parser.add_argument("--http", metavar="HOST:PORT")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.serving.engine import EngineOptions
+from rmsnorm_deploy.serving.engine.engine import EngineOptions
 
 #: 64 MiB: a [8, 256, 4096] float32 batch of hidden states (32 MiB) fits as binary data
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
@@ -43,12 +43,12 @@ class ServeOptions:
     exit_timeout_s: int = 5
     #: the largest request body (decompressed) or gRPC message the fronts accept
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    #: a generation model's engine (``serving.engine.EngineOptions``; its max_batch is ``max_batch``)
+    #: a generation model's engine (``serving.engine.engine.EngineOptions``; its max_batch is ``max_batch``)
     max_queue: int = 64
     max_tokens_in_flight: int | None = None
     prefill_chunk: int = 32
     drain_timeout_s: float = 30.0
-    #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai_serve``)
+    #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai.serve``)
     openai: bool = True
     openai_port: int | None = None
 

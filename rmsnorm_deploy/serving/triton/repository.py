@@ -8,7 +8,7 @@ which bounds the batch). Layout::
     REPO/<name>/config.pbtxt
     REPO/<name>/1/model.onnx (+ its external data)   or   REPO/<name>/1/model.plan (+ model.plan.json)
 
-``config.pbtxt`` is derived from the graph's signature (``serving.signature``):
+``config.pbtxt`` is derived from the graph's signature (``serving.kserve.signature``):
 
 - stateless graphs: inputs and outputs with dynamic dims as -1, the batch dim owned by Triton
   (``max_batch_size``) and ``dynamic_batching``;
@@ -36,8 +36,8 @@ from typing import Any
 from rmsnorm_deploy.errors import ModelFileError, OutputExistsError, UserError, one_line
 from rmsnorm_deploy.graph.onnx_file import DIR_MODE, check_folder_writable, load_onnx
 from rmsnorm_deploy.optional import require
-from rmsnorm_deploy.serving.server import check_model_name
-from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
+from rmsnorm_deploy.serving.triton.process import check_model_name
+from rmsnorm_deploy.serving.kserve.signature import Signature, TensorSpec, model_path, read_signature
 from rmsnorm_deploy.tensorrt.sidecar import check_engine_hash, read_sidecar, sidecar_path
 
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}

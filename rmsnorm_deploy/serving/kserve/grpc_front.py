@@ -1,5 +1,5 @@
 """The public gRPC front of ``serve``: KServe v2's ``GRPCInferenceService``, each inference request
-checked (``serving.request_check``) before it is forwarded to Triton's gRPC endpoint on an internal
+checked (``serving.kserve.request_check``) before it is forwarded to Triton's gRPC endpoint on an internal
 loopback port.
 
 Measured with Triton 2.51: its gRPC front end refuses the issue's shape claims with a byte-size
@@ -12,7 +12,7 @@ served model is ready; Triton's answers and errors (code and message) go back un
 over ``max_request_bytes`` are refused by grpcio itself (``RESOURCE_EXHAUSTED``), compressed ones
 by their decompressed size. The endpoints that change the server (repository, shared memory,
 trace, logging) are refused with ``PERMISSION_DENIED``. A generation model's token streams are
-answered by the engine in this loop, not through Triton (``serving.kserve_generation`` says why).
+answered by the engine in this loop, not through Triton (``serving.kserve.generation`` says why).
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
-from rmsnorm_deploy.serving.request_check import Refused, ServedModel, check_inputs, claimed_grpc_inputs
+from rmsnorm_deploy.serving.kserve.request_check import (
+    Refused,
+    ServedModel,
+    check_inputs,
+    claimed_grpc_inputs,
+    stream_only_refusal,
+)
 
 SERVICE = "inference.GRPCInferenceService"
 #: methods forwarded as they are (no request worth checking)
@@ -36,7 +42,7 @@ class GrpcFront:
     """The gRPC front (grpc.aio) forwarding to ``upstream`` (``host:port`` of Triton's gRPC).
 
     ``streams`` answers the stream requests of the models it names in this loop instead
-    (``serving.kserve_generation``: a generation model's tokens, from the engine in this process).
+    (``serving.kserve.generation``: a generation model's tokens, from the engine in this process).
     """
 
     def __init__(self, models: Sequence[ServedModel], upstream: str, max_request_bytes: int,
@@ -121,7 +127,9 @@ class GrpcFront:
         import grpc
 
         try:
-            self.check(raw)
+            request = self.check(raw)
+            if self.models[request.model_name].stream_of:
+                raise Refused(stream_only_refusal(self.models[request.model_name]))
         except Refused as refused:
             code = grpc.StatusCode.NOT_FOUND if refused.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
             await context.abort(code, refused.message)

@@ -1,14 +1,14 @@
 """The public HTTP front of ``serve``: a Starlette app that checks each KServe v2 request and
 forwards what passes to Triton's own HTTP endpoint on an internal loopback port.
 
-Why a front: Triton 2.51 trusts a request's claimed shape (see ``serving.request_check``) and one
+Why a front: Triton 2.51 trusts a request's claimed shape (see ``serving.kserve.request_check``) and one
 JSON request takes its HTTP front end down. Triton has no option that bounds a claimed shape, and a
 supervisor that restarts the server would lose every request in flight; a front on a well-kept ASGI
 stack (Starlette on uvicorn) can refuse such a request before Triton parses it. The front:
 
-- reads a body up to ``max_request_bytes`` (``Content-Length`` and the bytes actually sent), within
-  :data:`BODY_TIMEOUT_S`; a gzip/deflate ``Content-Encoding`` is decompressed here, to at most
-  ``max_request_bytes``, and forwarded plain;
+- reads a body with ``serving.asgi.body`` (the OpenAI API's reader too): up to ``max_request_bytes``
+  (``Content-Length`` and the bytes actually sent), within ``body_timeout_s``; a gzip/deflate
+  ``Content-Encoding`` is decompressed here, to at most ``max_request_bytes``, and forwarded plain;
 - checks the JSON and the binary data extension (``request_check``) against the served models;
 - forwards Triton's answer unchanged (status, body, its errors included), and answers
   ``/v2/health/ready`` 200 only when every served model is ready (:func:`models_not_ready`).
@@ -23,22 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import zlib
 from typing import Any, Sequence
 
-from rmsnorm_deploy.serving.request_check import (
-    Refused,
+from rmsnorm_deploy.serving.asgi.body import BODY_TIMEOUT_S, BodyRefused, read_plain_body
+from rmsnorm_deploy.serving.kserve.request_check import (
     ServedModel,
     check_inputs,
     claimed_http_inputs,
     parse_http_request,
+    stream_only_refusal,
 )
 
-#: seconds a client may take to send its body (a client that trickles bytes holds a connection)
-BODY_TIMEOUT_S = 30
-#: a body over the limit is still read (and dropped) up to this many times the limit before the
-#: refusal, so that the client, still sending, reads the 413 instead of a connection reset
-DRAIN_FACTOR = 3
 #: bodies above this are checked in a worker thread, so small requests are not held up meanwhile
 THREAD_ABOVE_BYTES = 1 << 20
 #: how many requests with a body over THREAD_ABOVE_BYTES (or of unknown length) are read and checked at once
@@ -47,7 +42,6 @@ LARGE_AT_ONCE = 4
 _FORWARDED_REQUEST = ("content-type", "inference-header-content-length", "accept-encoding", "traceparent",
                       "tracestate")
 _DROPPED_RESPONSE = ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")
-_DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 def error_response(message: str, status: int):
@@ -55,58 +49,6 @@ def error_response(message: str, status: int):
 
     return Response(json.dumps({"error": " ".join(message.split())}), status_code=status,
                     media_type="application/json")
-
-
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request's body, refused (413) above ``limit`` bytes whatever ``Content-Length`` says."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise Refused(f"Content-Length {declared[:40]!r} is not a byte count")
-        if int(declared) > limit:
-            raise Refused(f"the body is {declared} bytes, over this server's limit of {limit}; send less "
-                          "(serve --max-request-bytes)", 413)
-    chunks: list[bytes] = []
-
-    async def collect() -> None:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                chunks.clear()
-            if size > DRAIN_FACTOR * limit:
-                break
-            if size <= limit:
-                chunks.append(chunk)
-        if size > limit:
-            raise Refused(f"the body is over this server's limit of {limit} bytes; send less "
-                          "(serve --max-request-bytes)", 413)
-
-    try:
-        await asyncio.wait_for(collect(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise Refused(f"the body did not arrive within {BODY_TIMEOUT_S} s", 408) from None
-    return b"".join(chunks)
-
-
-def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """``body`` decompressed (gzip, deflate), refused (413) if it would exceed ``limit`` bytes."""
-    encoding = (encoding or "identity").strip().lower()
-    if encoding == "identity":
-        return body
-    if encoding not in _DECODERS:
-        raise Refused(f"Content-Encoding {encoding[:40]!r} is not supported; send gzip, deflate or identity", 415)
-    decoder = zlib.decompressobj(_DECODERS[encoding])
-    try:
-        plain = decoder.decompress(body, limit + 1)
-    except zlib.error as exc:
-        raise Refused(f"the body is not valid {encoding} ({exc})") from None
-    if len(plain) > limit or decoder.unconsumed_tail:
-        raise Refused(f"the body decompresses to more than this server's limit of {limit} bytes; send less "
-                      "(serve --max-request-bytes)", 413)
-    if not decoder.eof or decoder.unused_data:
-        raise Refused(f"the {encoding} body is truncated or has data after its end")
-    return plain
 
 
 async def models_not_ready(client: Any, names: Sequence[str]) -> list[str]:
@@ -133,11 +75,13 @@ def check_infer(model: ServedModel, body: bytes, header_length: str | None) -> N
 class KServeProxy:
     """The KServe v2 routes: checks, then Triton (``upstream``: its internal HTTP base URL)."""
 
-    def __init__(self, models: Sequence[ServedModel], upstream: str, max_request_bytes: int):
+    def __init__(self, models: Sequence[ServedModel], upstream: str, max_request_bytes: int, *,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         import httpx
 
         self.models = {m.name: m for m in models}
         self.max_request_bytes = max_request_bytes
+        self.body_timeout_s = body_timeout_s
         self.large: asyncio.Semaphore | None = None  # made in the front's event loop
         # no pool limit: Triton's own thread pool queues; Triton's answers are read raw, unchanged
         self.client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=5),
@@ -149,6 +93,8 @@ class KServeProxy:
         if model is None:
             return error_response(f"unknown model {name!r}; this server serves {', '.join(map(repr, self.models))}",
                                   404)
+        if model.stream_of:  # Triton answers a decoupled model's HTTP infer with 501
+            return error_response(stream_only_refusal(model), 400)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) <= THREAD_ABOVE_BYTES:
             return await self._infer(request, model)
@@ -159,8 +105,7 @@ class KServeProxy:
 
     async def _infer(self, request: Any, model: ServedModel):
         try:
-            body = await read_body(request, self.max_request_bytes)
-            body = decode_body(body, request.headers.get("content-encoding"), self.max_request_bytes)
+            body = await read_plain_body(request, self.max_request_bytes, timeout_s=self.body_timeout_s)
             header_length = request.headers.get("inference-header-content-length")
             if len(body) > THREAD_ABOVE_BYTES:
                 import anyio.to_thread
@@ -168,7 +113,7 @@ class KServeProxy:
                 await anyio.to_thread.run_sync(check_infer, model, body, header_length)
             else:
                 check_infer(model, body, header_length)
-        except Refused as refused:
+        except BodyRefused as refused:  # request_check's Refused included
             return error_response(refused.message, refused.status)
         return await self.forward(request, body)
 

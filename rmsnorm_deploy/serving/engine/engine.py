@@ -40,7 +40,7 @@ from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, FROM_FOLDER,
 from rmsnorm_deploy.decoder.loop import Sampling, token_picker
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.resources import check_memory
-from rmsnorm_deploy.serving.slots import SlotBatch, TurnBatch, slots_refusal
+from rmsnorm_deploy.serving.engine.slots import SlotBatch, TurnBatch, slots_refusal
 
 __all__ = ["Engine", "EngineBusy", "EngineOptions", "EngineUnavailable", "Stream", "StreamCancelled", "StreamFailed"]
 

@@ -2,15 +2,15 @@
 front end submits to (OpenAI and KServe clients share one batch).
 
 :func:`openai_app` is a Starlette app (served by uvicorn in the ``serve`` process) over an open
-:class:`~rmsnorm_deploy.serving.engine.Engine`:
+:class:`~rmsnorm_deploy.serving.engine.engine.Engine`:
 
 - ``GET /v1/models`` (and ``/v1/models/NAME``): the one served model;
 - ``POST /v1/completions``: a prompt as text (encoded with the folder's ``tokenizer.json``, as
   ``generate --prompt`` encodes it) or token ids;
 - ``POST /v1/chat/completions``: messages rendered by the folder's chat template
-  (``serving.text.ChatTemplate``); a folder without one refuses chat in one line, completions
+  (``serving.openai.text.ChatTemplate``); a folder without one refuses chat in one line, completions
   still work;
-- ``"stream": true``: server-sent events, one per piece of text (``serving.text.TextStream``:
+- ``"stream": true``: server-sent events, one per piece of text (``serving.openai.text.TextStream``:
   never half a character, never part of a stop string), then the finish reason, the usage when
   ``stream_options.include_usage`` asks for it, and ``data: [DONE]``;
 - ``GET /health``: 200 once the engine is warm, 503 before and while it drains.
@@ -19,7 +19,7 @@ Sampling as OpenAI defines it: ``temperature`` 0 is greedy (``generate``'s token
 engine samples with ``temperature`` (default 1) and ``top_p`` from ``seed`` (a random one when
 none is given), drawing as ``generate --sample --seed S --temperature T --top-p P`` does.
 
-Refusals are OpenAI's error object, one line (``serving.openai_api.APIError``): a bad request
+Refusals are OpenAI's error object, one line (``serving.openai.protocol.APIError``): a bad request
 400, an unknown model 404, a full engine queue 429, an engine warming up or draining 503, a failed
 generation step 500. A client that disconnects cancels its engine stream (its slot is free at the
 next step), streaming or not.
@@ -42,49 +42,56 @@ from starlette.routing import Route
 
 from rmsnorm_deploy.decoder.loop import Sampling
 from rmsnorm_deploy.errors import InputError, UserError
-from rmsnorm_deploy.serving import openai_api as api
-from rmsnorm_deploy.serving.engine import EngineBusy, EngineUnavailable, StreamCancelled, StreamFailed
-from rmsnorm_deploy.serving.text import ChatTemplate, TextStream
+from rmsnorm_deploy.serving.asgi.body import BODY_TIMEOUT_S, BodyRefused, read_plain_body
+from rmsnorm_deploy.serving.engine.engine import StreamCancelled, StreamFailed
+from rmsnorm_deploy.serving.engine.submit import Refusal, ending, submit_generation
+from rmsnorm_deploy.serving.openai import protocol as api
+from rmsnorm_deploy.serving.openai.text import ChatTemplate, TextStream
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``; chat's default is the room left in the stream
 COMPLETION_MAX_TOKENS = 16
 #: OpenAI's default temperature
 DEFAULT_TEMPERATURE = 1.0
+#: the engine's outcome (``serving.engine.submit``) -> OpenAI's HTTP status, error type and code
+OPENAI_ERRORS = {"invalid": (400, "invalid_request_error", None),
+                 "busy": (429, "rate_limit_error", "rate_limit_exceeded"),
+                 "unavailable": (503, "service_unavailable", None),
+                 "cancelled": (503, "service_unavailable", None),
+                 "failed": (500, "server_error", None)}
 
 
 def error_response(error: api.APIError) -> Response:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+def openai_error(outcome: Refusal, **fields: Any) -> api.APIError:
+    """The OpenAI error object of a generation the engine refused or ended early (:data:`OPENAI_ERRORS`)."""
+    status, kind, code = OPENAI_ERRORS[outcome.kind]
+    return api.APIError(outcome.message, status, type=kind, **{"code": code, **fields})
+
+
 class OpenAIEndpoints:
     """The routes' handlers over one engine (see the module docstring)."""
 
     def __init__(self, engine: Any, model_name: str, *, chat: ChatTemplate | None = None,
-                 chat_refusal: str | None = None, max_request_bytes: int = 1 << 20):
+                 chat_refusal: str | None = None, max_request_bytes: int = 1 << 20,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         model = engine.model
         if model.tokenizer is None:
             raise UserError(f"{model.folder} has no tokenizer.json: the OpenAI API takes and answers text; "
                             "export from a folder with its tokenizer files")
         self.engine, self.model, self.name = engine, model, model_name
         self.chat, self.chat_refusal = chat, chat_refusal or ("" if chat else "this server has no chat template")
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
         self.created = int(time.time())
 
     # -- reading a request ------------------------------------------------------------------------
     async def _body(self, request: Request) -> bytes:
-        limit = self.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        body, size = bytearray(), 0
-        async for part in request.stream():
-            size += len(part)
-            if size <= limit:
-                body += part
-            elif size > 3 * limit:  # read (and dropped) up to 3x the limit, so a client still sending reads the 413
-                break
-        if size > limit:
-            said = f"{declared} bytes" if declared.isdigit() else "over that"
-            raise api.APIError(f"the body is {said}, over this server's limit of {limit} bytes", 413)
-        return bytes(body)
+        """The body as the KServe front reads one (``serving.asgi.body``: size, time, encoding)."""
+        try:
+            return await read_plain_body(request, self.max_request_bytes, timeout_s=self.body_timeout_s)
+        except BodyRefused as refused:
+            raise api.APIError(refused.message, refused.status) from None
 
     def _check_model(self, name: str) -> None:
         if name != self.name:
@@ -153,16 +160,13 @@ class OpenAIEndpoints:
             seed = req.seed if req.seed is not None else secrets.randbits(63)
             sampling = Sampling(do_sample=True, seed=seed, temperature=temperature,
                                 top_p=1.0 if req.top_p is None else req.top_p)
-        try:
-            stream = self.engine.submit(ids, max_new_tokens=max_tokens, sampling=sampling, name="max_tokens")
-        except EngineBusy as exc:
-            raise api.APIError(str(exc), 429, type="rate_limit_error", code="rate_limit_exceeded") from None
-        except EngineUnavailable as exc:
-            raise api.APIError(str(exc), 503, type="service_unavailable") from None
-        except InputError as exc:
+        stream = submit_generation(self.engine, ids, max_tokens, sampling=sampling, name="max_tokens")
+        if isinstance(stream, Refusal) and stream.kind == "invalid":
             too_long = len(ids) + max_tokens > self.engine.slot_length
-            raise api.APIError(str(exc), param=param_of_length if too_long else param,
-                               code="context_length_exceeded" if too_long else None) from None
+            raise openai_error(stream, param=param_of_length if too_long else param,
+                               code="context_length_exceeded" if too_long else None)
+        if isinstance(stream, Refusal):
+            raise openai_error(stream)
         return stream, max_tokens
 
     async def _answer(self, request: Request, req: Any, ids: list[int], *, chat: bool, param: str,
@@ -194,7 +198,7 @@ class OpenAIEndpoints:
         try:
             content = collector.result()
         except (StreamFailed, StreamCancelled) as exc:
-            raise stream_error(exc) from None
+            raise openai_error(ending(exc)) from None
         use = api.usage(prompt_tokens, len(text.ids))
         build = api.chat_completion if chat else api.completion
         return JSONResponse(build(ident, self.name, content, finish_reason(stream, text), use))
@@ -213,7 +217,7 @@ class OpenAIEndpoints:
             if include_usage:
                 yield event(api.chunk(ident, self.name, chat=chat, use=api.usage(prompt_tokens, len(text.ids))))
         except (StreamFailed, StreamCancelled) as exc:
-            yield event(stream_error(exc).body())
+            yield event(openai_error(ending(exc)).body())
         yield b"data: [DONE]\n\n"
 
 
@@ -237,12 +241,6 @@ async def pieces(stream: Any, text: TextStream) -> AsyncIterator[str]:
 def finish_reason(stream: Any, text: TextStream) -> str:
     """OpenAI's ``stop`` (a stop string, or the model's end-of-sequence token) or ``length``."""
     return "stop" if text.stopped else stream.finish_reason
-
-
-def stream_error(exc: BaseException) -> api.APIError:
-    if isinstance(exc, StreamCancelled):
-        return api.APIError(str(exc), 503, type="service_unavailable")
-    return api.APIError(str(exc), 500, type="server_error")
 
 
 class EventStream(StreamingResponse):
@@ -289,10 +287,11 @@ def openai_routes(endpoints: OpenAIEndpoints) -> list[Route]:
 
 
 def openai_app(engine: Any, model_name: str, *, chat: ChatTemplate | None = None, chat_refusal: str | None = None,
-               max_request_bytes: int = 1 << 20, routes: Sequence[Route] = ()) -> Starlette:
+               max_request_bytes: int = 1 << 20, body_timeout_s: float = BODY_TIMEOUT_S,
+               routes: Sequence[Route] = ()) -> Starlette:
     """The OpenAI API over ``engine`` as an ASGI app (``routes``: more routes beside, e.g. KServe's)."""
     endpoints = OpenAIEndpoints(engine, model_name, chat=chat, chat_refusal=chat_refusal,
-                                max_request_bytes=max_request_bytes)
+                                max_request_bytes=max_request_bytes, body_timeout_s=body_timeout_s)
 
     async def refused(request: Request, exc: api.APIError) -> Response:
         return error_response(exc)

@@ -1,0 +1,14 @@
+"""The generation engine: what every front end of ``serve`` submits its generations to.
+
+==========  ===================================================================================
+engine      ``Engine``: one thread owns the session; ``Stream`` handles (thread-safe, iterable,
+            ``async for``, cancel); a bounded queue (``EngineBusy``), warm-up and drain
+            (``EngineUnavailable``), a failed run failing only its streams (``StreamFailed``)
+slots       how the engine runs its streams: ``SlotBatch``, continuous batching in the slots
+            of one preallocated KV cache (the ``--target onnxruntime`` graph, rows at their
+            own positions in one run, chunked prefill); ``TurnBatch``, batch-1 turns
+submit      ``submit_generation``: a front's request into the engine, a ``Stream`` or a
+            ``Refusal`` (invalid, busy, unavailable, cancelled, failed) that each front maps to
+            its own codes; ``ending``: the refusal a stream that raised ends with
+==========  ===================================================================================
+"""
