@@ -172,6 +172,11 @@ def _run_ort_decoder(loaded, decoder_plan, progress, tensors) -> int:
     if result.parity is not None:
         print()
         print(result.parity.table())
+    if result.text_cost is not None:
+        from rmsnorm_deploy.decoder.divergence import text_cost_line
+
+        print(f"vs the unquantized model on text (what quantization costs, not checked): "
+              f"{text_cost_line(result.text_cost)}")
     if result.report_path is not None:
         print(f"report: {result.report_path}")
     if result.layer_by_layer:

@@ -45,6 +45,9 @@ generate            ``KVCacheModel`` and ``generate``/``stream``: greedy or seed
                     exported folder, prompts checked against the model, special tokens from its folder
 perplexity          ``perplexity``: llama-perplexity's scheme (chunks from an empty cache, second half
                     scored, float64 log-softmax) over token ids, on any KV-cache export
+divergence          ``divergence``: KL divergence, top-1 agreement and both perplexities of a model
+                    against a reference (another export, or transformers) at perplexity's positions;
+                    what ``export --quantize`` reports quantization cost on text
 genai_client        ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
                     (optional dependency, loaded lazily)
 ==================  ===========================================================================
