@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.generate import KVCacheModel
 from rmsnorm_deploy.decoder.perplexity import (
     DEFAULT_CONTEXT,
     SHIPPED_TEXT,
@@ -42,7 +43,6 @@ from rmsnorm_deploy.decoder.perplexity import (
     chunked,
     log_softmax64,
     read_text,
-    scored_nll,
     scored_positions,
     session_logits,
     text_ids,
@@ -85,17 +85,34 @@ class Divergence:
                 f"{self.same_top:.2%} of {self.scored_tokens} positions")
 
 
-def _chunk_divergence(logits: np.ndarray, reference: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(KL(reference || model) per scored position, whether the argmax tokens agree)`` of one
-    window's logits, :data:`_ROWS` positions at a time."""
+@dataclasses.dataclass
+class _Chunk:
+    nll: float  # the model's summed negative log-likelihood over the scored positions
+    reference_nll: float
+    kl: np.ndarray  # KL(reference || model) per scored position
+    same_top: np.ndarray  # whether the two argmax tokens agree, per scored position
+
+
+def _chunk(logits: np.ndarray, reference: np.ndarray, window: np.ndarray) -> _Chunk:
+    """One window's scored positions, :data:`_ROWS` at a time, each model's log-softmax computed once.
+    The negative log-likelihoods are ``perplexity.scored_nll``'s: the same values summed in one array."""
+    if logits.shape != reference.shape:
+        raise InputError(f"the model's logits are {list(logits.shape)} and the reference's {list(reference.shape)}; "
+                         "compare two models with the same vocabulary")
+    rows = scored_positions(len(window))
+    targets = np.asarray(window[rows.start + 1:], dtype=np.int64)
+    picked: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
     kl, same = [], []
-    rows = scored_positions(context)
     for row in range(rows.start, rows.stop, _ROWS):
         end = min(row + _ROWS, rows.stop)
         log_q, log_p = log_softmax64(logits[row:end]), log_softmax64(reference[row:end])
+        wanted = targets[row - rows.start: end - rows.start]
+        picked[0].append(log_q[np.arange(len(wanted)), wanted])
+        picked[1].append(log_p[np.arange(len(wanted)), wanted])
         kl.append((np.exp(log_p) * (log_p - log_q)).sum(axis=-1))
         same.append(np.argmax(log_q, axis=-1) == np.argmax(log_p, axis=-1))
-    return np.concatenate(kl), np.concatenate(same)
+    return _Chunk(float(-np.concatenate(picked[0]).sum()), float(-np.concatenate(picked[1]).sum()),
+                  np.concatenate(kl), np.concatenate(same))
 
 
 def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray, *, text_tokens: int,
@@ -103,30 +120,22 @@ def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray,
     """The model's distributions (``logits_of``) against the reference's (``reference_of``) over
     ``windows`` (``perplexity.chunked``), at perplexity's scored positions (module docstring)."""
     start = time.perf_counter()
-    total = total_ref = 0.0
-    count = 0
-    kls, sames = [], []
+    chunks = []
     for done, window in enumerate(windows, 1):
-        logits, reference = logits_of(window), reference_of(window)
-        if logits.shape != reference.shape:
-            raise InputError(f"the model's logits are {list(logits.shape)} and the reference's "
-                             f"{list(reference.shape)}; compare two models with the same vocabulary")
-        nll, scored = scored_nll(logits, window)
-        total += nll
-        total_ref += scored_nll(reference, window)[0]
-        count += scored
-        kl, same = _chunk_divergence(logits, reference, len(window))
-        kls.append(kl)
-        sames.append(same)
+        chunks.append(_chunk(logits_of(window), reference_of(window), window))
         if on_chunk is not None:
             on_chunk(done, len(windows))
-    kl_all = np.concatenate(kls)
+    total = total_ref = 0.0
+    for chunk in chunks:  # summed chunk by chunk, in order, as ``perplexity.perplexity`` sums
+        total += chunk.nll
+        total_ref += chunk.reference_nll
+    kl = np.concatenate([c.kl for c in chunks])
+    count = len(kl)
     return Divergence(perplexity=math.exp(total / count), reference_perplexity=math.exp(total_ref / count),
-                      kl_mean=float(kl_all.mean()), kl_median=float(np.median(kl_all)),
-                      kl_p99=float(np.percentile(kl_all, 99)), kl_max=float(kl_all.max()),
-                      same_top=float(np.concatenate(sames).mean()), scored_tokens=count, chunks=len(windows),
-                      context=len(windows[0]), text_tokens=text_tokens, bos_token_id=bos_token_id,
-                      seconds=time.perf_counter() - start)
+                      kl_mean=float(kl.mean()), kl_median=float(np.median(kl)), kl_p99=float(np.percentile(kl, 99)),
+                      kl_max=float(kl.max()), same_top=float(np.concatenate([c.same_top for c in chunks]).mean()),
+                      scored_tokens=count, chunks=len(windows), context=len(windows[0]), text_tokens=text_tokens,
+                      bos_token_id=bos_token_id, seconds=time.perf_counter() - start)
 
 
 def torch_logits(lm: Any) -> LogitsOf:
@@ -147,8 +156,6 @@ def quantization_text_cost(lm: Any, folder: str | Path, *, chunks: int = QUANTIZ
     unquantized transformers model it came from, over the first ``chunks`` chunks of the shipped
     text tokenized with the folder's tokenizer. ``{"measured": False, "why": ...}`` when it cannot
     be measured (no tokenizer, a text too short for the context, a context past the model)."""
-    from rmsnorm_deploy.decoder.generate import KVCacheModel
-
     text = {"text": SHIPPED_TEXT_NAME, "chunks_of_text": f"the first {chunks} chunks of {context} tokens"}
     reference = f"transformers: the unquantized model, {next(lm.parameters()).dtype}".replace("torch.", "")
     with KVCacheModel(folder) as model:
