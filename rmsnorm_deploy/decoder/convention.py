@@ -189,7 +189,8 @@ def layout_of(meta: Any, *, what: str = "the model") -> KVCacheLayout:
     raw = getattr(meta, "kv_cache", None) if meta is not None else None
     if not raw:
         raise KVCacheError(f"{what} is not a KV-cache model (its metadata records no kv_cache); export it with "
-                           "`rmsnorm-deploy export MODEL --kv-cache`")
+                           "`rmsnorm-deploy export MODEL --kv-cache` (a graph optimum or onnxruntime-genai wrote "
+                           "records none: its layout is not read from guesses)")
     return KVCacheLayout.from_dict(raw)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel
 from rmsnorm_deploy.decoder.perplexity import (
@@ -140,7 +141,6 @@ def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray,
 
 def torch_logits(lm: Any) -> LogitsOf:
     """The logits of one window from a transformers causal LM (no cache, every position), in its dtype."""
-    import torch
 
     def logits_of(window: np.ndarray) -> np.ndarray:
         with torch.inference_mode():

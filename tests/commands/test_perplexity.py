@@ -182,7 +182,8 @@ def _one_line_error(capsys, code: int, *fragments: str) -> None:
     (["--text", "{missing}"], ["--text", "no such file"]),
     ([], ["has no tokenizer.json to read the text with; give token ids with --tokens FILE"]),
     (["--tokens", "{ids}", "--kl-divergence", "{missing}"], ["no such file or folder"]),
-    (["--tokens", "{ids}", "--kl-divergence", "{plain_onnx}"], ["not a KV-cache model"]),
+    (["--tokens", "{ids}", "--kl-divergence", "{plain_onnx}"],
+     ["not a KV-cache model", "optimum or onnxruntime-genai"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, folders, tmp_path, argv, fragments):
     from rmsnorm_deploy import RMSNormSpec, rmsnorm_model
