@@ -43,6 +43,7 @@ from rmsnorm_deploy.decoder.ort_model import (
     inputs_metadata,
     kv_cache_metadata,
     lm_head_of,
+    longrope_switch,
     residual_output,
     rotary_caches,
     skip_norm_node,
@@ -229,15 +230,15 @@ class OrtDecoderBuilder:
         w = self.w
         one_1d, axes1 = self.i64("one_1d", [1]), self.i64("axes_1", [1])
         seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
-        total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
+        total_1d = self.total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
         self.chunk_bounds = (w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d)
         chunk = w.one("Slice", ["attention_mask", *self.chunk_bounds, axes1], "mask/chunk")
         _, to_compact = w.node("TopK", [chunk, seq_1d], "mask/to_compact", outputs=2, axis=1, largest=1, sorted=1)
         _, self.back = w.node("TopK", [to_compact, seq_1d], "mask/to_original", outputs=2, axis=1, largest=0, sorted=1)
         self.ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
         self.to_compact, self.positions = to_compact, None
-        lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
-        self.seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
+        self.lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
+        self.seqlens = w.one("Cast", [w.one("Sub", [self.lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                              to=TensorProto.INT32)
         # GroupQueryAttention's total_sequence_length: a scalar or, as here, a one-element vector.
         self.total_i32 = w.one("Cast", [total_1d], "mask/total_sequence_length", to=TensorProto.INT32)
@@ -247,14 +248,35 @@ class OrtDecoderBuilder:
 
     def make_rotary(self) -> None:
         """One cos/sin pair per rotary table the layers read (Gemma3: local and global attention;
-        ``""``: a layer without rotary, no table)."""
+        ``""``: a layer without rotary, no table). LongRoPE (``ort_model.longrope_switch``): the longest
+        row's length (last position + 1) past the switch picks the long table, for every row, as
+        transformers picks it; the run's rows (the mask's width) are sliced from the tables stacked
+        [short; long], so a run copies only those (an ``If`` returning a table copies all of it)."""
         self.caches: dict[str | None, tuple[str, str]] = {}
+        self.rotary_switch: int | None = None
         for kind in dict.fromkeys(self.rotary_kinds):
             if kind == "":
                 continue
-            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind)
             tag = f"_{kind}" if kind else ""
-            self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
+            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind)
+            switch = longrope_switch(self.lm, kind)
+            if switch is None:
+                self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
+                continue
+            if self.rotary_switch not in (None, switch):
+                raise OrtDecoderError(f"LongRoPE tables switch at {self.rotary_switch} and {switch}; one is written")
+            self.rotary_switch = switch
+            long_cos, long_sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind, long=True)
+            w, base = self.w, f"rotary/longrope{tag}"
+            longest = w.one("ReduceMax", [self.lengths], f"{base}/longest_row", keepdims=1)  # [1]
+            is_long = w.one("Greater", [longest, self.i64(f"longrope_switch{tag}", [switch])], f"{base}/is_long")
+            start = w.one("Where", [is_long, self.i64(f"longrope_rows{tag}", [self.dims.max_positions]),
+                                    self.i64(f"zero_1d{tag}", [0])], f"{base}/start")
+            end, axes = w.one("Add", [start, self.total_1d], f"{base}/end"), self.i64(f"axes_0{tag}", [0])
+            self.caches[kind] = tuple(
+                w.one("Slice", [w.init(f"{name}_cache_short_long{tag}", np.concatenate([short, long])), start, end,
+                                axes], f"{base}/{name}")
+                for name, short, long in (("cos", cos, long_cos), ("sin", sin, long_sin)))
 
     def make_embedding(self) -> str:
         """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""
@@ -505,7 +527,8 @@ class OrtDecoderBuilder:
                   "total": [1, 1, max_len]},
             versions=tool_versions(),
             kv_cache=kv_cache_metadata(dims, self.dtype, share_buffer=self.share_buffer, max_length=max_len,
-                                       head=self.head_path),
+                                       head=self.head_path, rotary_switch=self.rotary_switch,
+                                       recompute_past=self.family.recompute_past(self.lm.config)),
             quantization=(metadata_entry(self.quantization, self.quantized, self.quantized_experts)
                           if self.quantization is not None else None),
         ).write(model)

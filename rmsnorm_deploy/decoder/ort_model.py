@@ -133,24 +133,63 @@ def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
     return head.weight, path
 
 
-def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype,
-                  layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim / 2] exactly as the model's ``rotary_emb`` computes them
-    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
-    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type."""
+#: GroupQueryAttention (ONNX Runtime 1.32 CPU) takes cos/sin caches [positions, n] with n a multiple of 8 and
+#: at most head_dim / 2, and rotates the first 2n dims of each head (measured exact: the rest pass through).
+GQA_ROTARY_MULTIPLE = 16
+
+
+def _rotary_module(lm: torch.nn.Module, layer_type: str | None) -> tuple[Any, str, str]:
+    """The model's ``rotary_emb``, the prefix of its per-type buffers and the table's rope type."""
     rotary = getattr(lm.model, "rotary_emb", None)
     prefix = f"{layer_type}_" if layer_type else ""
-    inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
-    if not isinstance(inv_freq, torch.Tensor):
+    if not isinstance(getattr(rotary, f"{prefix}inv_freq", None), torch.Tensor):
         raise OrtDecoderError(f"the model has no rotary_emb.{prefix}inv_freq; --target onnxruntime writes rotary models")
     rope_type = getattr(rotary, "rope_type", "default")
     if isinstance(rope_type, dict):
         rope_type = rope_type.get(layer_type, "default")
+    return rotary, prefix, str(rope_type)
+
+
+def longrope_switch(lm: torch.nn.Module, layer_type: str | None = None) -> int | None:
+    """LongRoPE's ``original_max_position_embeddings``, or ``None`` for a table that never changes.
+
+    transformers (``dynamic_rope_update``) rotates every token of a forward with the long
+    frequencies when ``max(position_ids) + 1`` of the whole batch exceeds it, else with the short
+    ones; tokens already in the cache keep the rotation they were stored with."""
+    if _rotary_module(lm, layer_type)[2] != "longrope":
+        return None
+    params = lm.config.rope_parameters
+    return int((params[layer_type] if layer_type else params)["original_max_position_embeddings"])
+
+
+def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype, layer_type: str | None = None, *,
+                  long: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, rotary_dim / 2] exactly as the model's ``rotary_emb`` computes them
+    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
+    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type.
+    LongRoPE (:func:`longrope_switch`): the short table, or with ``long`` the long one, each from
+    transformers' own functions (the long one as ``dynamic_rope_update`` computes it); its
+    ``inv_freq`` buffer holds whichever the last forward used, so it is not read.
+    Partial rotary (Phi-4-mini: 96 of 128 dims): the narrower table rotates the first dims only."""
+    rotary, prefix, rope_type = _rotary_module(lm, layer_type)
     if rope_type == "dynamic":
         raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
-    if inv_freq.numel() * 2 != dims.head_dim:
-        raise OrtDecoderError(f"partial rotary embeddings ({inv_freq.numel() * 2} of {dims.head_dim} dims) are not "
-                              "written by --target onnxruntime yet")
+    if rope_type == "longrope":
+        inv_freq = getattr(rotary, f"{prefix}original_inv_freq")
+        if long:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            switch = longrope_switch(lm, layer_type)
+            inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](lm.config, None, seq_len=switch + 1, layer_type=layer_type)
+    elif long:
+        raise OrtDecoderError(f"a {rope_type!r} rotary embedding has no long table")
+    else:
+        inv_freq = getattr(rotary, f"{prefix}inv_freq")
+    rotary_dim = inv_freq.numel() * 2
+    if rotary_dim > dims.head_dim or (rotary_dim < dims.head_dim and rotary_dim % GQA_ROTARY_MULTIPLE):
+        raise OrtDecoderError(f"the rotary embedding turns {rotary_dim} of {dims.head_dim} dims; GroupQueryAttention "
+                              f"rotates part of a head only in multiples of {GQA_ROTARY_MULTIPLE} dims "
+                              "(use --target portable)")
     positions = torch.arange(dims.max_positions, dtype=torch.float32)
     # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
     freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
@@ -197,7 +236,7 @@ def skip_norm_node(spec: RMSNormSpec, inputs: list[str], outputs: list[str], *, 
 
 
 def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_length: int,
-                      head: str) -> dict[str, Any]:
+                      head: str, rotary_switch: int | None = None, recompute_past: int | None = None) -> dict[str, Any]:
     """The ``kv_cache`` entry of the metadata: the convention's fields (the keys of
     ``decoder.convention.KVCacheLayout``), the target, its buffer mode and the LM head used."""
     return {
@@ -216,6 +255,9 @@ def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_
                    "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
         "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
         "lm_head": head,
+        # LongRoPE (decoder.convention.KVCacheLayout): written where the model has them
+        **({"rotary_switch": int(rotary_switch)} if rotary_switch is not None else {}),
+        **({"recompute_past": int(recompute_past)} if recompute_past is not None else {}),
     }
 
 
