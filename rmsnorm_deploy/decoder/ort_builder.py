@@ -43,12 +43,11 @@ from rmsnorm_deploy.decoder.ort_model import (
     inputs_metadata,
     kv_cache_metadata,
     lm_head_of,
-    longrope_switch,
     residual_output,
-    rotary_caches,
     skip_norm_node,
     skip_refusal,
 )
+from rmsnorm_deploy.decoder.ort_rotary import rotary_tables
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
 from rmsnorm_deploy.decoder.ort_moe import make_moe
 from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
@@ -248,35 +247,9 @@ class OrtDecoderBuilder:
 
     def make_rotary(self) -> None:
         """One cos/sin pair per rotary table the layers read (Gemma3: local and global attention;
-        ``""``: a layer without rotary, no table). LongRoPE (``ort_model.longrope_switch``): the longest
-        row's length (last position + 1) past the switch picks the long table, for every row, as
-        transformers picks it; the run's rows (the mask's width) are sliced from the tables stacked
-        [short; long], so a run copies only those (an ``If`` returning a table copies all of it)."""
-        self.caches: dict[str | None, tuple[str, str]] = {}
-        self.rotary_switch: int | None = None
-        for kind in dict.fromkeys(self.rotary_kinds):
-            if kind == "":
-                continue
-            tag = f"_{kind}" if kind else ""
-            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind)
-            switch = longrope_switch(self.lm, kind)
-            if switch is None:
-                self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
-                continue
-            if self.rotary_switch not in (None, switch):
-                raise OrtDecoderError(f"LongRoPE tables switch at {self.rotary_switch} and {switch}; one is written")
-            self.rotary_switch = switch
-            long_cos, long_sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind, long=True)
-            w, base = self.w, f"rotary/longrope{tag}"
-            longest = w.one("ReduceMax", [self.lengths], f"{base}/longest_row", keepdims=1)  # [1]
-            is_long = w.one("Greater", [longest, self.i64(f"longrope_switch{tag}", [switch])], f"{base}/is_long")
-            start = w.one("Where", [is_long, self.i64(f"longrope_rows{tag}", [self.dims.max_positions]),
-                                    self.i64(f"zero_1d{tag}", [0])], f"{base}/start")
-            end, axes = w.one("Add", [start, self.total_1d], f"{base}/end"), self.i64(f"axes_0{tag}", [0])
-            self.caches[kind] = tuple(
-                w.one("Slice", [w.init(f"{name}_cache_short_long{tag}", np.concatenate([short, long])), start, end,
-                                axes], f"{base}/{name}")
-                for name, short, long in (("cos", cos, long_cos), ("sin", sin, long_sin)))
+        ``""``: a layer without rotary, no table); LongRoPE's picked per run (``ort_rotary``)."""
+        self.caches, self.rotary_switch = rotary_tables(self.w, self.lm, self.dims, self.rotary_kinds, self.lengths,
+                                                        self.total_1d)
 
     def make_embedding(self) -> str:
         """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""

@@ -1,12 +1,11 @@
 """What the ONNX Runtime decoder graph needs from a model, read from its module tree and config.
 
-The dimensions (:class:`DecoderDims`), the LM head its forward uses, the rotary tables as its
-``rotary_emb`` computes them, where a residual ``Add`` and the norm after it may be one
-``SkipSimplifiedLayerNormalization``, and the metadata the graph carries: each read from the model,
-never guessed, and a one-line refusal (:class:`OrtDecoderError`) for anything the writer
-(``ort_builder``) cannot write exactly. Nothing here needs the weights of the projections: a
+The dimensions (:class:`DecoderDims`), the LM head its forward uses, where a residual ``Add``
+and the norm after it may be one ``SkipSimplifiedLayerNormalization``, and the metadata the graph
+carries: each read from the model, never guessed, and a one-line refusal (:class:`OrtDecoderError`)
+for anything the writer (``ort_builder``) cannot write exactly. Nothing here needs the weights of the projections: a
 module tree whose Linear and Embedding weights are on the meta device (a streamed export,
-``streaming``) is read the same way.
+``streaming``) is read the same way. The rotary tables are ``ort_rotary``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import onnx
 import torch
 from onnx import helper
@@ -131,72 +129,6 @@ def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
     if embed is not None and head.weight is embed.weight:
         path = f"{path} (tied to {next(p for p, m in lm.named_modules() if m is embed)})"
     return head.weight, path
-
-
-#: GroupQueryAttention (ONNX Runtime 1.32 CPU) takes cos/sin caches [positions, n] with n a multiple of 8 and
-#: at most head_dim / 2, and rotates the first 2n dims of each head (measured exact: the rest pass through).
-GQA_ROTARY_MULTIPLE = 16
-
-
-def _rotary_module(lm: torch.nn.Module, layer_type: str | None) -> tuple[Any, str, str]:
-    """The model's ``rotary_emb``, the prefix of its per-type buffers and the table's rope type."""
-    rotary = getattr(lm.model, "rotary_emb", None)
-    prefix = f"{layer_type}_" if layer_type else ""
-    if not isinstance(getattr(rotary, f"{prefix}inv_freq", None), torch.Tensor):
-        raise OrtDecoderError(f"the model has no rotary_emb.{prefix}inv_freq; --target onnxruntime writes rotary models")
-    rope_type = getattr(rotary, "rope_type", "default")
-    if isinstance(rope_type, dict):
-        rope_type = rope_type.get(layer_type, "default")
-    return rotary, prefix, str(rope_type)
-
-
-def longrope_switch(lm: torch.nn.Module, layer_type: str | None = None) -> int | None:
-    """LongRoPE's ``original_max_position_embeddings``, or ``None`` for a table that never changes.
-
-    transformers (``dynamic_rope_update``) rotates every token of a forward with the long
-    frequencies when ``max(position_ids) + 1`` of the whole batch exceeds it, else with the short
-    ones; tokens already in the cache keep the rotation they were stored with."""
-    if _rotary_module(lm, layer_type)[2] != "longrope":
-        return None
-    params = lm.config.rope_parameters
-    return int((params[layer_type] if layer_type else params)["original_max_position_embeddings"])
-
-
-def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype, layer_type: str | None = None, *,
-                  long: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, rotary_dim / 2] exactly as the model's ``rotary_emb`` computes them
-    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
-    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type.
-    LongRoPE (:func:`longrope_switch`): the short table, or with ``long`` the long one, each from
-    transformers' own functions (the long one as ``dynamic_rope_update`` computes it); its
-    ``inv_freq`` buffer holds whichever the last forward used, so it is not read.
-    Partial rotary (Phi-4-mini: 96 of 128 dims): the narrower table rotates the first dims only."""
-    rotary, prefix, rope_type = _rotary_module(lm, layer_type)
-    if rope_type == "dynamic":
-        raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
-    if rope_type == "longrope":
-        inv_freq = getattr(rotary, f"{prefix}original_inv_freq")
-        if long:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            switch = longrope_switch(lm, layer_type)
-            inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](lm.config, None, seq_len=switch + 1, layer_type=layer_type)
-    elif long:
-        raise OrtDecoderError(f"a {rope_type!r} rotary embedding has no long table")
-    else:
-        inv_freq = getattr(rotary, f"{prefix}inv_freq")
-    rotary_dim = inv_freq.numel() * 2
-    if rotary_dim > dims.head_dim or (rotary_dim < dims.head_dim and rotary_dim % GQA_ROTARY_MULTIPLE):
-        raise OrtDecoderError(f"the rotary embedding turns {rotary_dim} of {dims.head_dim} dims; GroupQueryAttention "
-                              f"rotates part of a head only in multiples of {GQA_ROTARY_MULTIPLE} dims "
-                              "(use --target portable)")
-    positions = torch.arange(dims.max_positions, dtype=torch.float32)
-    # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
-    freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
-    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
-    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
-    return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
-
 
 
 #: The op that adds the residual and normalizes in one kernel (ONNX Runtime's CPU and CUDA).

@@ -1,6 +1,6 @@
 """Phi-3, Phi-3.5-mini, Phi-4-mini: Llama's graph with one fused [q; k; v] and one fused [gate; up]
 Linear; LongRoPE's two rotary tables and partial rotary (Phi-4-mini: 96 of 128 dims) come from
-``ort_model.rotary_caches``, the sliding window (Phi-3-mini-4k: 2047) from the base family."""
+``ort_rotary``, the sliding window (Phi-3-mini-4k: 2047) from the base family."""
 
 from __future__ import annotations
 
