@@ -15,7 +15,7 @@ from rmsnorm_deploy.decoder.convention import KVCacheLayout, left_padded  # noqa
 from rmsnorm_deploy.decoder.families import FAMILIES, REFUSED, refusal  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.decoder.genai_config import write_serving_files  # noqa: E402
-from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner, decode_loop  # noqa: E402
 from rmsnorm_deploy.decoder.ort_export import write_ort_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError  # noqa: E402
@@ -25,6 +25,7 @@ from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # no
 from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
+from rmsnorm_deploy.serving.slots import slots_refusal  # noqa: E402
 from tests.decoder.families import ROWS, FamilyRow, tiny_config  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
@@ -166,8 +167,6 @@ def test_longrope_switch_and_recompute_are_in_the_metadata(row, tmp_path):
     """The graph slices its run's rows from the table the switch picks (short and long stacked); the
     loop recomputes there (transformers' generate); the engine's streams take turns (one table per
     run would couple them)."""
-    from rmsnorm_deploy.serving.slots import slots_refusal
-
     dec = build_decoder(_loaded(row))
     kv = ModelMetadata.read(dec.model).kv_cache
     switch = row.config["original_max_position_embeddings"]
@@ -180,13 +179,12 @@ def test_longrope_switch_and_recompute_are_in_the_metadata(row, tmp_path):
         assert "LongRoPE" in slots_refusal(model)
 
 
-@pytest.mark.parametrize("row", LONGROPE_ROWS[:1], ids=[row.name for row in LONGROPE_ROWS[:1]])
+@pytest.mark.parametrize("row", LONGROPE_ROWS, ids=[row.name for row in LONGROPE_ROWS])
 def test_longrope_graph_runs_in_genai(row, tmp_path):
-    """onnxruntime-genai 0.18 runs the LongRoPE graph (its If, short then long) as our loop does
-    without the recompute: genai recomputes Phi-3's cache only at a fixed 4097 tokens."""
+    """onnxruntime-genai 0.18 runs the LongRoPE graph (short table, then the long one past the switch)
+    as our loop does without the recompute: genai recomputes Phi-3's cache only at a fixed 4097 tokens."""
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
     from rmsnorm_deploy.decoder.genai_client import genai_greedy
-    from rmsnorm_deploy.decoder.loop import decode_loop
 
     _, folder = _folder(row, tmp_path)
     prompt = [int(t) for t in np.random.default_rng(7).integers(3, 250, size=_prompt_length(row))]
