@@ -19,8 +19,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def config(half: int = 48) -> dict:
+    """``half``: the factors' length, rotary dims / 2 (Phi3Config checks it against hidden // heads)."""
     return {"model_type": "phi3", "vocab_size": 256, "hidden_size": 512, "intermediate_size": 256,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
             "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
             "original_max_position_embeddings": 4096, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
             "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.02 * i for i in range(half)],
@@ -38,8 +39,7 @@ def main() -> None:
     from rmsnorm_deploy.decoder.ort_parity import decode_parity
     from rmsnorm_deploy.exporter import hf
 
-    # head_dim 128 with hidden 512: the factors' length follows hidden // heads (Phi3Config's check)
-    loaded = hf.from_config(config(half=int(512 // 4 * 0.75) // 2), "float32", seed=0)
+    loaded = hf.from_config(config(), "float32", seed=0)
     started = time.perf_counter()
     dec = build_decoder(loaded, max_length=args.prompt + args.steps + 1)
     parity = decode_parity(loaded, dec.model, batch=1, prompt=args.prompt, steps=args.steps)
