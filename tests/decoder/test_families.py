@@ -25,7 +25,7 @@ from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # no
 from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
-from rmsnorm_deploy.serving.slots import slots_refusal  # noqa: E402
+from rmsnorm_deploy.serving.engine.slots import slots_refusal  # noqa: E402
 from tests.decoder.families import ROWS, FamilyRow, tiny_config  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
