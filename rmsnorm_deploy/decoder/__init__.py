@@ -15,12 +15,14 @@ ort_graph           ``--target onnxruntime``: the graph (fused QKV, GroupQueryAt
                     nodes, optionally int8/int4 MatMulNBits) and ``build_decoder``, its entry point
 families            one module per model family that graph writes (projection names, norm places,
                     windows, rotary tables, softcaps, multipliers, MoE), found by the package
-ort_model           what that graph needs from a model: dimensions, LM head, rotary tables, refusals,
+ort_model           what that graph needs from a model: dimensions, LM head, refusals,
                     its metadata; read from the module tree, never from the projections' weights
 ort_builder         ``OrtDecoderBuilder``: the graph written part by part (``make_embedding``,
                     ``make_attention``, ``make_mlp``, ``make_norm``, ``make_lm_head`` ...)
 ort_moe             a mixture-of-experts MLP: the router's MatMul and one ``com.microsoft.MoE`` (``QMoE``
                     when quantized), what their CPU kernels compute and where they are exact
+ort_rotary          the rotary tables GroupQueryAttention reads: partial rotary, LongRoPE's two tables and
+                    the run's rows sliced from the one its switch picks
 ort_writer          ``GraphWriter``: unique names, and the initializers kept in memory or appended to
                     the external-data file block by block (``ExternalData``)
 weights             tensor sources the builder reads: the modules, or a checkpoint's safetensors files

@@ -166,7 +166,9 @@ def decode_steps(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray |
     the next token is asked for, so a stream can hand each token out before the next is made.
     ``input_ids`` [batch, prompt], left padding marked by zeros in ``attention_mask``;
     ``eos_token_ids`` empty: never stop early. Times go to ``clock``. The arguments are checked
-    before the first step runs."""
+    before the first step runs. A step with a ``recompute_past`` (Phi-3's LongRoPE switch) runs the
+    whole sequence from an empty cache at the step that grows its cache past it, as transformers'
+    ``generate`` does."""
     ids = np.ascontiguousarray(input_ids, dtype=np.int64)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -185,6 +187,9 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
     # The whole run's mask and positions at once: each step reads a prefix (cumsum is causal).
     total = np.ones((batch, prompt + max_new_tokens), dtype=np.int64)
     total[:, :prompt] = mask
+    recompute = getattr(step, "recompute_past", None)
+    history = np.zeros_like(total)  # every token so far, for a step that runs the whole sequence again
+    history[:, :prompt] = ids
     positions = position_ids_for(total, total.shape[1])
     eos = np.array(sorted({int(t) for t in eos_token_ids}), dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
@@ -193,6 +198,9 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
     while True:
         length = prompt + made
         started = time.perf_counter()
+        if made and recompute is not None and length - 1 <= recompute < length:
+            # transformers' generate (Phi-3): the cache is dropped once and the whole sequence runs again
+            cache, step_ids = step.empty_cache(batch), np.ascontiguousarray(history[:, :length])
         logits, cache = step.run(step_ids, np.ascontiguousarray(total[:, :length]),
                                  np.ascontiguousarray(positions[:, length - step_ids.shape[1]:length]), cache)
         token = np.array(pick(logits), dtype=np.int64)  # our own copy: a picker may hand out a view
@@ -206,6 +214,7 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
         else:
             clock.prefill_s = elapsed
         made += 1
+        history[:, prompt + made - 1] = token
         if eos.size:
             finished |= np.isin(token, eos)
         yield token, logits
@@ -245,6 +254,7 @@ class CacheLayout:
     head_dim: int
     share_buffer: bool = False
     max_length: int = 0  # the shared buffer's length (share_buffer only)
+    recompute_past: int | None = None  # see decoder.convention.KVCacheLayout and decode_steps
     past_key: str = "past_key_values.{i}.key"
     past_value: str = "past_key_values.{i}.value"
     present_key: str = "present.{i}.key"
@@ -256,7 +266,9 @@ class CacheLayout:
             return cls(layers=int(kv_cache["num_layers"]), kv_heads=int(kv_cache["kv_heads"]),
                        head_dim=int(kv_cache["head_dim"]),
                        share_buffer=bool(kv_cache.get("past_present_share_buffer", False)),
-                       max_length=int(kv_cache.get("max_length", 0)))
+                       max_length=int(kv_cache.get("max_length", 0)),
+                       recompute_past=(None if kv_cache.get("recompute_past") is None
+                                       else int(kv_cache["recompute_past"])))
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the model's kv_cache metadata is incomplete ({exc!r}); export it again") from None
 
@@ -264,7 +276,8 @@ class CacheLayout:
     def of(cls, layout: Any) -> CacheLayout:
         """From an ``decoder.convention.KVCacheLayout`` (already checked)."""
         return cls(layers=layout.num_layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
-                   share_buffer=layout.past_present_share_buffer, max_length=layout.max_length)
+                   share_buffer=layout.past_present_share_buffer, max_length=layout.max_length,
+                   recompute_past=layout.recompute_past)
 
     def pairs(self) -> list[tuple[str, str]]:
         out = []
@@ -300,6 +313,7 @@ class OrtStep:
             raise InputError(f"the model is not a KV-cache graph in the optimum/onnxruntime-genai convention "
                              f"(missing {', '.join((missing or [ATTENTION_MASK])[:3])})")
         self.takes_positions = POSITION_IDS in self.input_names
+        self.recompute_past = layout.recompute_past
         self._bf16 = self.dtype.name == "bfloat16"
 
     def _value(self, array: np.ndarray) -> Any:

@@ -44,10 +44,10 @@ from rmsnorm_deploy.decoder.ort_model import (
     kv_cache_metadata,
     lm_head_of,
     residual_output,
-    rotary_caches,
     skip_norm_node,
     skip_refusal,
 )
+from rmsnorm_deploy.decoder.ort_rotary import rotary_tables
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
 from rmsnorm_deploy.decoder.ort_moe import make_moe
 from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
@@ -229,15 +229,15 @@ class OrtDecoderBuilder:
         w = self.w
         one_1d, axes1 = self.i64("one_1d", [1]), self.i64("axes_1", [1])
         seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
-        total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
+        total_1d = self.total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
         self.chunk_bounds = (w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d)
         chunk = w.one("Slice", ["attention_mask", *self.chunk_bounds, axes1], "mask/chunk")
         _, to_compact = w.node("TopK", [chunk, seq_1d], "mask/to_compact", outputs=2, axis=1, largest=1, sorted=1)
         _, self.back = w.node("TopK", [to_compact, seq_1d], "mask/to_original", outputs=2, axis=1, largest=0, sorted=1)
         self.ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
         self.to_compact, self.positions = to_compact, None
-        lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
-        self.seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
+        self.lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
+        self.seqlens = w.one("Cast", [w.one("Sub", [self.lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                              to=TensorProto.INT32)
         # GroupQueryAttention's total_sequence_length: a scalar or, as here, a one-element vector.
         self.total_i32 = w.one("Cast", [total_1d], "mask/total_sequence_length", to=TensorProto.INT32)
@@ -247,14 +247,9 @@ class OrtDecoderBuilder:
 
     def make_rotary(self) -> None:
         """One cos/sin pair per rotary table the layers read (Gemma3: local and global attention;
-        ``""``: a layer without rotary, no table)."""
-        self.caches: dict[str | None, tuple[str, str]] = {}
-        for kind in dict.fromkeys(self.rotary_kinds):
-            if kind == "":
-                continue
-            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind)
-            tag = f"_{kind}" if kind else ""
-            self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
+        ``""``: a layer without rotary, no table); LongRoPE's picked per run (``ort_rotary``)."""
+        self.caches, self.rotary_switch = rotary_tables(self.w, self.lm, self.dims, self.rotary_kinds, self.lengths,
+                                                        self.total_1d)
 
     def make_embedding(self) -> str:
         """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""
@@ -505,7 +500,8 @@ class OrtDecoderBuilder:
                   "total": [1, 1, max_len]},
             versions=tool_versions(),
             kv_cache=kv_cache_metadata(dims, self.dtype, share_buffer=self.share_buffer, max_length=max_len,
-                                       head=self.head_path),
+                                       head=self.head_path, rotary_switch=self.rotary_switch,
+                                       recompute_past=self.family.recompute_past(self.lm.config)),
             quantization=(metadata_entry(self.quantization, self.quantized, self.quantized_experts)
                           if self.quantization is not None else None),
         ).write(model)

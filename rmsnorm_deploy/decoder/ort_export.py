@@ -24,7 +24,7 @@ from rmsnorm_deploy.decoder.divergence import QUANTIZATION_TEXT_CHUNKS, quantiza
 from rmsnorm_deploy.decoder.genai_config import write_serving_files
 from rmsnorm_deploy.decoder.layer_parity import LayerParity, layer_parity
 from rmsnorm_deploy.decoder.ort_graph import OrtDecoder, build_decoder
-from rmsnorm_deploy.decoder.ort_model import causal_lm, kv_cache_metadata
+from rmsnorm_deploy.decoder.ort_model import causal_lm
 from rmsnorm_deploy.decoder.ort_parity import DecodeParity, audit_norms, decode_parity
 from rmsnorm_deploy.decoder.ort_writer import ExternalData
 from rmsnorm_deploy.decoder.quantize import Quantization
@@ -33,7 +33,7 @@ from rmsnorm_deploy.decoder.weights import TensorSource
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter import hf
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
-from rmsnorm_deploy.graph.metadata import tool_versions
+from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
 from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
 from rmsnorm_deploy.progress import Progress
 
@@ -102,9 +102,7 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
                                     quantization=quantization)
         st.note(f"{len(decoder.model.graph.node)} nodes, {decoder.norm_nodes} norm nodes audited in float32"
                 + (f", {len(decoder.quantized)} MatMulNBits" if decoder.quantized else ""))
-    max_len = int(max_length or decoder.dims.max_positions)
-    kv_cache = kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer, max_length=max_len,
-                                 head=decoder.lm_head)
+    kv_cache = ModelMetadata.read(decoder.model).kv_cache
     with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
         serving_files = write_serving_files(plan.model_path, KVCacheLayout.from_dict(kv_cache), loaded.source,
                                             hf_folder=loaded.folder, force=options.force)

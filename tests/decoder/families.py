@@ -16,6 +16,18 @@ _BASE = TINY_CONFIGS["llama"]
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 #: The sliding window of the windowed rows: the past-window test prompts longer than it.
 WINDOW = 8
+#: LongRoPE's switch in the LongRoPE rows: the tests' prompts (9 tokens) start short and cross it while
+#: decoding (the step test on its 4th step, with the shorter rows of the batch).
+LONGROPE_SWITCH = 12
+
+
+def _longrope(rotary_half: int) -> dict[str, Any]:
+    """Phi-3.5-mini's rotary fields at a tiny scale: short and long factors far apart (a wrong table
+    is far off), max_position_embeddings / original = 64 / 12 sets attention_scaling (1.30)."""
+    return {"max_position_embeddings": 64, "original_max_position_embeddings": LONGROPE_SWITCH,
+            "rope_scaling": {"rope_type": "longrope",
+                             "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                             "long_factor": [1.0 + 3.0 * i for i in range(rotary_half)]}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,4 +96,13 @@ ROWS: list[FamilyRow] = [
                                                       "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                                       "beta_slow": 1.0}),
               norms=5, window=WINDOW),
+    # Phi-3-mini-4k: a sliding window on every layer (transformers masks it: sliding_window < positions)
+    FamilyRow("phi3", tiny_config("phi3", sliding_window=WINDOW), norms=5, window=WINDOW, genai=True),
+    # onnxruntime-genai runs these graphs but recomputes its cache at a fixed 4097 tokens, not at the
+    # tiny switch: test_longrope_graph_runs_in_genai holds it to our loop without the recompute
+    FamilyRow("phi3-longrope", tiny_config("phi3", **_longrope(8)), norms=5),
+    # Phi-4-mini: LongRoPE on 3/4 of each head (48 of 64 dims), 2 query heads over 1 KV head
+    FamilyRow("phi3-partial-rotary", tiny_config("phi3", hidden_size=128, num_attention_heads=2,
+                                                 num_key_value_heads=1, partial_rotary_factor=0.75, **_longrope(24)),
+              norms=5),
 ]

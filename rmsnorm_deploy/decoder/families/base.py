@@ -103,6 +103,11 @@ class Family:
         """Whether layer ``layer`` rotates q and k (SmolLM3 leaves some layers without RoPE)."""
         return True
 
+    def recompute_past(self, config: Any) -> int | None:
+        """The cache length past which transformers' ``generate`` drops its cache once and runs the
+        whole sequence again (Phi-3's ``prepare_inputs_for_generation``), or ``None``."""
+        return None
+
     # -- scales and caps ------------------------------------------------------------------------
     def embedding_scale(self, lm: torch.nn.Module) -> torch.Tensor | None:
         """The factor the embedding's output is multiplied by, or ``None``: a 0-d tensor in the dtype the

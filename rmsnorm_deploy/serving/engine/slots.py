@@ -49,6 +49,9 @@ def slots_refusal(model: Any) -> str | None:
     if model.layout.target != "onnxruntime":
         return ("the portable graph concatenates its past every step, so batching it would copy every row's "
                 "cache at each join; export with --target onnxruntime for continuous batching")
+    if model.layout.rotary_switch is not None:
+        return ("LongRoPE picks one rotary table per run for every row (as transformers does for a batch), so "
+                "streams decoded together would change each other's tables; they take turns")
     providers = list(model.runner.actual_providers)
     if providers[:1] != ["CPUExecutionProvider"]:
         return f"the KV cache in slots lives in host memory, which {providers[0]} would copy every step"
