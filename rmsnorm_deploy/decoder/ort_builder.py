@@ -46,6 +46,7 @@ from rmsnorm_deploy.decoder.ort_model import (
     skip_refusal,
 )
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
+from rmsnorm_deploy.decoder.quant_recipes import Width, role_of
 from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
 from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
@@ -97,8 +98,10 @@ class OrtDecoderBuilder:
         self.tensor_names = parameter_names(self.lm)
         self.tensors = tensors if tensors is not None else ModuleTensors(self.lm)
         self.w = GraphWriter(self.dtype, sink)
-        self.quantizer = WeightQuantizer(quantization) if quantization is not None else None
+        self.quantizer = WeightQuantizer(quantization.block_size) if quantization is not None else None
         self.quantized: list[QuantizedLinear] = []
+        #: the tied embedding's packed weight, written once by make_embedding for the head to read
+        self.shared_head: QuantizedLinear | None = None
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
         self.skip_fusion = lowering == "ort"
@@ -157,12 +160,17 @@ class OrtDecoderBuilder:
     def make_linear(self, name: str, x: str, linears: list[torch.nn.Linear], base: str, *,
                     quantize: bool = True, out: str | None = None) -> str:
         """``x @ cat(W_i).T (+ bias)`` for Linear modules on the same input: one MatMul, or one
-        MatMulNBits when the graph is quantized (and ``quantize``)."""
+        MatMulNBits at the width the ``--quantize`` recipe names for this weight (its role and
+        layer read from ``name``: ``quant_recipes.role_of``), unless ``quantize`` is False."""
         what = f"{name} ({', '.join(self._path(lin) for lin in linears)})"
         names = [self._tensor_name(lin.weight, what) for lin in linears]
         k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        if self.quantizer is not None and quantize:
-            y = self._matmul_nbits(name, x, linears, names, base, out)
+        width = None
+        if self.quantization is not None and quantize:
+            role, layer = role_of(name)
+            width = self.quantization.width(role, layer, self.dims.layers)
+        if width is not None:
+            y = self._matmul_nbits(name, x, linears, names, base, out, width)
         else:
             weight = self.w.blocks(name, (k, sum(sizes)), self.w.np_dtype, self._transposed_blocks(names, sum(sizes), k))
             y = self._emit("MatMul", [x, weight], base, out)
@@ -175,27 +183,52 @@ class OrtDecoderBuilder:
                                              domain=MS_DOMAIN if op == "MatMulNBits" else None, **attrs))
         return out
 
-    def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
-                      out: str | None) -> str:
-        """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]):
-        the packed blocks go to the sink as they are made, the scales after them."""
+    def _quantized_weight(self, name: str, names: list[str], sizes: list[int], k: int, width: Width, *,
+                          flat: bool = False) -> tuple[str, str, str]:
+        """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]): the
+        packed blocks go to the sink as they are made, then the scales and zero points. ``flat``:
+        packed as [N, K * bits / 8] (GatherBlockQuantized's shape; the same bytes)."""
         assert self.quantizer is not None and self.quantization is not None
-        q = self.quantization
-        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        n, blocks = sum(sizes), -(-k // q.block_size)
+        block = self.quantization.block_size
+        n, blocks = sum(sizes), -(-k // block)
         scales: list[np.ndarray] = []
+        zeros: list[np.ndarray] = []
 
         def packed_blocks() -> Iterator[np.ndarray]:
             for _, rows in self._row_blocks(names, sizes, k):
-                packed, block_scales = self.quantizer(self.w.cast_transposed(rows))
-                scales.append(block_scales)
-                yield packed
+                got = self.quantizer(self.w.cast_transposed(rows), width)
+                scales.append(got.scales)
+                if got.zero_points is not None:
+                    zeros.append(got.zero_points)
+                yield got.packed.reshape(len(got.packed), -1) if flat else got.packed
 
-        packed = self.w.blocks(f"{name}_Q{q.bits}", (n, blocks, q.block_size * q.bits // 8), np.uint8, packed_blocks())
+        blob = block * width.bits // 8
+        shape = (n, blocks * blob) if flat else (n, blocks, blob)
+        packed = self.w.blocks(f"{name}_Q{width.bits}", shape, np.uint8, packed_blocks())
         scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
+        zero = "" if width.symmetric else self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), np.uint8, zeros)
+        return packed, scale, zero
+
+    def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
+                      out: str | None, width: Width) -> str:
+        """One MatMulNBits; the LM head tied to a quantized embedding reads the embedding's packed
+        weight, viewed [N, K/block, block*bits/8] by a Reshape (MatMulNBits takes no other shape;
+        ONNX Runtime folds the Reshape of a constant when it loads the graph)."""
+        assert self.quantization is not None
+        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
+        n, block = sum(sizes), self.quantization.block_size
+        shared = self.shared_head
+        if shared is not None and [self._path(lin) for lin in linears] == [shared.parts[0][0]]:
+            shape = self.i64(f"{name}_shape", [n, -(-k // block), block * width.bits // 8])
+            packed = self.w.one("Reshape", [shared.packed, shape], f"{base}/packed_view")
+            self.quantized.append(shared)
+            inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
+            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
+        packed, scale, zero = self._quantized_weight(name, names, sizes, k, width)
         self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
-            (self._path(lin), size) for lin, size in zip(linears, sizes))))
-        return self._emit("MatMulNBits", [x, packed, scale], base, out, **q.node_attributes(k, n))
+            (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero))
+        return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out,
+                          **self.quantization.node_attributes(k, n, width.bits))
 
     def _bias(self, name: str, x: str, linears: list[torch.nn.Linear]) -> str:
         biases = [lin.bias for lin in linears]
@@ -250,18 +283,44 @@ class OrtDecoderBuilder:
             self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
 
     def make_embedding(self) -> str:
-        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""
+        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma).
+        A head tied to the embedding and quantized: the weight is quantized once, at the head's
+        width, looked up by ``GatherBlockQuantized`` and multiplied by the head's MatMulNBits."""
         embed = self.lm.get_input_embeddings()
         name = self._tensor_name(embed.weight, "the input embedding")
         vocab, hidden = (int(d) for d in embed.weight.shape)
-        table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
-                              (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
-        x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+        width = self._tied_head_width(embed)
+        if width is not None:
+            assert self.quantization is not None
+            packed, scales, zero = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
+                                                          hidden, width, flat=True)
+            head = self.lm.get_output_embeddings()
+            self.shared_head = QuantizedLinear(packed, scales, hidden, vocab, ((self._path(head), vocab),), width,
+                                               zero, self._path(embed))
+            x = self.w.one("GatherBlockQuantized", [packed, self.ids, scales] + ([zero] if zero else []), EMBED_OUTPUT,
+                           domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=self.quantization.block_size,
+                           bits=width.bits)
+        else:
+            table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
+                                  (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
+            x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
         scale = self.family.embedding_scale(self.lm)
         if scale is not None:
             scale_name = self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)
             x = self.w.one("Mul", [x, scale_name], EMBED_SCALED_OUTPUT)
         return x
+
+    def _tied_head_width(self, embed: torch.nn.Module) -> Width | None:
+        """The head's width when the head is the embedding's weight and quantized, and the lookup
+        can read the head's packing (GatherBlockQuantized needs whole blocks along the hidden size);
+        else None: the embedding is written in the graph's dtype."""
+        head = self.lm.get_output_embeddings()
+        if self.quantization is None or getattr(head, "weight", None) is not embed.weight:
+            return None
+        width = self.quantization.width("head", self.dims.layers, self.dims.layers)
+        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size:
+            return None
+        return width
 
     def make_norm(self, module: torch.nn.Module, x: str, out: str | None = None) -> str:
         """Our exact ``rmsnorm_deploy::RMSNorm`` node for a detected norm."""
@@ -417,13 +476,11 @@ class OrtDecoderBuilder:
         head = self.lm.get_output_embeddings()
         back_3d = self.w.one("Unsqueeze", [self.back, self.i64("axes_last", [-1])], "mask/to_original_3d")
         x = self.w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
-        quantize = self.quantization is not None and self.quantization.lm_head
         config = self.lm.config
         divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
         steps = [("Div", divisor), ("softcap", cap)]
         steps = [(op, v) for op, v in steps if v is not None]
-        y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize,
-                             out=None if steps else "logits")
+        y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", out=None if steps else "logits")
         for n, (op, value) in enumerate(steps):
             out = "logits" if n == len(steps) - 1 else None
             const = self.w.init(f"lm_head/{op}_value", np.array(value, dtype=self.w.np_dtype))
