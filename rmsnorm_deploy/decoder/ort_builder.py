@@ -46,7 +46,8 @@ from rmsnorm_deploy.decoder.ort_model import (
     skip_refusal,
 )
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
-from rmsnorm_deploy.decoder.quant_recipes import Width, role_of
+from rmsnorm_deploy.decoder.ort_quantized import QuantizedWeights
+from rmsnorm_deploy.decoder.quant_recipes import role_of
 from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
 from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
@@ -63,7 +64,7 @@ BLOCK_BYTES = 64 * 2**20
 COLUMN_BLOCK_BYTES = 256 * 2**20
 
 
-class OrtDecoderBuilder:
+class OrtDecoderBuilder(QuantizedWeights):
     """Writes the decoder graph of one Llama-family causal LM (see the module docstring).
 
     ``loaded``: the model (its module tree; weights on the meta device when ``tensors`` holds
@@ -102,6 +103,8 @@ class OrtDecoderBuilder:
         self.quantized: list[QuantizedLinear] = []
         #: the tied embedding's packed weight, written once by make_embedding for the head to read
         self.shared_head: QuantizedLinear | None = None
+        #: the float embedding table a tied, unquantized head multiplies by (Gemm, transB)
+        self.tied_table = ""
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
         self.skip_fusion = lowering == "ort"
@@ -183,53 +186,6 @@ class OrtDecoderBuilder:
                                              domain=MS_DOMAIN if op == "MatMulNBits" else None, **attrs))
         return out
 
-    def _quantized_weight(self, name: str, names: list[str], sizes: list[int], k: int, width: Width, *,
-                          flat: bool = False) -> tuple[str, str, str]:
-        """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]): the
-        packed blocks go to the sink as they are made, then the scales and zero points. ``flat``:
-        packed as [N, K * bits / 8] (GatherBlockQuantized's shape; the same bytes)."""
-        assert self.quantizer is not None and self.quantization is not None
-        block = self.quantization.block_size
-        n, blocks = sum(sizes), -(-k // block)
-        scales: list[np.ndarray] = []
-        zeros: list[np.ndarray] = []
-
-        def packed_blocks() -> Iterator[np.ndarray]:
-            for _, rows in self._row_blocks(names, sizes, k):
-                got = self.quantizer(self.w.cast_transposed(rows), width)
-                scales.append(got.scales)
-                if got.zero_points is not None:
-                    zeros.append(got.zero_points)
-                yield got.packed.reshape(len(got.packed), -1) if flat else got.packed
-
-        blob = block * width.bits // 8
-        shape = (n, blocks * blob) if flat else (n, blocks, blob)
-        packed = self.w.blocks(f"{name}_Q{width.bits}", shape, np.uint8, packed_blocks())
-        scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
-        zero = "" if width.symmetric else self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), np.uint8, zeros)
-        return packed, scale, zero
-
-    def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
-                      out: str | None, width: Width) -> str:
-        """One MatMulNBits; the LM head tied to a quantized embedding reads the embedding's packed
-        weight, viewed [N, K/block, block*bits/8] by a Reshape (MatMulNBits takes no other shape;
-        ONNX Runtime folds the Reshape of a constant when it loads the graph)."""
-        assert self.quantization is not None
-        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        n, block = sum(sizes), self.quantization.block_size
-        shared = self.shared_head
-        if shared is not None and [self._path(lin) for lin in linears] == [shared.parts[0][0]]:
-            shape = self.i64(f"{name}_shape", [n, -(-k // block), block * width.bits // 8])
-            packed = self.w.one("Reshape", [shared.packed, shape], f"{base}/packed_view")
-            self.quantized.append(shared)
-            inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
-            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
-        packed, scale, zero = self._quantized_weight(name, names, sizes, k, width)
-        self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
-            (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero))
-        return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out,
-                          **self.quantization.node_attributes(k, n, width.bits))
-
     def _bias(self, name: str, x: str, linears: list[torch.nn.Linear]) -> str:
         biases = [lin.bias for lin in linears]
         if all(b is None for b in biases):
@@ -291,36 +247,18 @@ class OrtDecoderBuilder:
         vocab, hidden = (int(d) for d in embed.weight.shape)
         width = self._tied_head_width(embed)
         if width is not None:
-            assert self.quantization is not None
-            packed, scales, zero = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
-                                                          hidden, width, flat=True)
-            head = self.lm.get_output_embeddings()
-            self.shared_head = QuantizedLinear(packed, scales, hidden, vocab, ((self._path(head), vocab),), width,
-                                               zero, self._path(embed))
-            x = self.w.one("GatherBlockQuantized", [packed, self.ids, scales] + ([zero] if zero else []), EMBED_OUTPUT,
-                           domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=self.quantization.block_size,
-                           bits=width.bits)
+            x = self._quantized_lookup(embed, name, width)
         else:
             table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
                                   (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
             x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+            if getattr(self.lm.get_output_embeddings(), "weight", None) is embed.weight:
+                self.tied_table = table
         scale = self.family.embedding_scale(self.lm)
         if scale is not None:
             scale_name = self.w.weight(f"{self.prefix}model.embed_tokens.embed_scale", scale)
             x = self.w.one("Mul", [x, scale_name], EMBED_SCALED_OUTPUT)
         return x
-
-    def _tied_head_width(self, embed: torch.nn.Module) -> Width | None:
-        """The head's width when the head is the embedding's weight and quantized, and the lookup
-        can read the head's packing (GatherBlockQuantized needs whole blocks along the hidden size);
-        else None: the embedding is written in the graph's dtype."""
-        head = self.lm.get_output_embeddings()
-        if self.quantization is None or getattr(head, "weight", None) is not embed.weight:
-            return None
-        width = self.quantization.width("head", self.dims.layers, self.dims.layers)
-        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size:
-            return None
-        return width
 
     def make_norm(self, module: torch.nn.Module, x: str, out: str | None = None) -> str:
         """Our exact ``rmsnorm_deploy::RMSNorm`` node for a detected norm."""
@@ -480,7 +418,11 @@ class OrtDecoderBuilder:
         divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
         steps = [("Div", divisor), ("softcap", cap)]
         steps = [(op, v) for op, v in steps if v is not None]
-        y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", out=None if steps else "logits")
+        out = None if steps else "logits"
+        if self.tied_table and (self.quantization is None or not self.quantization.head):
+            y = self._tied_float_head(x, out)
+        else:
+            y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", out=out)
         for n, (op, value) in enumerate(steps):
             out = "logits" if n == len(steps) - 1 else None
             const = self.w.init(f"lm_head/{op}_value", np.array(value, dtype=self.w.np_dtype))
@@ -489,6 +431,16 @@ class OrtDecoderBuilder:
             else:  # cap * tanh(y / cap), in transformers' order
                 t = self.w.one("Tanh", [self.w.one("Div", [y, const], "lm_head/softcap/div")], "lm_head/softcap/tanh")
                 y = self._node_to("Mul", [t, const], "lm_head/softcap/mul", out)
+
+    def _tied_float_head(self, x: str, out: str | None) -> str:
+        """``x @ E.T`` on the embedding's own [vocab, hidden] initializer: ``Gemm(transB=1)`` on x
+        flattened to [rows, hidden], then back to [batch, sequence, vocab]; the tied weight is
+        stored once (a MatMul would need it transposed: a second copy)."""
+        flat = self.w.one("Reshape", [x, self.i64("lm_head_rows", [-1, self.dims.hidden])], "lm_head/rows")
+        logits = self.w.one("Gemm", [flat, self.tied_table], "lm_head/gemm", transB=1)
+        lead = self.w.one("Shape", [x], "lm_head/lead", start=0, end=2)
+        shape = self.w.one("Concat", [lead, self.i64("lm_head_vocab", [self.dims.vocab])], "lm_head/shape", axis=0)
+        return self._node_to("Reshape", [logits, shape], "lm_head/logits", out)
 
     def _node_to(self, op: str, inputs: list[str], base: str, out: str | None) -> str:
         """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""

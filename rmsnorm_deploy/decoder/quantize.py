@@ -309,6 +309,9 @@ class WeightCheck:
 
     #: float rounding of the scale and of the dequantized product
     SLACK = 1e-5
+    #: the same in steps: float32 rounding of ``w / scale`` is up to ~2^bits ulps of a step (8 bits:
+    #: ~1.5e-5 measured on SmolLM2's head); a wrong packing is a whole step off
+    STEP_SLACK = 1e-3
 
     def add(self, path: str, original: torch.Tensor, dequantized: np.ndarray, scales: np.ndarray,
             zero: np.ndarray, width: Width, block_size: int) -> None:
@@ -343,7 +346,7 @@ class WeightCheck:
 
     @property
     def passed(self) -> bool:
-        return self.max_steps <= 1.0 + self.SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
+        return self.max_steps <= 1.0 + self.STEP_SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
 
     def __bool__(self) -> bool:
         return self.passed
