@@ -26,7 +26,7 @@ from rmsnorm_deploy.decoder.ort_graph import OrtDecoder, build_decoder
 from rmsnorm_deploy.decoder.ort_model import kv_cache_metadata
 from rmsnorm_deploy.decoder.ort_parity import DecodeParity, audit_norms, decode_parity
 from rmsnorm_deploy.decoder.ort_writer import ExternalData
-from rmsnorm_deploy.decoder.quantize import Quantization
+from rmsnorm_deploy.decoder.quantize import Quantization, widths_summary
 from rmsnorm_deploy.decoder.streaming import reference_fits
 from rmsnorm_deploy.decoder.weights import TensorSource
 from rmsnorm_deploy.errors import UserError
@@ -97,7 +97,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
                                     lowering=options.lowering, share_buffer=share_buffer, max_length=max_length,
                                     quantization=quantization)
         st.note(f"{len(decoder.model.graph.node)} nodes, {decoder.norm_nodes} norm nodes audited in float32"
-                + (f", {len(decoder.quantized)} MatMulNBits" if decoder.quantized else ""))
+                + (f", {len(decoder.quantized)} MatMulNBits: {widths_summary(decoder.quantized)}"
+                   if decoder.quantized else ""))
     max_len = int(max_length or decoder.dims.max_positions)
     kv_cache = kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer, max_length=max_len,
                                  head=decoder.lm_head)

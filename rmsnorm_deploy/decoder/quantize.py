@@ -253,6 +253,17 @@ def metadata_entry(q: Quantization, linears: list[QuantizedLinear]) -> dict[str,
             "linears": [lin.to_dict() for lin in linears]}
 
 
+def widths_summary(linears: list[QuantizedLinear]) -> str:
+    """What a recipe did, in one line: how many MatMulNBits at each width (and a tied weight stored once)."""
+    counts: dict[str, int] = {}
+    for lin in linears:
+        counts[lin.width.describe()] = counts.get(lin.width.describe(), 0) + 1
+    shared = [lin for lin in linears if lin.embedding]
+    return ", ".join(f"{n}x {w}" for w, n in counts.items()) + (
+        f"; the head and {shared[0].embedding} share one int{shared[0].width.bits} weight (GatherBlockQuantized)"
+        if shared else "")
+
+
 #: What each method is, in ONNX Runtime.
 QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant"}
 
