@@ -43,7 +43,7 @@ CONTEXT, PROMPT, STEPS, THREADS = 256, 128, 32, (1, 2)
 #: recipe -> extra export options
 RECIPES = {"float32": [], "int8": ["--quantize", "int8"], "int8-asym": ["--quantize", "int8-asym"],
            "int4": ["--quantize", "int4"], "int4 + head": ["--quantize", "int4", "--quantize-lm-head"],
-           "int4-mixed": ["--quantize", "int4-mixed"]}
+           "int4-kquant": ["--quantize", "int4-kquant"], "int4-mixed": ["--quantize", "int4-mixed"]}
 #: The earlier run (real_checkpoints.py, same text and scheme): perplexity and file MB.
 EARLIER = {"llama.cpp F32": (20.82, None), "llama.cpp Q8_0": (20.85, None), "llama.cpp Q4_K_M": (22.29, 105.5),
            "llama.cpp Q4_0": (26.14, 91.7), "onnxruntime-genai int4 k_quant_mixed": (24.85, 112.0),

@@ -8,13 +8,17 @@ a fused projection (Q/K/V together) gets one width.
 - ``int8`` / ``int4``: every projection 8 or 4 bits, symmetric, ONNX Runtime's round-to-nearest
   (its ``DefaultWeightOnlyQuantizer``); the LM head only with ``--quantize-lm-head``.
 - ``int4-mixed``: llama.cpp's Q4_K_M layout on ONNX Runtime's kernels: 4-bit blocks with zero
-  points chosen by ONNX Runtime's k-quant search (``neural_compressor.weight_only``, llama.cpp's
-  ``make_qkx`` weighted least squares over candidate scales) for most projections; 8 bits for the
-  tensors Q4_K_M widens (``src/llama-quant.cpp``, ``llama_tensor_get_type``): the output / tied
-  embedding (Q6_K there), and, in the layers its ``use_more_bits`` picks (the first and last
-  eighth and every third between: half of them), ``attn_v`` (here the fused Q/K/V it is part
-  of) and ``ffn_down`` (Q6_K there). The LM head is always quantized; a tied embedding is then
-  stored once, read by the lookup and the head.
+  points (round-to-nearest over each block's range) for most projections; 8 bits for the tensors
+  Q4_K_M widens (``src/llama-quant.cpp``, ``llama_tensor_get_type``): the output / tied embedding
+  (Q6_K there), and, in the layers its ``use_more_bits`` picks (the first and last eighth and
+  every third between: about half), ``attn_v`` (here the fused Q/K/V it is part of) and
+  ``ffn_down`` (Q6_K there); and, measured on SmolLM2-135M (``benchmarks/quant_quality.py``),
+  the attention output projection in those layers too (the most perplexity per byte of the
+  tensors left at 4 bits). The LM head is always quantized; a tied embedding is then stored
+  once, read by the lookup and the head.
+- ``int4-kquant``: the same layout with the 4-bit blocks chosen by ONNX Runtime's k-quant search
+  (``neural_compressor.weight_only``, llama.cpp's ``make_qkx`` weighted least squares over
+  candidate scales): measured worse than round-to-nearest with zero points on SmolLM2.
 - ``int8-asym``: every projection and the head 8 bits with zero points (round-to-nearest over
   each block's min..max: no clipping of a block's largest magnitude).
 """
@@ -77,10 +81,12 @@ def _uniform(bits: int) -> Rule:
     return rule
 
 
-def _q4_k_m(role: str, layer: int, layers: int) -> Width | None:
-    if role == "head" or (role in ("qkv", "down") and use_more_bits(layer, layers)):
-        return Width(8)
-    return Width(4, symmetric=False, method="kquant")
+def _mixed(four: Width) -> Rule:
+    def rule(role: str, layer: int, layers: int) -> Width | None:
+        if role == "head" or (role in ("qkv", "o", "down") and use_more_bits(layer, layers)):
+            return Width(8)
+        return four
+    return rule
 
 
 def _int8_asym(role: str, layer: int, layers: int) -> Width | None:
@@ -104,8 +110,10 @@ class Recipe:
 RECIPES = {r.name: r for r in (
     Recipe("int8", _uniform(8), False, "8-bit symmetric round-to-nearest"),
     Recipe("int4", _uniform(4), False, "4-bit symmetric round-to-nearest"),
-    Recipe("int4-mixed", _q4_k_m, True,
-           "llama.cpp Q4_K_M's layout: 4-bit k-quant with zero points; 8-bit head/tied embedding, and Q/K/V and "
-           "down projections in half the layers (llama.cpp's use_more_bits)"),
+    Recipe("int4-mixed", _mixed(Width(4, symmetric=False)), True,
+           "llama.cpp Q4_K_M's layout: 4-bit with zero points; 8-bit head/tied embedding, and Q/K/V, output and down "
+           "projections in half the layers (llama.cpp's use_more_bits)"),
+    Recipe("int4-kquant", _mixed(Width(4, symmetric=False, method="kquant")), True,
+           "int4-mixed's layout with ONNX Runtime's k-quant search for the 4-bit blocks"),
     Recipe("int8-asym", _int8_asym, True, "8-bit with zero points, round-to-nearest, the head too"),
 )}

@@ -110,14 +110,16 @@ def test_gather_block_quantized_looks_up_the_dequantized_rows(width):
 
 def test_recipes_widths():
     """int4-mixed is llama.cpp Q4_K_M's layout (src/llama-quant.cpp): the head 8 bits, Q/K/V and down
-    8 bits in the layers use_more_bits picks (14 of 30), everything else 4-bit k-quant with zero points."""
+    (and, measured, the output projection) 8 bits in the layers use_more_bits picks (14 of 30),
+    everything else 4-bit with zero points; int4-kquant the same with k-quant 4-bit blocks."""
     assert [i for i in range(30) if use_more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
     q = Quantization("int4-mixed")
     assert q.head and q.width("head") == Width(8)
-    assert q.width("qkv", 5, 30) == q.width("down", 26, 30) == Width(8)
-    assert q.width("qkv", 4, 30) == q.width("o", 0, 30) == q.width("up", 0, 30) == Width(4, False, "kquant")
+    assert q.width("qkv", 5, 30) == q.width("down", 26, 30) == q.width("o", 0, 30) == Width(8)
+    assert q.width("qkv", 4, 30) == q.width("o", 3, 30) == q.width("up", 0, 30) == Width(4, False)
+    assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
     assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
-    assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int8-asym"}
+    assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym"}
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -147,7 +149,7 @@ def test_quantized_graph_norms_exact_and_matmuls_nbits(llama, scheme, block, lev
 @pytest.mark.parametrize("scheme, block, level, head", [
     ("int4", 32, 4, False), ("int4", 16, 1, True), ("int4", 128, 0, False),
     ("int8", 32, 4, True), ("int8", 16, 0, False), ("int8", 128, 1, True),
-    ("int4-mixed", 32, 4, False), ("int4-mixed", 16, 0, False), ("int8-asym", 32, 4, False),
+    ("int4-mixed", 32, 4, False), ("int4-kquant", 16, 0, False), ("int8-asym", 32, 4, False),
 ])
 def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, block, level, head):
     """Step logits within the row of the tolerance table for its compute dtype; transformers'
@@ -212,14 +214,15 @@ def test_tied_head_quantized_is_stored_once(scheme, head):
 
 
 def test_recipe_names_each_weight_in_the_metadata(llama):
-    """int4-mixed on the 2-layer Llama: layer 1 is one use_more_bits picks, so its Q/K/V and down are
-    8 bits; the rest 4-bit k-quant with zero points; the head 8 bits; every choice in the metadata."""
-    dec = build_decoder(llama, quantization=Quantization("int4-mixed"))
+    """int4-kquant on the 2-layer Llama: layer 1 is one use_more_bits picks, so its Q/K/V, output and
+    down are 8 bits; the rest 4-bit k-quant with zero points; the head 8 bits; every choice in the metadata."""
+    dec = build_decoder(llama, quantization=Quantization("int4-kquant"))
     entry = ModelMetadata.read(dec.model).quantization
-    assert entry["scheme"] == "int4-mixed" and "Q4_K_M" in entry["recipe"] and entry["lm_head"]
+    assert entry["scheme"] == "int4-kquant" and "k-quant" in entry["recipe"] and entry["lm_head"]
     widths = {lin["parts"][0][0].split("model.model.")[-1]: (lin["bits"], lin["symmetric"], lin["method"])
               for lin in entry["linears"]}
     assert widths["layers.1.self_attn.q_proj"] == widths["layers.1.mlp.down_proj"] == (8, True, "rtn")
+    assert widths["layers.1.self_attn.o_proj"] == (8, True, "rtn")
     assert widths["layers.0.self_attn.q_proj"] == widths["layers.1.mlp.up_proj"] == (4, False, "kquant")
     assert widths["model.lm_head"] == (8, True, "rtn")
     zero = [lin["zero_points"] for lin in entry["linears"] if not lin["symmetric"]]
