@@ -52,6 +52,10 @@ EARLIER = {"llama.cpp F32": (20.82, None), "llama.cpp Q8_0": (20.85, None), "lla
            "onnxruntime-genai int4 rtn": (34.38, 86.0)}
 
 
+#: The ops that read the embedding and the head (what the table shows of how they are stored).
+HEAD_OPS = ("Gather", "GatherBlockQuantized", "Gemm", "MatMul", "MatMulNBits")
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -72,21 +76,23 @@ def export(recipe: str, out: Path) -> dict[str, Any]:
 def weights(out: Path) -> dict[str, Any]:
     import onnx
 
+    from rmsnorm_deploy.graph.metadata import ModelMetadata
+
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     sizes = {}
     for init in model.graph.initializer:
         length = next((int(e.value) for e in init.external_data if e.key == "length"), len(init.raw_data))
         sizes[init.name] = length
-    vocab_tensors = {n: b for n, b in sizes.items() if "embed_tokens" in n or "lm_head" in n}
-    meta = next((json.loads(p.value) for p in model.metadata_props if p.key == "rmsnorm_deploy"), {})
-    linears = (meta.get("quantization") or {}).get("linears", [])
+    vocab_tensors = {n: b for n, b in sizes.items() if ("embed_tokens" in n or "lm_head" in n) and b > 2**20}
+    meta = ModelMetadata.read(model)
+    linears = ((meta.quantization if meta is not None else None) or {}).get("linears", [])
     widths: dict[str, int] = {}
     for lin in linears:
         kind = f"int{lin['bits']} {'sym' if lin['symmetric'] else 'zp'} {lin['method']}"
         widths[kind] = widths.get(kind, 0) + 1
     files = [out / "model.onnx", out / "model.onnx.data"]
     return {"bytes": sum(f.stat().st_size for f in files if f.exists()), "embedding_and_head_tensors": vocab_tensors,
-            "ops": sorted({n.op_type for n in model.graph.node if "Gather" in n.op_type or "MatMul" in n.op_type}),
+            "ops": sorted({n.op_type for n in model.graph.node if n.op_type in HEAD_OPS}),
             "widths": widths}
 
 
@@ -170,7 +176,18 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/quant_quality", help="where the exports are written (reused)")
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree with build/bin")
+    parser.add_argument("--table-only", action="store_true",
+                        help="re-read the exports' sizes and widths and rewrite the table; measure nothing")
     args = parser.parse_args()
+    if args.table_only:
+        results = json.loads((RESULTS / "quant_quality.json").read_text())
+        for recipe, row in results["recipes"].items():
+            out = Path(args.work) / recipe.replace(" + ", "-").replace(" ", "-")
+            if "perplexity" in row and (out / "model.onnx").exists():
+                row.update(json.loads(json.dumps(weights(out))))
+        RESULTS.joinpath("quant_quality.json").write_text(json.dumps(results, indent=1) + "\n")
+        RESULTS.joinpath("quant_quality.md").write_text(markdown(results))
+        return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     ids, bos = text_ids()
