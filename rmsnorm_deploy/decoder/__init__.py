@@ -23,11 +23,15 @@ ort_moe             a mixture-of-experts MLP: the router's MatMul and one ``com.
                     when quantized), what their CPU kernels compute and where they are exact
 ort_rotary          the rotary tables GroupQueryAttention reads: partial rotary, LongRoPE's two tables and
                     the run's rows sliced from the one its switch picks
+ort_quantized       the builder's quantized weights: MatMulNBits per the recipe's widths, and a tied
+                    quantized head and embedding stored once (GatherBlockQuantized + MatMulNBits)
 ort_writer          ``GraphWriter``: unique names, and the initializers kept in memory or appended to
                     the external-data file block by block (``ExternalData``)
 weights             tensor sources the builder reads: the modules, or a checkpoint's safetensors files
                     (sharded, memory-mapped, block by block)
-quantize            ``--quantize``: ONNX Runtime's weight-only quantizer per tensor, what MatMulNBits
+quant_recipes       ``--quantize`` recipes: each weight's width (bits, zero points, quantizer) by its
+                    role and layer (int8, int4, int4-mixed: llama.cpp Q4_K_M's layout, ...)
+quantize            ``--quantize``: ONNX Runtime's weight-only quantizers per tensor, what MatMulNBits
                     computes (dequantized weights, int8 activations) and the reference built from it
 streaming           a Hugging Face folder opened without its weights (parameters on the meta device,
                     the norms' real gains) for an export whose memory does not grow with the model

@@ -50,6 +50,8 @@ from rmsnorm_deploy.decoder.ort_model import (
 from rmsnorm_deploy.decoder.ort_rotary import rotary_tables
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
 from rmsnorm_deploy.decoder.ort_moe import make_moe
+from rmsnorm_deploy.decoder.ort_quantized import QuantizedWeights
+from rmsnorm_deploy.decoder.quant_recipes import role_of
 from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
 from rmsnorm_deploy.decoder.quantize import QuantizedExperts
 from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
@@ -67,7 +69,7 @@ BLOCK_BYTES = 64 * 2**20
 COLUMN_BLOCK_BYTES = 256 * 2**20
 
 
-class OrtDecoderBuilder:
+class OrtDecoderBuilder(QuantizedWeights):
     """Writes the decoder graph of one Llama-family causal LM (see the module docstring).
 
     ``loaded``: the model (its module tree; weights on the meta device when ``tensors`` holds
@@ -102,9 +104,13 @@ class OrtDecoderBuilder:
         self.tensor_names = parameter_names(self.lm)
         self.tensors = tensors if tensors is not None else ModuleTensors(self.lm)
         self.w = GraphWriter(self.dtype, sink)
-        self.quantizer = WeightQuantizer(quantization) if quantization is not None else None
+        self.quantizer = WeightQuantizer(quantization.block_size) if quantization is not None else None
         self.quantized: list[QuantizedLinear] = []
         self.quantized_experts: list[QuantizedExperts] = []
+        #: the tied embedding's packed weight, written once by make_embedding for the head to read
+        self.shared_head: QuantizedLinear | None = None
+        #: the float embedding table a tied, unquantized head multiplies by (Gemm, transB)
+        self.tied_table = ""
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
         self.skip_fusion = lowering == "ort"
@@ -163,12 +169,17 @@ class OrtDecoderBuilder:
     def make_linear(self, name: str, x: str, linears: list[torch.nn.Linear], base: str, *,
                     quantize: bool = True, out: str | None = None) -> str:
         """``x @ cat(W_i).T (+ bias)`` for Linear modules on the same input: one MatMul, or one
-        MatMulNBits when the graph is quantized (and ``quantize``)."""
+        MatMulNBits at the width the ``--quantize`` recipe names for this weight (its role and
+        layer read from ``name``: ``quant_recipes.role_of``), unless ``quantize`` is False."""
         what = f"{name} ({', '.join(self._path(lin) for lin in linears)})"
         names = [self._tensor_name(lin.weight, what) for lin in linears]
         k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        if self.quantizer is not None and quantize:
-            y = self._matmul_nbits(name, x, linears, names, base, out)
+        width = None
+        if self.quantization is not None and quantize:
+            role, layer = role_of(name)
+            width = self.quantization.width(role, layer, self.dims.layers)
+        if width is not None:
+            y = self._matmul_nbits(name, x, linears, names, base, out, width)
         else:
             weight = self.w.blocks(name, (k, sum(sizes)), self.w.np_dtype, self._transposed_blocks(names, sum(sizes), k))
             y = self._emit("MatMul", [x, weight], base, out)
@@ -180,28 +191,6 @@ class OrtDecoderBuilder:
         self.w.nodes.append(helper.make_node(op, inputs, [out], name=self.w.name(f"{base}/{op}"),
                                              domain=MS_DOMAIN if op == "MatMulNBits" else None, **attrs))
         return out
-
-    def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
-                      out: str | None) -> str:
-        """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]):
-        the packed blocks go to the sink as they are made, the scales after them."""
-        assert self.quantizer is not None and self.quantization is not None
-        q = self.quantization
-        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        n, blocks = sum(sizes), -(-k // q.block_size)
-        scales: list[np.ndarray] = []
-
-        def packed_blocks() -> Iterator[np.ndarray]:
-            for _, rows in self._row_blocks(names, sizes, k):
-                packed, block_scales = self.quantizer(self.w.cast_transposed(rows))
-                scales.append(block_scales)
-                yield packed
-
-        packed = self.w.blocks(f"{name}_Q{q.bits}", (n, blocks, q.block_size * q.bits // 8), np.uint8, packed_blocks())
-        scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
-        self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
-            (self._path(lin), size) for lin, size in zip(linears, sizes))))
-        return self._emit("MatMulNBits", [x, packed, scale], base, out, **q.node_attributes(k, n))
 
     def _bias(self, name: str, x: str, linears: list[torch.nn.Linear]) -> str:
         biases = [lin.bias for lin in linears]
@@ -252,13 +241,21 @@ class OrtDecoderBuilder:
                                                         self.total_1d)
 
     def make_embedding(self) -> str:
-        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""
+        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma).
+        A head tied to the embedding and quantized: the weight is quantized once, at the head's
+        width, looked up by ``GatherBlockQuantized`` and multiplied by the head's MatMulNBits."""
         embed = self.lm.get_input_embeddings()
         name = self._tensor_name(embed.weight, "the input embedding")
         vocab, hidden = (int(d) for d in embed.weight.shape)
-        table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
-                              (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
-        x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+        width = self._tied_head_width(embed)
+        if width is not None:
+            x = self._quantized_lookup(embed, name, width)
+        else:
+            table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
+                                  (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
+            x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+            if getattr(self.lm.get_output_embeddings(), "weight", None) is embed.weight:
+                self.tied_table = table
         scale = self.family.embedding_scale(self.lm)
         if scale is not None:
             x = self.scalar_op("Mul", x, scale.detach().cpu().numpy(), "embed/scale", EMBED_SCALED_OUTPUT,
@@ -451,17 +448,29 @@ class OrtDecoderBuilder:
         head = self.lm.get_output_embeddings()
         back_3d = self.w.one("Unsqueeze", [self.back, self.i64("axes_last", [-1])], "mask/to_original_3d")
         x = self.w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
-        quantize = self.quantization is not None and self.quantization.lm_head
         config = self.lm.config
         divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
-        y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize,
-                             out="logits" if divisor is None and cap is None else None)
+        out = "logits" if divisor is None and cap is None else None
+        if self.tied_table and (self.quantization is None or not self.quantization.head):
+            y = self._tied_float_head(x, out)
+        else:
+            y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", out=out)
         if divisor is not None:  # Python floats in the config: float32 math (scalar_op)
             y = self.scalar_op("Div", y, np.float32(divisor), "lm_head/divide", "logits" if cap is None else None)
         if cap is not None:  # cap * tanh(y / cap), in transformers' order
             t = self.w.one("Tanh", [self.scalar_op("Div", y, np.float32(cap), "lm_head/softcap/div")],
                            "lm_head/softcap/tanh")
             self.scalar_op("Mul", t, np.float32(cap), "lm_head/softcap/mul", "logits")
+
+    def _tied_float_head(self, x: str, out: str | None) -> str:
+        """``x @ E.T`` on the embedding's own [vocab, hidden] initializer: ``Gemm(transB=1)`` on x
+        flattened to [rows, hidden], then back to [batch, sequence, vocab]; the tied weight is
+        stored once (a MatMul would need it transposed: a second copy)."""
+        flat = self.w.one("Reshape", [x, self.i64("lm_head_rows", [-1, self.dims.hidden])], "lm_head/rows")
+        logits = self.w.one("Gemm", [flat, self.tied_table], "lm_head/gemm", transB=1)
+        lead = self.w.one("Shape", [x], "lm_head/lead", start=0, end=2)
+        shape = self.w.one("Concat", [lead, self.i64("lm_head_vocab", [self.dims.vocab])], "lm_head/shape", axis=0)
+        return self._node_to("Reshape", [logits, shape], "lm_head/logits", out)
 
     def _node_to(self, op: str, inputs: list[str], base: str, out: str | None, **attrs: Any) -> str:
         """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""

@@ -27,7 +27,7 @@ from rmsnorm_deploy.decoder.ort_graph import OrtDecoder, build_decoder
 from rmsnorm_deploy.decoder.ort_model import causal_lm
 from rmsnorm_deploy.decoder.ort_parity import DecodeParity, audit_norms, decode_parity
 from rmsnorm_deploy.decoder.ort_writer import ExternalData
-from rmsnorm_deploy.decoder.quantize import Quantization
+from rmsnorm_deploy.decoder.quantize import Quantization, widths_summary
 from rmsnorm_deploy.decoder.streaming import reference_fits
 from rmsnorm_deploy.decoder.weights import TensorSource
 from rmsnorm_deploy.errors import UserError
@@ -101,7 +101,8 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
                                     lowering=options.lowering, share_buffer=share_buffer, max_length=max_length,
                                     quantization=quantization)
         st.note(f"{len(decoder.model.graph.node)} nodes, {decoder.norm_nodes} norm nodes audited in float32"
-                + (f", {len(decoder.quantized)} MatMulNBits" if decoder.quantized else ""))
+                + (f", {len(decoder.quantized)} MatMulNBits: {widths_summary(decoder.quantized)}"
+                   if decoder.quantized else ""))
     kv_cache = ModelMetadata.read(decoder.model).kv_cache
     with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
         serving_files = write_serving_files(plan.model_path, KVCacheLayout.from_dict(kv_cache), loaded.source,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from rmsnorm_deploy.decoder.ort_model import MS_DOMAIN, OrtDecoderError
-from rmsnorm_deploy.decoder.quantize import QuantizedExperts, expert_rows
+from rmsnorm_deploy.decoder.quantize import QuantizedExperts, expert_rows, expert_width
 
 
 def make_moe(b: Any, family: Any, mlp: torch.nn.Module, x: str, base: str) -> str:
@@ -105,9 +105,9 @@ def _quantized(b: Any, where: str, matrices: Iterator[torch.Tensor], count: int,
 
     def packed() -> Iterator[np.ndarray]:
         for m in matrices:
-            p, s = b.quantizer(b.w.cast_transposed(m))
-            scales.append(s[None])
-            yield p.reshape(1, n, -1)
+            w = b.quantizer(b.w.cast_transposed(m), expert_width(q))
+            scales.append(w.scales[None])
+            yield w.packed.reshape(1, n, -1)
 
     packed_name = b.w.blocks(f"{where}_Q{q.bits}", (count, n, k * q.bits // 8), np.uint8, packed())
     scale_name = b.w.blocks(f"{where}_scales", (count, n, k // q.block_size), b.w.np_dtype, scales)

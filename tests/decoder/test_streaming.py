@@ -47,7 +47,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("kind, dtype, quantization", [
     ("llama", "float32", None), ("llama", "float32", Quantization("int4", 32, 4, True)),
     ("llama", "float16", Quantization("int8", 16, 1)), ("qwen2", "float32", Quantization("int4", 16, 1)),
-    ("gemma3", "float32", Quantization("int8", 32, 4, True)),
+    ("gemma3", "float32", Quantization("int8", 32, 4, True)), ("gemma3", "float32", Quantization("int4-mixed")),
 ])
 def test_streamed_export_equals_the_in_memory_export_byte_for_byte(checkpoints, tmp_path, kind, dtype, quantization):
     folder = checkpoints(kind)
@@ -126,7 +126,7 @@ def _tamper(path, proto, name: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("quantization", [None, Quantization("int4", 32, 4, True)])
+@pytest.mark.parametrize("quantization", [None, Quantization("int4", 32, 4, True), Quantization("int4-mixed")])
 def test_layer_by_layer_parity_passes_and_finds_a_damaged_layer(checkpoints, tmp_path, quantization):
     streamed, tensors = open_folder(checkpoints("llama"), "float32")
     out = tmp_path / "model.onnx"
@@ -136,7 +136,7 @@ def test_layer_by_layer_parity_passes_and_finds_a_damaged_layer(checkpoints, tmp
     assert [r.name for r in parity.results] == [*weights, "layer 0 output", "logits"]
     assert not parity.failed, parity.table()
     proto = onnx.load(str(out), load_external_data=False)
-    suffix = "_Q4" if quantization else ""
+    suffix = f"_Q{quantization.width('down', 1, 2).bits}" if quantization else ""
     _tamper(tmp_path / "model.onnx.data", proto, f"model.model.layers.1.mlp.down_proj.weight{suffix}")
     damaged = layer_parity(streamed, tensors, out, prompt=6)
     # Unquantized: the damaged layer's output is off. Quantized: the reference holds the graph's own
