@@ -58,6 +58,14 @@ ROWS: list[FamilyRow] = [
               norms=5, window=WINDOW, genai=True),
     FamilyRow("qwen3", tiny_config("qwen3", head_dim=16), norms=9, genai=True),
     FamilyRow("olmo2", tiny_config("olmo2"), norms=9),
+    FamilyRow("gemma", tiny_config("gemma", head_dim=16), norms=5, genai=True),
+    # Weights large enough (initializer_range 0.2) that both caps bend the scores and logits (without
+    # the attention cap the logits move by 0.9, without the final one by 8): a cap left out fails.
+    # query_pre_attn_scalar 24, not head_dim 16: the attention scale is the module's.
+    FamilyRow("gemma2", tiny_config("gemma2", head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
+                                attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+              norms=9, window=WINDOW, genai=True),
     FamilyRow("gemma3", tiny_config("gemma3_text", head_dim=16, sliding_window=WINDOW,
                                 layer_types=["sliding_attention", "full_attention"]),
               norms=13, window=WINDOW, genai=True),
