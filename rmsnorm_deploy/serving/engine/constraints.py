@@ -30,6 +30,9 @@ from rmsnorm_deploy.optional import require
 #: the kinds of constraint a request can ask for, and what each one's ``source`` is
 KINDS = {"json_object": "nothing (any JSON object)", "json_schema": "a JSON schema (an object)",
          "regex": "a regular expression (Rust regex syntax)", "grammar": "a Lark grammar (llguidance's syntax)"}
+#: JSON written compactly (one space after ``:`` and ``,``, no newlines) unless the schema's own
+#: ``x-guidance`` says otherwise: free whitespace lets a small model loop on spaces until max_tokens
+JSON_DEFAULTS = {"whitespace_flexible": False}
 FEATURE = "constrained decoding (response_format json_object/json_schema, regex, grammar)"
 
 
@@ -54,11 +57,11 @@ class Grammars:
         """llguidance's grammar text for ``kind`` (:data:`KINDS`)."""
         llg = _llguidance()
         if kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
         if kind == "json_schema":
             if not isinstance(source, dict):
                 raise InputError("the JSON schema must be an object")
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(source))
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(source), defaults=JSON_DEFAULTS)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(str(source))
         if kind == "grammar":

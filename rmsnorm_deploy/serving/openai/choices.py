@@ -113,7 +113,14 @@ class TokenTexts:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-                "top_logprobs": [{self.text(t): lp for t, lp in r.top} for r in records], "text_offset": offsets}
+                "top_logprobs": [self._top(r) for r in records], "text_offset": offsets}
+
+    def _top(self, record: Record) -> dict[str, float]:
+        """A token's alternatives keyed by text (two tokens of one text: the likelier one's logprob)."""
+        top: dict[str, float] = {}
+        for token, logprob in record.top:
+            top.setdefault(self.text(token), logprob)
+        return top
 
 
 def _byte_chars() -> dict[int, str]:
