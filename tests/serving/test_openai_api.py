@@ -179,10 +179,10 @@ def test_without_a_seed_sampling_differs_between_requests(server):
 
 ERRORS = [
     # (path, body, status, message, param, code)
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400,
-     "n=2 is not supported by this server (it answers n=1); leave n out", "n", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400,
-     "n=3 is not supported by this server (it answers n=1); leave n out", "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 9}, 400, "n: input should be less than or equal to 8, got 9", "n",
+     None),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400,
+     "echo=True is not supported by this server (it answers echo=False); leave echo out", "echo", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400,
      "max_tokens: input should be a valid integer, got '5'", "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400,
@@ -203,8 +203,8 @@ ERRORS = [
      "stop has 5 strings; give at most 4", "stop", None),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop holds an empty string; give non-empty strings",
      "stop", None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400,
-     "logprobs=3 is not supported by this server (it answers logprobs=False); leave logprobs out", "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400,
+     "logprobs: input should be less than or equal to 20, got 21", "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400,
      "best_of=2 is not supported by this server (it answers best_of=1); leave best_of out", "best_of", None),
     ("/v1/completions", {"prompt": "hi", "colour": "red"}, 400,
@@ -225,9 +225,9 @@ ERRORS = [
      "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages: list should have at least 1 item after validation, "
      "not 0, got []", "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
-     "messages.0.role: input should be 'system', 'developer', 'user' or 'assistant', got 'tool'", "messages.0.role",
-     None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role: input should be 'system', 'developer', 'user', 'assistant' or 'tool', got 'robot'",
+     "messages.0.role", None),
     ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "x"}]}, 400,
      "the model's chat template refused these messages: this template knows the roles system, user and assistant, "
      "not developer", "messages", None),
@@ -262,8 +262,8 @@ def test_a_body_that_is_not_a_json_object_is_refused(server, body, message):
 def test_the_official_client_raises_its_own_errors_with_our_messages(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="model", prompt="hi", n=2)
-    assert refused.value.status_code == 400 and refused.value.param == "n"
+        client.completions.create(model="model", prompt="hi", best_of=2)
+    assert refused.value.status_code == 400 and refused.value.param == "best_of"
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert unknown.value.code == "model_not_found"

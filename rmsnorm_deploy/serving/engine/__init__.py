@@ -10,5 +10,9 @@ slots       how the engine runs its streams: ``SlotBatch``, continuous batching 
 submit      ``submit_generation``: a front's request into the engine, a ``Stream`` or a
             ``Refusal`` (invalid, busy, unavailable, cancelled, failed) that each front maps to
             its own codes; ``ending``: the refusal a stream that raised ends with
+sampling    ``Chooser``: a stream's own picker for the OpenAI fields (logprobs, penalties,
+            ``logit_bias``, ``top_k``, ``min_p``, a grammar), ``generate``'s sampling beneath
+constraints  constrained decoding through llguidance (``Grammars``, ``Constraint``): a JSON
+            schema, any JSON object, a regex, a Lark grammar; llguidance loaded on first use
 ==========  ===================================================================================
 """

@@ -311,9 +311,10 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
-               name: str = "max_new_tokens") -> Stream:
+               name: str = "max_new_tokens", pick: Callable[[np.ndarray], np.ndarray] | None = None) -> Stream:
         """Queue one prompt; checked here (``InputError``), refused at once when full
-        (:class:`EngineBusy`) or not serving (:class:`EngineUnavailable`)."""
+        (:class:`EngineBusy`) or not serving (:class:`EngineUnavailable`). ``pick``: the stream's
+        own picker (``serving.engine.sampling.Chooser``), instead of ``sampling``'s."""
         check_max_new_tokens(max_new_tokens, name=name)
         if isinstance(prompt, (str, bytes)):
             raise InputError("the prompt must be token ids (a sequence of integers), not text")
@@ -337,7 +338,7 @@ class Engine:
                 o = self.options
                 raise EngineBusy(f"the server is busy: its {o.max_batch} streams and its queue of {o.max_queue} are "
                                  f"full (--max-batch {o.max_batch}, --max-queue {o.max_queue}); retry later")
-        return self._enqueue(row, max_new_tokens, token_picker(sampling), eos)
+        return self._enqueue(row, max_new_tokens, pick or token_picker(sampling), eos)
 
     def batch_free(self) -> int:
         return self.options.max_batch - len(self._running)

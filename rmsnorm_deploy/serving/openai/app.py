@@ -17,7 +17,13 @@ front end submits to (OpenAI and KServe clients share one batch).
 
 Sampling as OpenAI defines it: ``temperature`` 0 is greedy (``generate``'s tokens), otherwise the
 engine samples with ``temperature`` (default 1) and ``top_p`` from ``seed`` (a random one when
-none is given), drawing as ``generate --sample --seed S --temperature T --top-p P`` does.
+none is given), drawing as ``generate --sample --seed S --temperature T --top-p P`` does. Beside
+them (``serving.engine.sampling``): ``logprobs`` / ``top_logprobs``, ``n`` choices (up to 8),
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, vLLM's ``top_k``, ``min_p``,
+``repetition_penalty``; ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``regex`` / ``grammar`` through constrained decoding (``serving.engine.constraints``); ``tools``
+and ``tool_choice`` through the chat template (``serving.openai.tools``). The answers are built in
+``serving.openai.answers``.
 
 Refusals are OpenAI's error object, one line (``serving.openai.protocol.APIError``): a bad request
 400, an unknown model 404, a full engine queue 429, an engine warming up or draining 503, a failed
@@ -27,10 +33,6 @@ next step), streaming or not.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import secrets
 import time
 from typing import Any, AsyncIterator, Sequence
 
@@ -40,34 +42,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rmsnorm_deploy.decoder.loop import Sampling
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.serving.asgi.body import BODY_TIMEOUT_S, BodyRefused, read_plain_body
-from rmsnorm_deploy.serving.engine.engine import StreamCancelled, StreamFailed
-from rmsnorm_deploy.serving.engine.submit import Refusal, ending, submit_generation
+from rmsnorm_deploy.serving.engine.constraints import Grammars
+from rmsnorm_deploy.serving.engine.sampling import Chooser
+from rmsnorm_deploy.serving.engine.submit import Refusal, submit_generation
 from rmsnorm_deploy.serving.openai import protocol as api
+from rmsnorm_deploy.serving.openai.answers import OPENAI_ERRORS, Answers, Plan, openai_error
+from rmsnorm_deploy.serving.openai.choices import Choice, TokenTexts, request_seed, sampling_fields
 from rmsnorm_deploy.serving.openai.text import ChatTemplate, TextStream
+from rmsnorm_deploy.serving.openai.tools import tool_plan
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``; chat's default is the room left in the stream
 COMPLETION_MAX_TOKENS = 16
-#: OpenAI's default temperature
-DEFAULT_TEMPERATURE = 1.0
-#: the engine's outcome (``serving.engine.submit``) -> OpenAI's HTTP status, error type and code
-OPENAI_ERRORS = {"invalid": (400, "invalid_request_error", None),
-                 "busy": (429, "rate_limit_error", "rate_limit_exceeded"),
-                 "unavailable": (503, "service_unavailable", None),
-                 "cancelled": (503, "service_unavailable", None),
-                 "failed": (500, "server_error", None)}
 
 
 def error_response(error: api.APIError) -> Response:
     return JSONResponse(error.body(), status_code=error.status)
-
-
-def openai_error(outcome: Refusal, **fields: Any) -> api.APIError:
-    """The OpenAI error object of a generation the engine refused or ended early (:data:`OPENAI_ERRORS`)."""
-    status, kind, code = OPENAI_ERRORS[outcome.kind]
-    return api.APIError(outcome.message, status, type=kind, **{"code": code, **fields})
 
 
 class OpenAIEndpoints:
@@ -84,6 +75,15 @@ class OpenAIEndpoints:
         self.chat, self.chat_refusal = chat, chat_refusal or ("" if chat else "this server has no chat template")
         self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
         self.created = int(time.time())
+        self._grammars: Grammars | None = None
+        self._texts: TokenTexts | None = None
+
+    @property
+    def texts(self) -> TokenTexts:
+        """Token texts for logprobs, made on first use (the tokenizer's JSON is read once)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.model.tokenizer)
+        return self._texts
 
     # -- reading a request ------------------------------------------------------------------------
     async def _body(self, request: Request) -> bytes:
@@ -120,8 +120,10 @@ class OpenAIEndpoints:
             ids = await _in_thread(self._encode, prompt, param="prompt")
         else:
             ids = list(prompt)
-        return await self._answer(request, req, ids, chat=False, param="prompt",
-                                  max_tokens=req.max_tokens, default_max_tokens=COMPLETION_MAX_TOKENS)
+        plan = Plan(chat=False, logprobs=req.logprobs is not None, top=req.logprobs or 0,
+                    constraint=req.constraint())
+        return await self._answer(request, req, ids, plan, param="prompt", max_tokens=req.max_tokens,
+                                  default_max_tokens=COMPLETION_MAX_TOKENS)
 
     async def chat_completions(self, request: Request) -> Response:
         req = api.parse(api.ChatRequest, await self._body(request))
@@ -129,141 +131,95 @@ class OpenAIEndpoints:
         if self.chat is None:
             raise api.APIError(f"chat is not available: {self.chat_refusal}", param="messages",
                                code="chat_template_missing")
+        if req.top_logprobs and not req.logprobs:
+            raise api.APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        tools, tool_constraint, reading = tool_plan(req, self.chat.source)
         messages = [m.for_template() for m in req.messages]
-        ids = await _in_thread(self._chat_ids, messages, param="messages")
-        return await self._answer(request, req, ids, chat=True, param="messages", max_tokens=req.new_tokens(),
+        ids = await _in_thread(self._chat_ids, (messages, tools), param="messages")
+        plan = Plan(chat=True, logprobs=req.logprobs, top=req.top_logprobs or 0,
+                    constraint=tool_constraint or req.constraint(), reading=reading,
+                    names=frozenset(t.function.name for t in req.tools or ()))
+        return await self._answer(request, req, ids, plan, param="messages", max_tokens=req.new_tokens(),
                                   default_max_tokens=None)
 
     # -- prompts ----------------------------------------------------------------------------------
     def _encode(self, prompt: str) -> list[int]:
         return self.model.encode(prompt)  # as `generate --prompt`: the folder's special tokens added
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.chat.render(messages)
+    def _chat_ids(self, messages_and_tools: tuple[list[dict[str, Any]], list[dict] | None]) -> list[int]:
+        text = self.chat.render(*messages_and_tools)
         ids = list(self.model.tokenizer.encode(text, add_special_tokens=False).ids)  # the template has them
         if not ids:
             raise InputError("the chat template rendered no tokens")
         return ids
 
+    def _constraints(self, spec_and_n: tuple[tuple[str, Any], int]) -> list[Any]:
+        """``n`` fresh matchers of one constraint (the model's tokenizer made once, on first use)."""
+        spec, n = spec_and_n
+        if self._grammars is None:
+            eos = self.model.special.get("eos_token_id")
+            self._grammars = Grammars(self.model.tokenizer.to_str(), self.model.layout.vocab_size,
+                                      [eos] if isinstance(eos, int) else list(eos or []))
+        return [self._grammars.constraint(*spec) for _ in range(n)]
+
     # -- generation -------------------------------------------------------------------------------
-    def _submit(self, req: Any, ids: list[int], *, param: str, max_tokens: int | None,
-                default_max_tokens: int | None) -> tuple[Any, int]:
+    def _submit(self, req: Any, ids: list[int], plan: Plan, constraints: list[Any], *, param: str,
+                max_tokens: int | None, default_max_tokens: int | None) -> list[Choice]:
         room = self.engine.slot_length - len(ids)
         if max_tokens is None:  # the default: as many as fit (at least 1, so a prompt too long is refused below)
             max_tokens = max(1, room if default_max_tokens is None else min(default_max_tokens, room))
             param_of_length = param
         else:
             param_of_length = "max_tokens" if room > 0 else param
-        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-        sampling = None
-        if temperature > 0:
-            seed = req.seed if req.seed is not None else secrets.randbits(63)
-            sampling = Sampling(do_sample=True, seed=seed, temperature=temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p)
-        stream = submit_generation(self.engine, ids, max_tokens, sampling=sampling, name="max_tokens")
-        if isinstance(stream, Refusal) and stream.kind == "invalid":
-            too_long = len(ids) + max_tokens > self.engine.slot_length
-            raise openai_error(stream, param=param_of_length if too_long else param,
-                               code="context_length_exceeded" if too_long else None)
-        if isinstance(stream, Refusal):
-            raise openai_error(stream)
-        return stream, max_tokens
+        bias, seed, stops = req.token_bias(self.model.layout.vocab_size), request_seed(req), req.stops()
+        choices: list[Choice] = []
+        for index in range(req.n):
+            fields = sampling_fields(req, index, seed, bias, logprobs=plan.logprobs, top_logprobs=plan.top)
+            chooser = Chooser(fields, prompt=ids, constraint=constraints[index] if constraints else None)
+            stream = submit_generation(self.engine, ids, max_tokens, name="max_tokens", pick=chooser)
+            if isinstance(stream, Refusal):
+                for choice in choices:  # all or nothing: a request is never answered in part
+                    choice.stream.cancel()
+                too_long = stream.kind == "invalid" and len(ids) + max_tokens > self.engine.slot_length
+                raise openai_error(stream, param=param_of_length if too_long else
+                                   (param if stream.kind == "invalid" else None),
+                                   code="context_length_exceeded" if too_long else OPENAI_ERRORS[stream.kind][2])
+            choices.append(Choice(index, stream, chooser, TextStream(self.model.decode, stops)))
+        return choices
 
-    async def _answer(self, request: Request, req: Any, ids: list[int], *, chat: bool, param: str,
+    async def _answer(self, request: Request, req: Any, ids: list[int], plan: Plan, *, param: str,
                       max_tokens: int | None, default_max_tokens: int | None) -> Response:
-        text = TextStream(self.model.decode, req.stops())
-        stream, _ = self._submit(req, ids, param=param, max_tokens=max_tokens, default_max_tokens=default_max_tokens)
-        ident = api.new_id("chatcmpl" if chat else "cmpl")
+        constraints = []
+        if plan.constraint is not None:
+            constraints = await _in_thread(self._constraints, (plan.constraint, req.n),
+                                           param="regex" if plan.constraint[0] in ("regex", "grammar") else
+                                           "tools" if plan.reading != "text" else "response_format")
+        choices = self._submit(req, ids, plan, constraints, param=param, max_tokens=max_tokens,
+                               default_max_tokens=default_max_tokens)
+        ident = api.new_id("chatcmpl" if plan.chat else "cmpl")
+        answers = Answers(self, plan, ident, len(ids))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._events(stream, text, ident, chat=chat, prompt_tokens=len(ids), include_usage=include_usage)
-            return EventStream(events, stream)
-        return await self._whole(request, stream, text, ident, chat=chat, prompt_tokens=len(ids))
-
-    async def _whole(self, request: Request, stream: Any, text: TextStream, ident: str, *, chat: bool,
-                     prompt_tokens: int) -> Response:
-        async def collect() -> str:
-            return "".join([piece async for piece in pieces(stream, text)])
-
-        collector = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not collector.done():  # the client is gone: free the slot, nobody reads the answer
-            collector.cancel()
-            stream.cancel()
-            return Response(status_code=499)
-        try:
-            content = collector.result()
-        except (StreamFailed, StreamCancelled) as exc:
-            raise openai_error(ending(exc)) from None
-        use = api.usage(prompt_tokens, len(text.ids))
-        build = api.chat_completion if chat else api.completion
-        return JSONResponse(build(ident, self.name, content, finish_reason(stream, text), use))
-
-    async def _events(self, stream: Any, text: TextStream, ident: str, *, chat: bool, prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        def event(data: dict[str, Any]) -> bytes:
-            return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
-
-        if chat:
-            yield event(api.chunk(ident, self.name, chat=True, role=True))
-        try:
-            async for piece in pieces(stream, text):
-                yield event(api.chunk(ident, self.name, chat=chat, text=piece))
-            yield event(api.chunk(ident, self.name, chat=chat, finish_reason=finish_reason(stream, text)))
-            if include_usage:
-                yield event(api.chunk(ident, self.name, chat=chat, use=api.usage(prompt_tokens, len(text.ids))))
-        except (StreamFailed, StreamCancelled) as exc:
-            yield event(openai_error(ending(exc)).body())
-        yield b"data: [DONE]\n\n"
-
-
-async def pieces(stream: Any, text: TextStream) -> AsyncIterator[str]:
-    """The text of ``stream``'s tokens as it comes; at a stop string the engine stream is cancelled
-    (its slot freed) and the text ends before it."""
-    tokens = stream.tokens_async()
-    async with contextlib.aclosing(tokens):
-        async for token in tokens:
-            piece = text.push(token)
-            if piece:
-                yield piece
-            if text.stopped:
-                stream.cancel()
-                break
-    rest = text.finish()
-    if rest:
-        yield rest
-
-
-def finish_reason(stream: Any, text: TextStream) -> str:
-    """OpenAI's ``stop`` (a stop string, or the model's end-of-sequence token) or ``length``."""
-    return "stop" if text.stopped else stream.finish_reason
+            return EventStream(answers.events(choices, include_usage), [c.stream for c in choices])
+        return await answers.whole(request, choices)
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events that cancel their engine stream however the response ends (the client
+    """Server-sent events that cancel their engine streams however the response ends (the client
     gone included), so a slot is never held for nobody."""
 
-    def __init__(self, events: AsyncIterator[bytes], stream: Any):
+    def __init__(self, events: AsyncIterator[bytes], streams: list[Any]):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.stream = stream
+        self.streams = streams
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.stream.done:
-                self.stream.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body was read already: the next message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+            for stream in self.streams:
+                if not stream.done:
+                    stream.cancel()
 
 
 async def _in_thread(function: Any, argument: Any, *, param: str) -> Any:

@@ -4,13 +4,15 @@
 A request is validated whole before anything runs: types are strict (``"max_tokens": "5"`` or
 ``true`` is refused, not coerced), ranges are OpenAI's (``temperature`` 0 to 2, ``top_p`` in
 (0, 1]), unknown parameters are refused, and parameters this server does not implement are
-accepted only at the value that asks for nothing (``n`` 1, ``presence_penalty`` 0, ``logprobs``
-false, ...): anything else is refused in one line rather than silently ignored. Every refusal is
+accepted only at the value that asks for nothing (``best_of`` 1, ``echo`` false, ``suffix`` ""):
+anything else is refused in one line rather than silently ignored. Beside OpenAI's fields, vLLM's
+extras ``top_k``, ``min_p``, ``repetition_penalty`` and the constraints ``regex`` and ``grammar``. Every refusal is
 an :class:`APIError`, answered as ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -20,20 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 #: parameters accepted only at the value that asks for nothing this server does not do
 UNSUPPORTED = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "parallel_tool_calls": (False, True),
-    "response_format": ({"type": "text"},),
 }
+#: the most choices one request may ask for (``n``), and the most alternatives per token (``top_logprobs``)
+MAX_N, MAX_TOP_LOGPROBS = 8, 20
 #: parameters a client may send that change nothing of the answer
 IGNORED = ("user", "metadata", "store", "service_tier")
 #: a union member's name in pydantic's error locations (not a parameter name)
@@ -66,6 +61,16 @@ class _Request(BaseModel):
     stop: str | list[str] | None = Field(None)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +91,51 @@ class _Request(BaseModel):
             raise APIError("stop holds an empty string; give non-empty strings", param="stop")
         return stops
 
+    def token_bias(self, vocab_size: int) -> dict[int, float]:
+        """``logit_bias`` as token ids (keys: ids as strings, values -100 to 100, OpenAI's range)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise APIError(f"logit_bias: {key[:40]!r} is not a token id of this model (0 to {vocab_size - 1})",
+                               param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(f"logit_bias[{key}] = {value:g} is outside -100 to 100", param="logit_bias")
+            bias[int(key)] = float(value)
+        return bias
+
+    def constraint(self) -> tuple[str, Any] | None:
+        """``(kind, source)`` of the one constraint asked for (``serving.engine.constraints``), or None."""
+        asked = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            asked.append(("json_object", None) if fmt.type == "json_object" else
+                         ("json_schema", fmt.json_schema.json_schema if fmt.json_schema else None))
+            if asked[-1] == ("json_schema", None):
+                raise APIError("response_format json_schema needs its json_schema.schema", param="response_format")
+        if self.regex is not None:
+            asked.append(("regex", self.regex))
+        if self.grammar is not None:
+            asked.append(("grammar", self.grammar))
+        if len(asked) > 1:
+            raise APIError(f"{' and '.join(k for k, _ in asked)} both constrain the answer; give one", param="regex")
+        return asked[0] if asked else None
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -97,6 +147,7 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a list of one prompt is that prompt); several are refused."""
@@ -118,19 +169,80 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def for_template(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        message = {"role": self.role, "content": content}
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (a tool call's arguments as an object where they are
+        JSON: transformers' convention, which templates such as Qwen's ``tojson``)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Request):
@@ -138,6 +250,10 @@ class ChatRequest(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def new_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -206,32 +322,48 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(ident: str, model: str, text: str, finish_reason: str, use: dict[str, int]) -> dict[str, Any]:
+def completion(ident: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
     return {"id": ident, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], "usage": use}
+            "choices": choices, "usage": use}
 
 
-def chat_completion(ident: str, model: str, text: str, finish_reason: str, use: dict[str, int]) -> dict[str, Any]:
+def chat_completion(ident: str, model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
     return {"id": ident, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}], "usage": use}
+            "choices": choices, "usage": use}
 
 
-def chunk(ident: str, model: str, *, chat: bool, text: str | None = None, finish_reason: str | None = None,
-          role: bool = False, use: dict[str, int] | None = None) -> dict[str, Any]:
-    """One server-sent event's data: a piece of text, the finish reason, or (``use``) the usage
-    alone with no choices (``stream_options.include_usage``)."""
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, content: str | None, finish_reason: str, logprobs: Any = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk(ident: str, model: str, *, chat: bool, index: int = 0, text: str | None = None,
+          finish_reason: str | None = None, role: bool = False, use: dict[str, int] | None = None,
+          logprobs: Any = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One server-sent event's data: a piece of choice ``index``'s text (its tokens' ``logprobs``,
+    its ``tool_calls``), its finish reason, or (``use``) the usage alone with no choices
+    (``stream_options.include_usage``)."""
     base = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model}
     if use is not None:
         return {**base, "choices": [], "usage": use}
     if chat:
-        delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = completion_choice(index, text or "", finish_reason, logprobs)
     return {**base, "choices": [choice]}
 
 

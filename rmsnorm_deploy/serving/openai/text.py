@@ -133,14 +133,15 @@ class ChatTemplate:
 
     PROBE = [{"role": "user", "content": "hello"}]
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, source: str | None = None):
+        self.tokenizer, self.source = tokenizer, source  # source: the template's text
 
     @classmethod
     def load(cls, folder: Path) -> tuple[ChatTemplate | None, str | None]:
         """``(template, None)``, or ``(None, why chat is refused)`` for a folder without a usable
         template; a damaged tokenizer_config.json is a :class:`UserError`."""
-        if chat_template_source(folder) is None:
+        source = chat_template_source(folder)
+        if source is None:
             return None, (f"{folder} has no chat template (tokenizer_config.json's chat_template or "
                           "chat_template.jinja); send the prompt as text to /v1/completions")
         transformers = require("transformers", "rendering the folder's chat template")
@@ -148,18 +149,20 @@ class ChatTemplate:
             tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad folder
             return None, f"transformers cannot read the tokenizer of {folder} ({one_line(exc)})"
-        template = cls(tokenizer)
+        template = cls(tokenizer, source)
         try:
             template.render(cls.PROBE)
         except InputError as exc:
             return None, f"the chat template of {folder} does not render a one-message chat ({exc})"
         return template, None
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text of ``messages`` with the assistant's turn opened (``add_generation_prompt``);
-        a template that refuses them (``raise_exception``) or fails is an :class:`InputError`."""
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text of ``messages`` (and ``tools``, OpenAI's tool objects) with the assistant's
+        turn opened (``add_generation_prompt``); a template that refuses them (``raise_exception``) or
+        fails is an :class:`InputError`."""
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                      tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja2 and the template's own raise_exception
             raise InputError(f"the model's chat template refused these messages: {one_line(exc)}") from None
         if not isinstance(text, str):
