@@ -93,7 +93,7 @@ def test_concurrent_streams_and_whole_answers_are_each_exact(engine_exports):
                 for _ in range(8)]
     want = _want(folder, requests)
     with running_server(folder, "--max-batch", "4") as server:
-        assert "continuous batching: up to 4 streams decoded together in slots of 16384 tokens" in "".join(server.log)
+        assert "continuous batching: up to 4 streams decoded together in slots of 8192 tokens" in "".join(server.log)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             streamed = [pool.submit(lambda r: (s := GrpcStream(server.grpc, *r)).read() and s.close() or s.tokens, r)
                         for r in requests[:4]]
