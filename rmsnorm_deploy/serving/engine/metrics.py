@@ -40,6 +40,7 @@ class EngineMetrics:
 
     def __init__(self, engine: Any):
         prometheus = require("prometheus_client", "the /metrics endpoint")
+        self.core = require("prometheus_client.core", "the /metrics endpoint")  # the metric families
         self.prometheus, self.engine = prometheus, engine
         self.registry = prometheus.CollectorRegistry(auto_describe=True)
         self.ttft = prometheus.Histogram("rmsnorm_deploy_time_to_first_token_seconds",
@@ -59,7 +60,7 @@ class EngineMetrics:
 
     def collect(self) -> Any:
         """The counts and gauges, read from the engine at scrape time (prometheus_client's collector API)."""
-        core = self.prometheus.core
+        core = self.core
         stats, tokens = self.engine.stats(), self.engine.token_stats()
         requests = core.CounterMetricFamily("rmsnorm_deploy_requests", "Requests by how they ended",
                                             labels=["outcome"])
