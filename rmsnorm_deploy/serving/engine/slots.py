@@ -98,6 +98,7 @@ class SlotBatch:
         self.free = list(range(slots))
         self.kept: list[list[int]] = [[] for _ in range(slots)]  # a free slot's tokens whose KV it still holds
         self.store = PrefixStore(prefix_cache_bytes)
+        self.reuse_prefixes = True  # False: every prompt prefilled whole (a benchmark's baseline)
         #: prefill_tokens (run), prefix_hits (requests that reused a prefix), prefix_tokens_saved
         self.counts: collections.Counter = collections.Counter()
         self._decode_bindings: dict[int, Any] = {}  # per batch size: caches and logits bound once
@@ -114,7 +115,7 @@ class SlotBatch:
     def admit(self, stream: Any) -> None:
         """Give ``stream`` a free slot with as much of its prompt's KV as the slots or the store hold
         (all of the prompt but its last token at most: its logits pick the first new token)."""
-        prompt, limit = stream.prompt, len(stream.prompt) - 1
+        prompt, limit = stream.prompt, (len(stream.prompt) - 1 if self.reuse_prefixes else 0)
         self.free.sort()
         slot, reused = self.free[0], 0
         for free in self.free:
