@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.resources import package_version  # noqa: E402
-from rmsnorm_deploy.serving.engine import Engine, EngineOptions  # noqa: E402
-from rmsnorm_deploy.serving.text import ChatTemplate  # noqa: E402
+from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions  # noqa: E402
+from rmsnorm_deploy.serving.openai.text import ChatTemplate  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SYSTEM = (
