@@ -389,7 +389,7 @@ def test_the_portable_graph_says_why_its_streams_take_turns(engine_exports):
 def test_the_default_kv_budget_is_sized_to_the_model_and_the_machine(engine_exports, monkeypatch):
     """Never a model-length slot per stream by default: at most DEFAULT_TOKENS_IN_FLIGHT in all, less
     where the model is shorter or the machine's memory budget holds less."""
-    from rmsnorm_deploy.serving import engine as engine_module
+    from rmsnorm_deploy.serving.engine import engine as engine_module
 
     with KVCacheModel(engine_exports("ort")) as model:
         lay, per_token = model.layout, SlotBatch.cache_bytes(model.layout, 1, 1)
