@@ -18,6 +18,7 @@ _INSTALL_HINTS = {
     # nvidia-pytriton pins numpy<2 although it runs with numpy 2 here (serving/triton/pytriton_env.py): no-deps install
     "pytriton": "pip install 'rmsnorm-deploy[serve]' && pip install --no-deps nvidia-pytriton==0.7.0",
     "tritonclient": "pip install 'rmsnorm-deploy[serve]'",
+    "prometheus_client": "pip install 'rmsnorm-deploy[serve]'",
     "tokenizers": "pip install 'rmsnorm-deploy[hf]' (transformers brings tokenizers)",
     "gguf": "pip install 'rmsnorm-deploy[gguf]'",
     "accelerate": "pip install 'rmsnorm-deploy[gguf]'",

@@ -184,7 +184,12 @@ class Server:
         if self.engine is not None:  # token streams over gRPC straight from the engine (serving.kserve.generation)
             name = o.model_name + STREAM_SUFFIX
             streams[name] = EngineStreams(self.engine, name, (GENERATION_OUTPUT, STREAM_INDEX)).answer
-        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes, streams=streams)
+        mounts = []
+        if self.engine is not None:  # the engine's Prometheus metrics beside the KServe routes
+            from rmsnorm_deploy.serving.engine.metrics import metrics_route  # optional: prometheus-client
+
+            mounts.append(metrics_route(self.engine))
+        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes, streams=streams, mounts=mounts)
         try:
             self.front.start()
         except UserError:

@@ -6,12 +6,18 @@ to ``async for`` over them or ``await`` the whole answer from an event loop (the
 wakes the loop with ``call_soon_threadsafe``), and to :meth:`Stream.cancel`. Nothing is held
 across a generation: a front end waits on its own stream only.
 
-The engine thread loops over iterations of its batch (``serving.slots``): admit waiting requests
+The engine thread loops over iterations of its batch (``serving.engine.slots``): admit waiting requests
 into free slots, drop cancelled streams (their slot is free for the next iteration), prefill
 newcomers (at most ``prefill_chunk`` prompt tokens per iteration), then one decode step of every
 running stream. ``SlotBatch`` decodes all streams in one ONNX Runtime run (continuous batching,
 the ``--target onnxruntime`` graph); ``TurnBatch`` lets them take turns at batch 1 (the portable
 graph, or a non-CPU provider); :attr:`Engine.batching` says which and why.
+
+The KV cache is one budget of ``max_tokens_in_flight`` tokens split evenly across the slots (as
+llama-server splits ``-c`` across ``-np``): its default is sized to the model and the machine
+(:func:`default_tokens_in_flight`), never a model-length slot per stream, and a request longer than
+a slot is refused in one line naming the largest context. Prompt KV is kept across requests
+(``serving.engine.prefix_cache``): a prompt that starts with tokens computed before prefills only the rest.
 
 Each stream picks its tokens with its own picker (``token_picker``: greedy, or its own generator
 seeded as ``generate`` seeds it) and ends as ``generate`` ends a batch-1 row: after an
@@ -39,10 +45,19 @@ import numpy as np
 from rmsnorm_deploy.decoder.generate import DEFAULT_MAX_NEW_TOKENS, FROM_FOLDER, check_max_new_tokens
 from rmsnorm_deploy.decoder.loop import Sampling, token_picker
 from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.resources import check_memory
+from rmsnorm_deploy.resources import check_memory, memory_budget
 from rmsnorm_deploy.serving.engine.slots import SlotBatch, TurnBatch, slots_refusal
 
-__all__ = ["Engine", "EngineBusy", "EngineOptions", "EngineUnavailable", "Stream", "StreamCancelled", "StreamFailed"]
+__all__ = ["Engine", "EngineBusy", "EngineOptions", "EngineUnavailable", "Stream", "StreamCancelled", "StreamFailed",
+           "default_tokens_in_flight"]
+
+#: The default KV budget in tokens, all slots together (a model or machine that holds less gets less):
+#: a decode step's attention in ONNX Runtime's GroupQueryAttention costs with the slot's length, so a
+#: model-length slot per stream is slow as well as large (SmolLM2: 0.43x llama-server's tokens/s at 16
+#: clients with 8,192 tokens a slot, 1.08x with 256). 32,768 is 2,048 tokens a slot at 16 slots.
+DEFAULT_TOKENS_IN_FLIGHT = 32768
+#: The share of the memory budget (``resources.memory_budget``) the default KV cache may take.
+KV_MEMORY_SHARE = 0.5
 
 
 class EngineBusy(UserError):
@@ -67,13 +82,14 @@ class EngineOptions:
 
     max_batch: int = 16  # streams decoded together (slots of the KV cache)
     max_queue: int = 64  # requests waiting for a slot; beyond that a request is refused at once
-    max_tokens_in_flight: int | None = None  # KV cache size in tokens (default: max_batch x the model's length)
+    max_tokens_in_flight: int | None = None  # KV cache size in tokens (default: default_tokens_in_flight)
     prefill_chunk: int = 32  # prompt tokens prefilled per iteration (bounds running streams' stall)
+    prefix_cache_mb: int = 256  # copies of prompt KV kept across requests beyond the slots' own (0: off)
     drain_timeout_s: float = 30.0  # on drain, in-flight streams are cancelled after this
 
     def check(self) -> None:
         for flag, value, low in (("--max-batch", self.max_batch, 1), ("--max-queue", self.max_queue, 0),
-                                 ("--prefill-chunk", self.prefill_chunk, 1)):
+                                 ("--prefill-chunk", self.prefill_chunk, 1), ("--prefix-cache-mb", self.prefix_cache_mb, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise UserError(f"{flag} must be an integer >= {low}, got {value!r}")
         t = self.max_tokens_in_flight
@@ -82,6 +98,17 @@ class EngineOptions:
                             f"got {t!r}")
         if not (isinstance(self.drain_timeout_s, (int, float)) and 0 <= self.drain_timeout_s < float("inf")):
             raise UserError(f"--drain-timeout must be a number of seconds >= 0, got {self.drain_timeout_s!r}")
+
+
+def default_tokens_in_flight(layout: Any, slots: int) -> int:
+    """The KV budget when ``--max-tokens-in-flight`` is not given: the least of ``slots`` x the
+    model's length, :data:`DEFAULT_TOKENS_IN_FLIGHT`, and what :data:`KV_MEMORY_SHARE` of this
+    machine's memory budget holds; a multiple of ``slots`` (``layout``: a KVCacheLayout)."""
+    tokens = min(slots * layout.max_length, DEFAULT_TOKENS_IN_FLIGHT)
+    budget = memory_budget()
+    if budget is not None:
+        tokens = min(tokens, int(budget * KV_MEMORY_SHARE) // SlotBatch.cache_bytes(layout, 1, 1))
+    return max(tokens // slots, 2) * slots  # (two tokens a slot at least: check_memory then says it cannot fit)
 
 
 class Stream:
@@ -104,6 +131,7 @@ class Stream:
         self.error: BaseException | None = None
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self._cond = threading.Condition()
         self._wakers: list[Callable[[], None]] = []
         self.cancel_requested = False
@@ -119,11 +147,14 @@ class Stream:
             if self.finish_reason is not None:  # ended meanwhile (a drain that ran out of time)
                 return True
             self.tokens.append(token)
+            now, last = time.perf_counter(), self.last_token_at
             if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
+                self.first_token_at = now
+            self.last_token_at = now
             ended = token in self.eos or len(self.tokens) >= self.max_new_tokens
             if ended:
                 self.finish_reason = "stop" if token in self.eos else "length"
+        self.engine._token_out(now - self.submitted_at if last is None else None, None if last is None else now - last)
         self._wake()
         return ended
 
@@ -225,14 +256,15 @@ class Engine:
         if batching not in ("auto", "turns"):
             raise UserError(f"batching must be 'auto' or 'turns', got {batching!r}")
         self.refusal = slots_refusal(model) if batching == "auto" else "taking turns was asked for"
-        budget = options.max_tokens_in_flight or options.max_batch * lay.max_length
+        budget = options.max_tokens_in_flight or default_tokens_in_flight(lay, options.max_batch)
         self.slot_length = min(lay.max_length, budget // options.max_batch)
         if self.refusal is None:
             check_memory(SlotBatch.cache_bytes(lay, options.max_batch, self.slot_length),
                          f"a KV cache of {options.max_batch} slots of {self.slot_length} tokens",
                          "lower --max-batch or --max-tokens-in-flight")
             self.batch: SlotBatch | TurnBatch = SlotBatch(model, slots=options.max_batch, slot_length=self.slot_length,
-                                                          prefill_chunk=options.prefill_chunk)
+                                                          prefill_chunk=options.prefill_chunk,
+                                                          prefix_cache_bytes=options.prefix_cache_mb << 20)
         else:
             self.slot_length = lay.max_length
             self.batch = TurnBatch(model, slots=options.max_batch)
@@ -243,6 +275,11 @@ class Engine:
         self._state = "new"  # new, warming, ready, draining, stopped
         self._thread: threading.Thread | None = None
         self.counts = collections.Counter()  # stop, length, cancelled, error, refused_busy, steps
+        self.generated = 0  # tokens handed out
+        #: called with (seconds to the first token, None) or (None, seconds since the previous token)
+        #: for each token handed out (``serving.engine.metrics`` sets it)
+        self.observer: Callable[[float | None, float | None], None] | None = None
+        self.metrics: Any = None  # serving.engine.metrics.EngineMetrics, made by the first /metrics route
 
     # -- what it is --------------------------------------------------------------------------------
     @property
@@ -250,9 +287,14 @@ class Engine:
         o = self.options
         if self.refusal is None:
             mib = SlotBatch.cache_bytes(self.model.layout, o.max_batch, self.slot_length) / 2**20
+            source = "--max-tokens-in-flight" if o.max_tokens_in_flight else "default"
+            prefix = (f"a prefix cache of up to {o.prefix_cache_mb} MiB beside the slots' own" if o.prefix_cache_mb
+                      else "the slots' own only, --prefix-cache-mb 0")
             return (f"continuous batching: up to {o.max_batch} streams decoded together in slots of "
-                    f"{self.slot_length} tokens (KV cache {mib:,.1f} MiB), prompts prefilled "
-                    f"{o.prefill_chunk} tokens per step, {o.max_queue} more requests queued")
+                    f"{self.slot_length} tokens (KV cache {o.max_batch * self.slot_length:,} tokens, {mib:,.1f} MiB, "
+                    f"{source}; the largest request: {self.slot_length} tokens, prompt and new tokens together), "
+                    f"prompts prefilled {o.prefill_chunk} tokens per step, prompt KV reused across requests "
+                    f"({prefix}), {o.max_queue} more requests queued")
         return (f"one stream at a time: up to {o.max_batch} streams take turns, one batch-1 step each "
                 f"({self.refusal}); {o.max_queue} more requests queued")
 
@@ -265,6 +307,23 @@ class Engine:
         with self._cond:
             ended = {k: v for k, v in self.counts.items() if k != "steps"}
             return {"running": len(self._running), "waiting": len(self._waiting), **ended}
+
+    def token_stats(self) -> dict[str, int]:
+        """Tokens prefilled (run through the model) and generated, requests that reused a cached
+        prompt prefix (``prefix_hits``) and the prompt tokens they did not prefill, the prefix
+        store's entries and bytes."""
+        store = self.batch.store
+        with self._cond:
+            counts = self.batch.counts
+            return {"prefill_tokens": counts["prefill_tokens"], "generated_tokens": self.generated,
+                    "prefix_hits": counts["prefix_hits"], "prefix_tokens_saved": counts["prefix_tokens_saved"],
+                    "prefix_store_entries": len(store.entries) if store else 0,
+                    "prefix_store_bytes": store.nbytes if store else 0}
+
+    def _token_out(self, first: float | None, gap: float | None) -> None:
+        self.generated += 1
+        if self.observer is not None:
+            self.observer(first, gap)
 
     # -- life cycle ----------------------------------------------------------------------------------
     def start(self, *, warm: bool = True, timeout_s: float = 600) -> Engine:
@@ -281,6 +340,8 @@ class Engine:
             stream.result(timeout_s)
         with self._cond:
             self.counts.clear()  # the warm-up is not a request
+            self.batch.counts.clear()
+            self.generated = 0
             self._state = "ready"
         return self
 

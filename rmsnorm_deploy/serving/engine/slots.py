@@ -18,8 +18,13 @@ at index ``n_r`` of its row, rotary position ``n_r``).
   streams for one chunk at most.
 - Decode runs rows ``0 .. highest busy slot`` in one run: each decoding stream's last token at its
   own position. A free or still-prefilling row in that range rides along as a placeholder (pad
-  token, its own length): its write lands at the first position its next chunk (or its next
-  stream's prefill) overwrites, and its logits are ignored. New streams take the lowest free slot.
+  token, its own length: a free slot's is the tokens it keeps): its write lands just past the
+  keys that row holds, and its logits are ignored.
+- Prompt KV is kept across requests (``serving.engine.prefix_cache``): a slot a stream leaves keeps the
+  KV of the tokens it fed; a newcomer goes to the free slot that shares the longest prefix with
+  its prompt (else the lowest free slot, whose tokens are first copied into the ``PrefixStore``
+  when there are enough of them), or has a longer prefix copied back from the store, and
+  prefills only the rest.
 
 Measured on the 125M Llama (hidden 768 x 12 layers): a row's logits are bit-identical alone and in
 a batch of 2 to 16, and a prompt's last logits bit-identical prefilled whole or in chunks of 16,
@@ -33,6 +38,7 @@ runs its own batch-1 decode loop (``decode_steps``), and the streams take turns 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Iterator
 
@@ -42,6 +48,11 @@ from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS,
 from rmsnorm_deploy.decoder.loop import CacheLayout, decode_steps
 from rmsnorm_deploy.errors import one_line
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.serving.engine.prefix_cache import PrefixStore, common_prefix
+
+#: A slot's tokens are copied into the prefix store before an unrelated prompt overwrites them only
+#: when at least this many would be lost: a shorter prefix costs less to prefill than to keep.
+KEEP_AT_LEAST = 16
 
 
 def slots_refusal(model: Any) -> str | None:
@@ -65,6 +76,8 @@ class _Row:
     slot: int
     filled: int = 0  # tokens in this slot's cache
     last: int = -1  # the last token handed out (the next decode step's input)
+    fed: list[int] = dataclasses.field(default_factory=list)  # the tokens whose KV the slot holds (filled of them)
+    failed: bool = False  # a run this row was in failed: its slot keeps nothing
 
     def prefilling(self, stream: Any) -> bool:
         return self.filled < len(stream.prompt)
@@ -74,7 +87,7 @@ class SlotBatch:
     """Continuous batching in the slots of one preallocated KV cache (see the module docstring).
     Used by the engine thread only."""
 
-    def __init__(self, model: Any, *, slots: int, slot_length: int, prefill_chunk: int):
+    def __init__(self, model: Any, *, slots: int, slot_length: int, prefill_chunk: int, prefix_cache_bytes: int = 0):
         self.ort = require("onnxruntime", "running a KV-cache model")
         self.session = model.session
         self.layout = CacheLayout.of(model.layout)
@@ -86,6 +99,11 @@ class SlotBatch:
         self.logits = np.empty((slots, 1, model.layout.vocab_size), self.dtype)
         self.rows: dict[Any, _Row] = {}
         self.free = list(range(slots))
+        self.kept: list[list[int]] = [[] for _ in range(slots)]  # a free slot's tokens whose KV it still holds
+        self.store = PrefixStore(prefix_cache_bytes)
+        self.reuse_prefixes = True  # False: every prompt prefilled whole (a benchmark's baseline)
+        #: prefill_tokens (run), prefix_hits (requests that reused a prefix), prefix_tokens_saved
+        self.counts: collections.Counter = collections.Counter()
         self._decode_bindings: dict[int, Any] = {}  # per batch size: caches and logits bound once
         self._prefill_bindings: dict[int, Any] = {}
         self.takes_positions = POSITION_IDS in {i.name for i in self.session.get_inputs()}
@@ -98,13 +116,46 @@ class SlotBatch:
 
     # -- slots --------------------------------------------------------------------------------------
     def admit(self, stream: Any) -> None:
+        """Give ``stream`` a free slot with as much of its prompt's KV as the slots or the store hold
+        (all of the prompt but its last token at most: its logits pick the first new token)."""
+        prompt, limit = stream.prompt, (len(stream.prompt) - 1 if self.reuse_prefixes else 0)
         self.free.sort()
-        self.rows[stream] = _Row(self.free.pop(0))
+        slot, reused = self.free[0], 0
+        for free in self.free:
+            shared = min(common_prefix(self.kept[free], prompt), limit)
+            if shared > reused:
+                slot, reused = free, shared
+        stored, key = self.store.longest(prompt) if self.store.entries else (0, None)
+        stored = min(stored, limit)
+        if key is not None and stored > reused:
+            slot, reused = self.free[0], stored
+            self._keep(slot, 0)
+            self.store.copy_into(key, stored, self._row_views(slot))
+        else:
+            self._keep(slot, reused)
+        self.free.remove(slot)
+        self.kept[slot] = []
+        self.rows[stream] = _Row(slot, filled=reused, fed=list(prompt[:reused]))
+        if reused:
+            self.counts["prefix_hits"] += 1
+            self.counts["prefix_tokens_saved"] += reused
 
     def release(self, stream: Any) -> None:
         row = self.rows.pop(stream, None)
         if row is not None:
             self.free.append(row.slot)
+            # (fed never reaches slot_length: a stream's last token is handed out, not fed)
+            self.kept[row.slot] = [] if row.failed else row.fed[:self.slot_length - 1]
+
+    def _row_views(self, slot: int) -> list[np.ndarray]:
+        return [array[slot] for array in self.cache]
+
+    def _keep(self, slot: int, reused: int) -> None:
+        """Copy a free slot's tokens into the store before a prompt that shares only ``reused`` of
+        them overwrites the rest (when enough would be lost)."""
+        kept = self.kept[slot]
+        if self.store.budget_bytes and len(kept) - reused >= KEEP_AT_LEAST:
+            self.store.put(kept, self._row_views(slot))
 
     def _binding(self, cache: dict[int, Any], key: int, lo: int, hi: int, logits: Any = None) -> Any:
         """An IOBinding with the logits bound first (``logits``: an OrtValue to write into, else
@@ -159,8 +210,11 @@ class SlotBatch:
             try:
                 self._run(binding)
             except RuntimeError as exc:
+                row.failed = True
                 yield [stream], None, str(exc)
                 continue
+            self.counts["prefill_tokens"] += end - row.filled
+            row.fed.extend(stream.prompt[row.filled:end])
             row.filled = end
             if not row.prefilling(stream):
                 row.last = int(stream.pick(np.asarray(binding.get_outputs()[0].numpy()[:, -1, :]))[0])
@@ -176,6 +230,9 @@ class SlotBatch:
         k = max(decoding) + 1
         lengths = np.zeros(k, np.int64)
         ids = np.full((k, 1), self.pad, np.int64)
+        for slot in self.free:
+            if slot < k:  # a placeholder that writes past the keys the slot keeps
+                lengths[slot] = len(self.kept[slot])
         for stream, row in self.rows.items():
             if row.slot < k:
                 lengths[row.slot] = row.filled
@@ -190,9 +247,12 @@ class SlotBatch:
         try:
             self._run(binding)
         except RuntimeError as exc:
+            for _, row in decoding.values():
+                row.failed = True
             yield [stream for stream, _ in decoding.values()], None, str(exc)
             return
         for slot, (stream, row) in sorted(decoding.items()):
+            row.fed.append(row.last)
             row.filled += 1
             row.last = int(stream.pick(self.logits[slot:slot + 1, -1, :])[0])
             yield [stream], row.last, None
@@ -205,8 +265,11 @@ class TurnBatch:
     def __init__(self, model: Any, *, slots: int):
         self.model, self.slots = model, slots
         self.loops: dict[Any, Iterator[tuple[np.ndarray, np.ndarray]]] = {}
+        self.store = None  # each stream prefills its whole prompt: its cache lives in its own loop
+        self.counts: collections.Counter = collections.Counter()
 
     def admit(self, stream: Any) -> None:
+        self.counts["prefill_tokens"] += len(stream.prompt)
         ids = np.asarray([stream.prompt], dtype=np.int64)
         # eos handled by the engine: the loop only has to run up to max_new_tokens steps
         self.loops[stream] = decode_steps(self.model.stepper, ids, max_new_tokens=stream.max_new_tokens,

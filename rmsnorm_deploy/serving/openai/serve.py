@@ -49,8 +49,10 @@ def engine_app(engine: Any, model_name: str, *, max_request_bytes: int,
     """The OpenAI app over ``engine`` (its model's folder gives the chat template), and what the
     startup summary says of chat."""
     chat, refusal = ChatTemplate.load(engine.model.folder)
+    from rmsnorm_deploy.serving.engine.metrics import metrics_route  # optional: prometheus-client
+
     app = openai_app(engine, model_name, chat=chat, chat_refusal=refusal, max_request_bytes=max_request_bytes,
-                     body_timeout_s=body_timeout_s)
+                     body_timeout_s=body_timeout_s, routes=[metrics_route(engine)])
     return app, ("chat through the folder's chat template" if chat else f"no chat ({refusal})")
 
 

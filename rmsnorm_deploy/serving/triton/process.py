@@ -47,6 +47,7 @@ class ServeOptions:
     max_queue: int = 64
     max_tokens_in_flight: int | None = None
     prefill_chunk: int = 32
+    prefix_cache_mb: int = EngineOptions.prefix_cache_mb
     drain_timeout_s: float = 30.0
     #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai.serve``)
     openai: bool = True
@@ -58,7 +59,8 @@ class ServeOptions:
             raise UserError("--max-batch 0: a generation model runs at least one stream; give 1 or more")
         return EngineOptions(max_batch=EngineOptions.max_batch if self.max_batch is None else self.max_batch,
                              max_queue=self.max_queue, max_tokens_in_flight=self.max_tokens_in_flight,
-                             prefill_chunk=self.prefill_chunk, drain_timeout_s=self.drain_timeout_s)
+                             prefill_chunk=self.prefill_chunk, drain_timeout_s=self.drain_timeout_s,
+                             prefix_cache_mb=self.prefix_cache_mb)
 
     def endpoints(self) -> dict[str, str]:
         host = f"[{self.host}]" if ":" in self.host else self.host
