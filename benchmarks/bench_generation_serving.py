@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from bench_kv_decode import MODELS, THREADS, build_genai, export_folder, log, save_hf  # noqa: E402
 
 from rmsnorm_deploy.resources import package_version  # noqa: E402
-from rmsnorm_deploy.serving.server import free_ports, start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import free_ports, start_serve_process  # noqa: E402
 
 OURS, LLAMA, GENAI = "ours", "llama-server", "genai static batch"
 CONTENDERS = (OURS, LLAMA, GENAI)

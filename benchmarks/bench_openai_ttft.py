@@ -46,7 +46,7 @@ from rmsnorm_deploy.cli import main as cli  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.resources import package_version  # noqa: E402
-from rmsnorm_deploy.serving.server import free_ports, start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import free_ports, start_serve_process  # noqa: E402
 from tests.serving._tokenizer import write_tokenizer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from rmsnorm_deploy.resources import package_version  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
 from rmsnorm_deploy.errors import UserError  # noqa: E402
-from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
 from rmsnorm_deploy.table import format_table  # noqa: E402
 
 CONCURRENCY = (1, 4, 16, 32)

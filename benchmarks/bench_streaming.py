@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.errors import UserError  # noqa: E402
 from rmsnorm_deploy.resources import package_version  # noqa: E402
-from rmsnorm_deploy.serving.process import start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
 
 CONTENDERS = ("generate in process", "whole answer, http", "whole answer, grpc", "stream, grpc")
 RESULTS = ROOT / "benchmarks" / "results"

@@ -19,7 +19,7 @@ reason. Columns:
   onnxruntime-genai's builder (``-p fp32 -e cpu``) decoded by its own runtime where its builder
   writes the family. Both must give transformers' tokens (recorded).
 
-    python benchmarks/fast_path_families.py [--rounds 3] [--rows llama,gemma3,...] [--no-speed]
+    python benchmarks/fast_path_families.py [--rounds 3] [--rows llama,gemma3,...] [--no-speed] [--merge]
 
 Writes ``benchmarks/results/fast_path_families.{json,md}``.
 """
@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     parser.add_argument("--no-speed", action="store_true", help="skip the decode timings")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the existing results that this run does not measure (and the "
+                             "timings of rows run with --no-speed)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     import torch
@@ -260,6 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             log(json.dumps(entry, default=str))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    previous = out / "fast_path_families.json"
+    if args.merge and previous.is_file():
+        old = {r["row"]: r for r in json.loads(previous.read_text())["rows"]}
+        for entry in results["rows"]:
+            if "speed" not in entry and "speed" in old.get(entry["row"], {}):
+                entry["speed"] = old[entry["row"]]["speed"]
+        ran = {r["row"] for r in results["rows"]}
+        order = [r.name for r in ROWS]
+        results["rows"] += [r for name, r in old.items() if name not in ran]
+        results["rows"].sort(key=lambda r: order.index(r["row"]) if r["row"] in order else len(order))
     (out / "fast_path_families.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "fast_path_families.md").write_text(markdown(results))
     print(markdown(results))

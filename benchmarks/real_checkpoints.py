@@ -23,6 +23,10 @@ the latter with ``--quantize int8`` / ``int4``. For each checkpoint x path:
   fixed English prompts (the chat template for an instruct model), 32 new tokens, batch 1, no early
   stop; ``decoder.generate.generate`` against ``decoder.transformers_step.transformers_generate``:
   identical, or the first position where they differ;
+* greedy past the sliding window (``--target onnxruntime`` exports of a windowed model): the first
+  ``PAST_WINDOW_PROMPT`` tokens of the text as one prompt (longer than the window), 32 new tokens,
+  against transformers on the same weights: for a quantized export, the dequantized model
+  (``decoder.quantize.dequantized_reference``: what the graph computes), so equal means exact;
 * perplexity (KV-cache exports) in llama-perplexity's scheme (``decoder.perplexity``: chunks of 256
   tokens, second half scored) over ``--text`` (default ``/usr/share/common-licenses/GPL-3``), and
   llama.cpp's ``llama-perplexity -c 256`` on the same weights (``convert_hf_to_gguf.py --outtype
@@ -31,7 +35,8 @@ the latter with ``--quantize int8`` / ``int4``. For each checkpoint x path:
   the same text. llama.cpp comes from ``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR``.
 
 Anything not run says why. Exports are written under ``--work-dir`` (a temporary folder, removed
-at the end unless ``--keep``).
+at the end unless ``--keep``). ``--merge`` keeps the rows of the results already written that this
+run does not measure (each row carries the date it was measured; ``meta.notes`` are kept too).
 
     python benchmarks/real_checkpoints.py [--checkpoints smollm2,gemma3] [--paths plain,kv-portable,...]
 """
@@ -39,6 +44,7 @@ at the end unless ``--keep``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -61,6 +67,8 @@ DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 TEXT_NAME = "the GNU General Public License v3 (Debian's copy, /usr/share/common-licenses/GPL-3)"
 CONTEXT = 256
 NEW_TOKENS = 32
+#: Prompt tokens of the past-the-window check: longer than Gemma 3's 512-token window.
+PAST_WINDOW_PROMPT = 600
 THREADS = 2
 
 #: Each export path: its name and the ``export`` options after the model folder.
@@ -70,6 +78,9 @@ PATHS: dict[str, list[str]] = {
     "kv-ort": ["--kv-cache", "--target", "onnxruntime"],
     "kv-ort-int8": ["--kv-cache", "--target", "onnxruntime", "--quantize", "int8"],
     "kv-ort-int4": ["--kv-cache", "--target", "onnxruntime", "--quantize", "int4"],
+    # float32 compute (accuracy_level 0): the graph computes exactly what its dequantized model does
+    "kv-ort-int8-f32": ["--kv-cache", "--target", "onnxruntime", "--quantize", "int8", "--accuracy-level", "0"],
+    "kv-ort-int4-f32": ["--kv-cache", "--target", "onnxruntime", "--quantize", "int4", "--accuracy-level", "0"],
 }
 
 PROMPTS = [
@@ -209,6 +220,41 @@ def greedy_and_perplexity(folder: Path, prompts: list[list[int]], reference: lis
     return greedy, ppl
 
 
+def past_window_tokens(folder: Path, hf_dir: Path, text_ids: list[int], window: int | None) -> dict[str, Any]:
+    """Greedy over the first ``PAST_WINDOW_PROMPT`` tokens of the text, ours against transformers on
+    what the graph computes: the float32 weights, or for a quantized graph its dequantized weights
+    (at int8 compute with the inputs of each quantized MatMul rounded as the kernel rounds them)."""
+    import onnx
+    import torch
+
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, generate
+    from rmsnorm_deploy.decoder.quantize import dequantized_reference
+    from rmsnorm_deploy.decoder.transformers_step import transformers_generate
+    from rmsnorm_deploy.exporter.hf import load_folder
+    from rmsnorm_deploy.graph.metadata import ModelMetadata
+
+    row = text_ids[:PAST_WINDOW_PROMPT]
+    start = time.perf_counter()
+    with KVCacheModel(folder, intra_op_threads=THREADS) as model:
+        ours = generate(model, [row], max_new_tokens=NEW_TOKENS, eos_token_id=None).tokens[0]
+    ours_s = time.perf_counter() - start
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    entry = ModelMetadata.read(proto).quantization
+    loaded = load_folder(hf_dir, "float32")
+    ids = np.asarray([row], dtype=np.int64)
+    start = time.perf_counter()
+    with torch.inference_mode(), contextlib.ExitStack() as stack:
+        reference = "transformers, float32 weights"
+        if entry is not None:
+            compute = stack.enter_context(dequantized_reference(loaded.module, proto, entry, base_dir=folder)).compute
+            reference = f"transformers on the dequantized weights ({compute} compute)"
+        theirs = transformers_generate(loaded.module.model, ids, np.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                       pad_token_id=0, stop_at_eos=False)[0].tolist()
+    return {"prompt_tokens": len(row), "window": window, "new_tokens": NEW_TOKENS, "reference": reference,
+            "ours": ours, "transformers": theirs, "first_divergence": first_divergence(ours, theirs),
+            "ours_s": round(ours_s, 1), "transformers_s": round(time.perf_counter() - start, 1)}
+
+
 # -- llama.cpp ------------------------------------------------------------------------------------------
 def llama_cpp_dir(given: str | None) -> tuple[Path | None, str]:
     root = given or os.environ.get("LLAMA_CPP_DIR")
@@ -317,6 +363,9 @@ def run_checkpoint(name: str, gguf: Path, paths: list[str], text: Path, work: Pa
     record["prompting"] = "chat template, generation prompt" if chat else "raw text (tokenizer's special tokens)"
 
     kv_done = [p for p in paths if p != "plain" and rows[p]["exit_code"] == 0]
+    config = json.loads((hf_dir / "config.json").read_text())
+    window = config.get("sliding_window")
+    record["sliding_window"] = window
     if kv_done:
         torch.set_num_threads(THREADS)
         lm = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -329,7 +378,12 @@ def run_checkpoint(name: str, gguf: Path, paths: list[str], text: Path, work: Pa
             print(f"[{name}] {path}: greedy and perplexity", flush=True)
             rows[path]["greedy"], rows[path]["perplexity"] = greedy_and_perplexity(
                 work / name / path, prompts, reference, text_ids, bos)
+            if window is not None and "onnxruntime" in PATHS[path]:
+                print(f"[{name}] {path}: greedy past the window ({PAST_WINDOW_PROMPT} + {NEW_TOKENS} tokens)",
+                      flush=True)
+                rows[path]["past_window"] = past_window_tokens(work / name / path, hf_dir, text_ids, window)
     for path in paths:
+        rows[path]["measured"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         if path == "plain":
             why = "the plain graph has no KV cache (generate and perplexity take a --kv-cache export)"
         elif rows[path]["exit_code"] != 0:
@@ -377,7 +431,15 @@ def markdown(results: dict[str, Any]) -> str:
              "float64 reference over its allowed bound (ratio < 1 passes; a quantized graph is held to its "
              "dequantized model, see the bounds below), and, as context that decides nothing, the largest distance "
              "to the reference run in the model's own dtype, over every output compared (the portable "
-             "graph's parity compares its present tensors too, the others only logits).", ""]
+             "graph's parity compares its present tensors too, the others only logits).", "",
+             f"Past the window (`--target onnxruntime` exports of a sliding-window model): the first "
+             f"{PAST_WINDOW_PROMPT} tokens of the text as one prompt, {NEW_TOKENS} new tokens, greedy, against "
+             "transformers on what the graph computes (a quantized graph: its dequantized weights).", ""]
+    for update in meta.get("updates", []):
+        lines += [f"Rows measured on {update['date']} (a later run, merged): {update['checkpoint']} "
+                  f"{', '.join(update['paths'])}.", ""]
+    if meta.get("notes"):
+        lines += [*meta["notes"], ""]
     for ckpt in results["checkpoints"]:
         lines += [f"## {ckpt['description']}", ""]
         if ckpt.get("not_run"):
@@ -400,8 +462,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [f"Our perplexity (`decoder.perplexity`): {ours['chunks']} chunks of {ours['context']}, "
                       f"{ours['scored_tokens']} tokens scored, BOS {ours['bos_token_id']} at each chunk's start.", ""]
         lines += ["| path | exit | wall s | peak RSS GiB | parity: worst / bound (ratio) | same dtype (context) | "
-                  "greedy = transformers | perplexity ours | llama.cpp |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "greedy = transformers | past the window | perplexity ours | llama.cpp |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for path, row in ckpt["paths"].items():
             p = row.get("parity")
             if p and p["worst"]:
@@ -425,7 +487,7 @@ def markdown(results: dict[str, Any]) -> str:
             theirs = f"{lc['perplexity']:.4f}" if ppl and lc.get("perplexity") is not None else "-"
             exit_text = str(row["exit_code"]) + ("" if row["exit_code"] == 0 else f": {row['last_line'][:200]}")
             lines.append(f"| {path} | {exit_text} | {row['wall_s']} | {_gib(row['peak_rss_bytes'])} | {parity} | "
-                         f"{context} | {greedy} | {ours} | {theirs} |")
+                         f"{context} | {greedy} | {_past_window(row.get('past_window'))} | {ours} | {theirs} |")
         lines.append("")
         notes = [f"- {path}: " + (f"`{tuple(row['parity']['tolerance'])}`; " if row["parity"]["tolerance"] else "")
                  + row["parity"]["worst"]["reason"]
@@ -433,6 +495,36 @@ def markdown(results: dict[str, Any]) -> str:
         if notes:
             lines += ["Bounds (tolerance table key; reason):", "", *notes, ""]
     return "\n".join(lines)
+
+
+def _past_window(found: dict[str, Any] | None) -> str:
+    if not found:
+        return "-"
+    where = ("equal" if found["first_divergence"] is None else f"differ from token {found['first_divergence']}")
+    return f"{found['prompt_tokens']} + {found['new_tokens']}: {where}"
+
+
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``old`` results with the checkpoints and paths ``new`` measured replaced by its rows; the rest
+    of ``old`` (its meta, notes, other rows, each checkpoint's own facts and llama.cpp result) kept,
+    and ``new``'s run listed in ``meta.updates``."""
+    out = json.loads(json.dumps(old))
+    records = {r["checkpoint"]: r for r in out["checkpoints"]}
+    for record in new["checkpoints"]:
+        if record.get("not_run") or record["checkpoint"] not in records:
+            records.setdefault(record["checkpoint"], record)
+            continue
+        mine = records[record["checkpoint"]]
+        mine["paths"] = {**mine.get("paths", {}), **record["paths"]}
+        for key, value in record.items():  # the checkpoint's own facts (its folder, its text) as first measured
+            mine.setdefault(key, value)
+        if (mine.get("llama_cpp") or {}).get("perplexity") is None:
+            mine["llama_cpp"] = record.get("llama_cpp")
+        out["meta"].setdefault("updates", []).append({"date": new["meta"]["date"], "checkpoint": record["checkpoint"],
+                                                      "paths": sorted(record["paths"]),
+                                                      "versions": new["meta"]["versions"]})
+    out["checkpoints"] = list(records.values())
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -458,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", help="where the exports go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the exports")
     parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the written results' rows this run does not measure (see the docstring)")
     args = parser.parse_args(argv)
     checkpoints = [c for c in args.checkpoints.split(",") if c]
     paths = [p for p in args.paths.split(",") if p]
@@ -479,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         "llama_cpp": None}, "checkpoints": []}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    written_before = out_dir / "real_checkpoints.json"
+    previous = json.loads(written_before.read_text()) if args.merge and written_before.is_file() else None
     try:
         for name in checkpoints:
             given = getattr(args, name)
@@ -488,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["checkpoints"].append({"checkpoint": name, "description": CHECKPOINTS[name][0], "not_run": why})
                 continue
             results["checkpoints"].append(run_checkpoint(name, gguf, paths, text, work))
-            (out_dir / "real_checkpoints.json").write_text(json.dumps(results, indent=1) + "\n")
+            written = merged(previous, results) if previous else results  # kept if a later checkpoint fails
+            (out_dir / "real_checkpoints.json").write_text(json.dumps(written, indent=1) + "\n")
         # llama.cpp last, and looked for only now: a build that finishes during the exports is used
         llama, llama_why = llama_cpp_dir(args.llama_cpp)
         results["meta"]["llama_cpp"] = str(llama) if llama else llama_why
@@ -498,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep and not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
+    if previous:
+        results = merged(previous, results)
     (out_dir / "real_checkpoints.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "real_checkpoints.md").write_text(markdown(results) + "\n")
     print(markdown(results))

@@ -13,10 +13,12 @@ _INSTALL_HINTS = {
     "that reaches NVIDIA's package index",
     "triton": "pip install 'rmsnorm-deploy[triton]'",
     "transformers": "pip install 'rmsnorm-deploy[hf]'",
+    "llguidance": "pip install 'rmsnorm-deploy[serve]' (or pip install llguidance)",
     "safetensors": "pip install 'rmsnorm-deploy[hf]'",
-    # nvidia-pytriton pins numpy<2 although it runs with numpy 2 here (serving/pytriton_env.py): no-deps install
+    # nvidia-pytriton pins numpy<2 although it runs with numpy 2 here (serving/triton/pytriton_env.py): no-deps install
     "pytriton": "pip install 'rmsnorm-deploy[serve]' && pip install --no-deps nvidia-pytriton==0.7.0",
     "tritonclient": "pip install 'rmsnorm-deploy[serve]'",
+    "prometheus_client": "pip install 'rmsnorm-deploy[serve]'",
     "tokenizers": "pip install 'rmsnorm-deploy[hf]' (transformers brings tokenizers)",
     "gguf": "pip install 'rmsnorm-deploy[gguf]'",
     "accelerate": "pip install 'rmsnorm-deploy[gguf]'",

@@ -20,10 +20,16 @@ class Stage:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.notes: list[str] = []
+        self.status = ""
 
     def note(self, text: str) -> None:
         """Something worth showing when the stage ends (e.g. "5 norms")."""
         self.notes.append(text)
+
+    def show(self, text: str) -> None:
+        """How far the running stage is (e.g. "chunk 3/29"): beside its clock on a terminal, where the
+        next tick shows it; a log file gets no line per step."""
+        self.status = text
 
 
 class Progress:
@@ -57,7 +63,8 @@ class Progress:
 
                 def tick() -> None:
                     while not stop.wait(self.tick_seconds):
-                        self._write(f"\r{head} ... {time.perf_counter() - start:.0f}s")
+                        status = f"{stage.status} " if stage.status else ""
+                        self._write(f"\r{head} ... {status}{time.perf_counter() - start:.0f}s")
 
                 ticker = threading.Thread(target=tick, daemon=True)
                 ticker.start()
@@ -76,6 +83,7 @@ class Progress:
             if self.enabled:
                 status = "done" if ok else "failed"
                 extra = f" ({'; '.join(stage.notes)})" if stage.notes else ""
-                end = f"\r{head} ... {status} in {stage.seconds:.1f}s{extra}\n" if self._live() else \
+                # on a terminal: the ticking line replaced, what it showed beyond the end erased
+                end = f"\r{head} ... {status} in {stage.seconds:.1f}s{extra}\x1b[K\n" if self._live() else \
                     f"{head}: {status} in {stage.seconds:.1f}s{extra}\n"
                 self._write(end)

@@ -38,6 +38,17 @@ ORDER = (
     ("__main__",),
 )
 RANK = {name: rank for rank, names in enumerate(ORDER) for name in names}
+#: The order of the rooms inside ``serving``, lowest first, checked the same way; ``<top>`` is the
+#: modules at serving's top (the CLI's glue). Rooms of one rank do not import each other.
+SERVING = f"{NAME}.serving"
+SERVING_ORDER = (
+    ("engine",),
+    ("asgi",),
+    ("kserve", "openai"),
+    ("triton",),
+    ("<top>",),
+)
+SERVING_RANK = {name: rank for rank, names in enumerate(SERVING_ORDER) for name in names}
 #: the longest module, in lines, without a reason in its docstring; the longest function
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 100
 
@@ -105,18 +116,39 @@ def _package_of(module: str) -> str:
     return parts[1]
 
 
+def _room_of(module: str) -> str:
+    """The entry of :data:`SERVING_ORDER` a module of ``serving`` belongs to."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 else "<top>"
+
+
 def order_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Every import of a module from a later package (one line each)."""
+    """Every import of a module from a later package, or inside ``serving`` from a later room or a
+    room of the same rank (one line each)."""
     found = []
     for module, targets in sorted(graph.items()):
         here = _package_of(module)
         for target in sorted(targets):
             there = _package_of(target)
+            if there == here == "serving":
+                found += _room_violation(module, target)
+                continue
             if there == here or module.startswith(target + ".") and target == NAME:
                 continue
             if RANK[there] > RANK[here]:
                 found.append(f"{module} imports {target}: {there} comes after {here} in the package order")
     return found
+
+
+def _room_violation(module: str, target: str) -> list[str]:
+    here, there = _room_of(module), _room_of(target)
+    if here == there or target == SERVING:
+        return []
+    if SERVING_RANK[there] > SERVING_RANK[here]:
+        return [f"{module} imports {target}: {there} comes after {here} in serving's order"]
+    if SERVING_RANK[there] == SERVING_RANK[here]:
+        return [f"{module} imports {target}: {here} and {there} are rooms of one rank in serving's order"]
+    return []
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -249,6 +281,24 @@ def test_the_order_check_fails_on_a_planted_violation(tmp_path):
     ]
 
 
+def test_every_room_of_serving_is_in_its_order():
+    rooms = {_room_of(m) for m in _modules() if m.startswith(SERVING + ".")}
+    assert rooms == set(SERVING_RANK), sorted(rooms ^ set(SERVING_RANK))
+
+
+def test_the_serving_order_check_fails_on_a_planted_violation():
+    graph = {f"{SERVING}.engine.engine": {f"{SERVING}.kserve.generation"},
+             f"{SERVING}.openai.app": {f"{SERVING}.kserve.http_front", f"{SERVING}.engine.submit"},
+             f"{SERVING}.kserve.front": {f"{SERVING}.server", f"{SERVING}.asgi.body"},
+             f"{SERVING}.server": {f"{SERVING}.triton.binding"}}
+    assert order_violations(graph) == [
+        f"{SERVING}.engine.engine imports {SERVING}.kserve.generation: kserve comes after engine in serving's order",
+        f"{SERVING}.kserve.front imports {SERVING}.server: <top> comes after kserve in serving's order",
+        f"{SERVING}.openai.app imports {SERVING}.kserve.http_front: openai and kserve are rooms of one rank in "
+        "serving's order",
+    ]
+
+
 def _sizes() -> tuple[list[str], list[str]]:
     """Modules over :data:`MAX_MODULE_LINES` whose docstring gives no ``Long: <reason>`` line, and
     functions over :data:`MAX_FUNCTION_LINES` (a kernel may be, if its module says ``Kernel:``)."""
@@ -279,13 +329,16 @@ def test_the_package_root_keeps_the_public_surface_only():
 
 
 SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+#: described module by module too: the top-level subpackages and serving's rooms
+DESCRIBED = SUBPACKAGES + sorted(f"serving/{p.parent.name}" for p in PACKAGE.glob("serving/*/__init__.py"))
 
 
-@pytest.mark.parametrize("package", SUBPACKAGES)
+@pytest.mark.parametrize("package", DESCRIBED)
 def test_each_subpackage_says_what_each_of_its_modules_holds(package):
     init = PACKAGE / package / "__init__.py"
     doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
     modules = sorted(p.stem for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__")
+    modules += sorted(p.parent.name for p in (PACKAGE / package).glob("*/__init__.py"))
     unnamed = [m for m in modules if m.lstrip("_") not in doc]
     assert doc and not unnamed, f"{package}/__init__.py does not describe {unnamed}"
 

@@ -102,5 +102,5 @@ until curl -sf "http://127.0.0.1:${http_port}/v2/models/${model}/ready" >/dev/nu
 done
 echo "ready: http://127.0.0.1:${http_port}/v2/models/${model}, grpc 127.0.0.1:${grpc_port}"
 
-"$python" -m rmsnorm_deploy.serving.served_answers "$source" --model-name "$model" --backend "$backend" \
+"$python" -m rmsnorm_deploy.serving.kserve.served_answers "$source" --model-name "$model" --backend "$backend" \
     --http "127.0.0.1:${http_port}" --grpc "127.0.0.1:${grpc_port}"

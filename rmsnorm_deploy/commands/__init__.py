@@ -12,6 +12,7 @@ sweep        the standalone model of each lowering in ONNX Runtime CPU against t
 build        a strongly typed TensorRT engine
 check_trt    what a TensorRT version's parser imports, without TensorRT
 generate     tokens from a KV-cache model (``decoder.generate``), with its timings
+perplexity   a KV-cache model's perplexity over a text, and its KL divergence from a reference export
 serve        Triton Inference Server (embedded through PyTriton) in front of ONNX Runtime
 triton_repo  a model repository for the standalone Triton Inference Server
 env          versions, GPU, providers, TensorRT and the plugin

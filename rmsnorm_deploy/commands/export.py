@@ -53,8 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--target onnxruntime: past and present share one max-length buffer "
                              "(onnxruntime-genai's past_present_share_buffer)")
     parser.add_argument("--quantize", choices=SCHEMES,
-                        help="--target onnxruntime: weight-only int8 or int4 projections (ONNX Runtime's MatMulNBits, "
-                             "quantized by its own quantizer); every norm stays exact, in float32")
+                        help="--target onnxruntime: weight-only quantized projections (ONNX Runtime's MatMulNBits, "
+                             "quantized by its own quantizers), a recipe: int8 / int4 (symmetric, every projection), "
+                             "int4-mixed (llama.cpp Q4_K_M's layout: 4-bit with zero points, 8-bit head and half "
+                             "the Q/K/V, output and down projections), int4-kquant (the same, 4-bit blocks by "
+                             "k-quant search), int8-asym (8-bit with zero points, head too); "
+                             "each weight's width is printed and written in the model's metadata; every norm stays "
+                             "exact, in float32")
     parser.add_argument("--block-size", type=int, metavar="N",
                         help=f"--quantize: weights per scale, one of {', '.join(map(str, BLOCK_SIZES))} "
                              f"(default {DEFAULT_BLOCK_SIZE})")
@@ -62,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--quantize: MatMulNBits' accuracy_level: 0 or 1 compute in float32, 4 in int8 "
                              f"(default {DEFAULT_ACCURACY_LEVEL}: the fastest)")
     parser.add_argument("--quantize-lm-head", action="store_true",
-                        help="--quantize: the LM head too (default: kept in the graph's dtype)")
+                        help="--quantize int8/int4: the LM head too (default: kept in the graph's dtype; the other "
+                             "recipes always quantize it); a tied head and embedding are then one quantized weight")
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                         help=f"example batch size: traced and checked (default {DEFAULT_BATCH})")
     parser.add_argument("--seq", type=int, default=DEFAULT_SEQ,
@@ -172,6 +178,11 @@ def _run_ort_decoder(loaded, decoder_plan, progress, tensors) -> int:
     if result.parity is not None:
         print()
         print(result.parity.table())
+    if result.text_cost is not None:
+        from rmsnorm_deploy.decoder.divergence import text_cost_line
+
+        print(f"vs the unquantized model on text (what quantization costs, not checked): "
+              f"{text_cost_line(result.text_cost)}")
     if result.report_path is not None:
         print(f"report: {result.report_path}")
     if result.layer_by_layer:

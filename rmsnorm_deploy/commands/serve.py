@@ -47,10 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "UNAVAILABLE (default 64)")
     engine.add_argument("--max-tokens-in-flight", type=int, metavar="T",
                         help="tokens the preallocated KV cache holds in all: each of the --max-batch slots holds "
-                        "T / max-batch (default: every slot the model's maximum length)")
+                        "T / max-batch, the largest request (prompt + new tokens) (default: sized to the model and this "
+                        "machine's memory, never a model-length slot per stream; serve prints it)")
     engine.add_argument("--prefill-chunk", type=int, default=32, metavar="N",
                         help="prompt tokens prefilled per decode step: how long a newcomer may stall the running "
                         "streams (default 32)")
+    engine.add_argument("--prefix-cache-mb", type=int, default=256, metavar="MB",
+                        help="prompt KV kept across requests beside what the slots keep themselves (a prompt that "
+                        "starts with tokens computed before prefills only the rest; least recently used first out; "
+                        "0: the slots' own only; default 256)")
     engine.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, seconds the generations in flight may take to finish before they are "
                         "cancelled (default 30); no new request is admitted meanwhile")
@@ -58,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rmsnorm_deploy.runners.onnxruntime import provider_name
-    from rmsnorm_deploy.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServeOptions, serve
+    from rmsnorm_deploy.serving.server import serve
+    from rmsnorm_deploy.serving.triton.process import DEFAULT_MAX_REQUEST_BYTES, ServeOptions
 
     providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
     for p in providers:
@@ -67,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port, providers=providers or ("",),
                            model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                            max_tokens_in_flight=args.max_tokens_in_flight, prefill_chunk=args.prefill_chunk,
+                           prefix_cache_mb=args.prefix_cache_mb,
                            drain_timeout_s=args.drain_timeout, openai=not args.no_openai,
                            openai_port=args.openai_port,
                            max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rmsnorm_deploy.serving.repository import RepoOptions, write_repository
+    from rmsnorm_deploy.serving.triton.repository import RepoOptions, write_repository
 
     kind = args.kind or ("gpu" if Path(args.model).suffix in (".engine", ".plan") else "cpu")
     options = RepoOptions(model_name=args.model_name, max_batch=args.max_batch, instances=args.instances, kind=kind)

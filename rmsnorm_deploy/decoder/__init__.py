@@ -15,15 +15,23 @@ ort_graph           ``--target onnxruntime``: the graph (fused QKV, GroupQueryAt
                     nodes, optionally int8/int4 MatMulNBits) and ``build_decoder``, its entry point
 families            one module per model family that graph writes (projection names, norm places,
                     windows, rotary tables, softcaps, multipliers, MoE), found by the package
-ort_model           what that graph needs from a model: dimensions, LM head, rotary tables, refusals,
+ort_model           what that graph needs from a model: dimensions, LM head, refusals,
                     its metadata; read from the module tree, never from the projections' weights
 ort_builder         ``OrtDecoderBuilder``: the graph written part by part (``make_embedding``,
                     ``make_attention``, ``make_mlp``, ``make_norm``, ``make_lm_head`` ...)
+ort_moe             a mixture-of-experts MLP: the router's MatMul and one ``com.microsoft.MoE`` (``QMoE``
+                    when quantized), what their CPU kernels compute and where they are exact
+ort_rotary          the rotary tables GroupQueryAttention reads: partial rotary, LongRoPE's two tables and
+                    the run's rows sliced from the one its switch picks
+ort_quantized       the builder's quantized weights: MatMulNBits per the recipe's widths, and a tied
+                    quantized head and embedding stored once (GatherBlockQuantized + MatMulNBits)
 ort_writer          ``GraphWriter``: unique names, and the initializers kept in memory or appended to
                     the external-data file block by block (``ExternalData``)
 weights             tensor sources the builder reads: the modules, or a checkpoint's safetensors files
                     (sharded, memory-mapped, block by block)
-quantize            ``--quantize``: ONNX Runtime's weight-only quantizer per tensor, what MatMulNBits
+quant_recipes       ``--quantize`` recipes: each weight's width (bits, zero points, quantizer) by its
+                    role and layer (int8, int4, int4-mixed: llama.cpp Q4_K_M's layout, ...)
+quantize            ``--quantize``: ONNX Runtime's weight-only quantizers per tensor, what MatMulNBits
                     computes (dequantized weights, int8 activations) and the reference built from it
 streaming           a Hugging Face folder opened without its weights (parameters on the meta device,
                     the norms' real gains) for an export whose memory does not grow with the model
@@ -46,6 +54,9 @@ generate            ``KVCacheModel`` and ``generate``/``stream``: greedy or seed
                     ``SpeculationOptions`` (``generate --speculative``)
 perplexity          ``perplexity``: llama-perplexity's scheme (chunks from an empty cache, second half
                     scored, float64 log-softmax) over token ids, on any KV-cache export
+divergence          ``divergence``: KL divergence, top-1 agreement and both perplexities of a model
+                    against a reference (another export, or transformers) at perplexity's positions;
+                    what ``export --quantize`` reports quantization cost on text
 genai_client        ``genai_greedy``: onnxruntime-genai's own greedy tokens from an export folder
                     (optional dependency, loaded lazily)
 ==================  ===========================================================================

@@ -81,6 +81,12 @@ class KVCacheLayout:
     target: str = "portable"
     past_present_share_buffer: bool = False
     convention: str = CONVENTION
+    #: LongRoPE: a run whose longest row is longer than this rotates every token with the long table
+    #: (transformers decides per forward, for the whole batch), else with the short one.
+    rotary_switch: int | None = None
+    #: A decode loop whose cache grows past this length in one run drops its cache and runs the whole
+    #: sequence instead, once (transformers' ``generate`` for Phi-3: then no cached key keeps the short table).
+    recompute_past: int | None = None
 
     def __post_init__(self) -> None:
         for name, limit in _LIMITS.items():
@@ -96,6 +102,10 @@ class KVCacheLayout:
             raise KVCacheError(f"KV-cache layout: target {self.target!r} is not one of {', '.join(TARGETS)}")
         if not isinstance(self.past_present_share_buffer, bool):
             raise KVCacheError("KV-cache layout: past_present_share_buffer must be true or false")
+        for name in ("rotary_switch", "recompute_past"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise KVCacheError(f"KV-cache layout: {name} must be null or an integer >= 1, got {value!r}")
         if self.convention != CONVENTION:
             raise KVCacheError(f"KV-cache convention {self.convention!r} is not {CONVENTION!r}; export the model "
                                "again with this version")
@@ -146,6 +156,9 @@ class KVCacheLayout:
     # -- metadata ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        for name in ("rotary_switch", "recompute_past"):  # written where a model has them
+            if d[name] is None:
+                del d[name]
         d["inputs"] = {"input_ids": INPUT_IDS, "attention_mask": ATTENTION_MASK, "position_ids": POSITION_IDS,
                        "past_key_names": PAST_KEY, "past_value_names": PAST_VALUE}
         d["outputs"] = {"logits": LOGITS, "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE}
@@ -157,7 +170,7 @@ class KVCacheLayout:
         if not isinstance(data, Mapping):
             raise KVCacheError(f"the model's kv_cache metadata is {type(data).__name__}, not an object; export it again")
         names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in data and n not in ("target", "past_present_share_buffer", "convention")]
+        missing = [n for n in names if n not in data and n not in ("target", "past_present_share_buffer", "convention", "rotary_switch", "recompute_past")]
         if missing:
             raise KVCacheError(f"the model's kv_cache metadata lacks {', '.join(missing)}; export it again")
         for key, expected in (("inputs", cls.to_dict_names()[0]), ("outputs", cls.to_dict_names()[1])):
@@ -189,7 +202,8 @@ def layout_of(meta: Any, *, what: str = "the model") -> KVCacheLayout:
     raw = getattr(meta, "kv_cache", None) if meta is not None else None
     if not raw:
         raise KVCacheError(f"{what} is not a KV-cache model (its metadata records no kv_cache); export it with "
-                           "`rmsnorm-deploy export MODEL --kv-cache`")
+                           "`rmsnorm-deploy export MODEL --kv-cache` (a graph optimum or onnxruntime-genai wrote "
+                           "records none: its layout is not read from guesses)")
     return KVCacheLayout.from_dict(raw)
 
 

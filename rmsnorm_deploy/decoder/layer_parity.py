@@ -46,6 +46,7 @@ from rmsnorm_deploy.decoder.quantize import (
     WeightCheck,
     read_initializer,
     round_activations,
+    zero_points_of,
 )
 from rmsnorm_deploy.decoder.weights import TensorSource, parameter_names
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -164,14 +165,18 @@ class _LayerByLayer:
             x = round_activations(x, q.block_size)
         packed = read_initializer(self.proto, quantized.packed, self.folder) if quantized else None
         scales = read_initializer(self.proto, quantized.scales, self.folder) if quantized else None
+        zero = (read_initializer(self.proto, quantized.zero_points, self.folder)
+                if quantized is not None and quantized.zero_points else None)
         blocks = []
         for start in range(0, int(head.out_features), HEAD_BLOCK_ROWS):
             stop = min(int(head.out_features), start + HEAD_BLOCK_ROWS)
             w = self.tensors.rows(self.names[id(head.weight)], start, stop)
             if quantized is not None and q is not None:
-                deq = dequantize(packed[start:stop], scales[start:stop], bits=q.bits, block_size=q.block_size,
+                bits, rows = quantized.width.bits, None if zero is None else zero[start:stop]
+                deq = dequantize(packed[start:stop], scales[start:stop], rows, bits=bits, block_size=q.block_size,
                                  k=quantized.k).T.copy()
-                self.weights.add(path, w, deq, scales[start:stop], q.bits, q.block_size)
+                self.weights.add(path, w, deq, scales[start:stop], zero_points_of(rows, bits, scales[start:stop].shape),
+                                 quantized.width, q.block_size)
                 w = torch.from_numpy(deq)
             blocks.append((x @ w.to(x.dtype).T).float())
         return torch.cat(blocks, dim=-1).numpy()

@@ -186,8 +186,10 @@ def decode_steps(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray |
     the next token is asked for, so a stream can hand each token out before the next is made.
     ``input_ids`` [batch, prompt], left padding marked by zeros in ``attention_mask``;
     ``eos_token_ids`` empty: never stop early. Times go to ``clock``. The arguments are checked
-    before the first step runs. ``speculation`` (a ``decoder.speculative.Speculator``) proposes
-    tokens and verifies several in one run: the same loop, several tokens per run."""
+    before the first step runs. A step with a ``recompute_past`` (Phi-3's LongRoPE switch) runs the
+    whole sequence from an empty cache at the step that grows its cache past it, as transformers'
+    ``generate`` does. ``speculation`` (a ``decoder.speculative.Speculator``) proposes tokens and
+    verifies several in one run: the same loop, several tokens per run."""
     ids = np.ascontiguousarray(input_ids, dtype=np.int64)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -209,6 +211,9 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
     # The whole run's mask and positions at once: each step reads a prefix (cumsum is causal).
     total = np.ones((batch, prompt + max_new_tokens), dtype=np.int64)
     total[:, :prompt] = mask
+    recompute = getattr(step, "recompute_past", None)
+    history = np.zeros_like(total)  # every token so far, for a step that runs the whole sequence again
+    history[:, :prompt] = ids
     positions = position_ids_for(total, total.shape[1])
     eos = np.array(sorted({int(t) for t in eos_token_ids}), dtype=np.int64)
     finished = np.zeros(batch, dtype=bool)
@@ -217,6 +222,9 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
     while True:
         length = prompt + made
         started = time.perf_counter()
+        if made and recompute is not None and length - 1 <= recompute < length:
+            # transformers' generate (Phi-3): the cache is dropped once and the whole sequence runs again
+            cache, step_ids = step.empty_cache(batch), np.ascontiguousarray(history[:, :length])
         logits, cache = step.run(step_ids, np.ascontiguousarray(total[:, :length]),
                                  np.ascontiguousarray(positions[:, length - step_ids.shape[1]:length]), cache)
         token = np.array(pick(logits), dtype=np.int64)  # our own copy: a picker may hand out a view
@@ -230,6 +238,7 @@ def _steps(step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
         else:
             clock.prefill_s = elapsed
         made += 1
+        history[:, prompt + made - 1] = token
         if eos.size:
             finished |= np.isin(token, eos)
         yield token, logits
@@ -259,11 +268,6 @@ def decode_loop(step: Step, input_ids: np.ndarray, attention_mask: np.ndarray | 
     return Generation(np.stack(tokens, axis=1), clock.prefill_s, clock.decode_s, clock.steps, kept, clock.step_s)
 
 
-#: Why speculation refuses a batch on a GroupQueryAttention graph.
-SPECULATION_ONE_ROW = ("speculation checks one prompt at a time on a --target onnxruntime graph (ONNX Runtime's "
-                       "GroupQueryAttention takes several new tokens after a past only for one row); give one prompt")
-
-
 # -- ONNX Runtime's step -------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
@@ -278,6 +282,7 @@ class CacheLayout:
     #: GroupQueryAttention's graph (``--target onnxruntime``): its CPU kernel takes several new
     #: tokens after a past only for a batch of one (speculation checks one row at a time).
     grouped_query_attention: bool = False
+    recompute_past: int | None = None  # see decoder.convention.KVCacheLayout and decode_steps
     past_key: str = "past_key_values.{i}.key"
     past_value: str = "past_key_values.{i}.value"
     present_key: str = "present.{i}.key"
@@ -290,7 +295,9 @@ class CacheLayout:
                        head_dim=int(kv_cache["head_dim"]),
                        share_buffer=bool(kv_cache.get("past_present_share_buffer", False)),
                        max_length=int(kv_cache.get("max_length", 0)),
-                       grouped_query_attention=kv_cache.get("target") == "onnxruntime")
+                       grouped_query_attention=kv_cache.get("target") == "onnxruntime",
+                       recompute_past=(None if kv_cache.get("recompute_past") is None
+                                       else int(kv_cache["recompute_past"])))
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"the model's kv_cache metadata is incomplete ({exc!r}); export it again") from None
 
@@ -299,7 +306,8 @@ class CacheLayout:
         """From an ``decoder.convention.KVCacheLayout`` (already checked)."""
         return cls(layers=layout.num_layers, kv_heads=layout.kv_heads, head_dim=layout.head_dim,
                    share_buffer=layout.past_present_share_buffer, max_length=layout.max_length,
-                   grouped_query_attention=layout.target == "onnxruntime")
+                   grouped_query_attention=layout.target == "onnxruntime",
+                   recompute_past=layout.recompute_past)
 
     def pairs(self) -> list[tuple[str, str]]:
         out = []
@@ -336,6 +344,7 @@ class OrtStep:
             raise InputError(f"the model is not a KV-cache graph in the optimum/onnxruntime-genai convention "
                              f"(missing {', '.join((missing or [ATTENTION_MASK])[:3])})")
         self.takes_positions = POSITION_IDS in self.input_names
+        self.recompute_past = layout.recompute_past
         self._bf16 = self.dtype.name == "bfloat16"
 
     def _value(self, array: np.ndarray) -> Any:
@@ -371,8 +380,6 @@ class OrtStep:
     def run_all(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 cache: _OrtCache) -> tuple[np.ndarray, _OrtCache]:
         """Every fed position's logits [batch, sequence, vocab] (speculation's verification)."""
-        if input_ids.shape[0] > 1 and self.layout.grouped_query_attention and cache.vocab:
-            raise InputError(f"{SPECULATION_ONE_ROW} ({input_ids.shape[0]} rows)")
         logits, cache = self._run(input_ids, attention_mask, position_ids, cache)
         if logits is cache.logits:
             return np.array(logits), cache

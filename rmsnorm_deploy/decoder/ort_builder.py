@@ -13,7 +13,10 @@ Projections are one MatMul on the fused weights, or with ``quantization`` one
 ``com.microsoft.MatMulNBits`` whose weights ONNX Runtime's quantizer packed (``quantize``). Large
 weights (the embedding, the LM head) are cast or quantized in blocks of rows or columns, each
 block handed to the writer's sink as it is made (``ort_writer``): with an external-data sink no
-weight is ever whole in memory.
+weight is ever whole in memory. A mixture-of-experts MLP is written by ``ort_moe``.
+
+Long: the one writer of every family's graph, a method per part; what is one family's own lives in
+``families`` (and a mixture of experts in ``ort_moe``), so this grows only with the graph's parts.
 """
 
 from __future__ import annotations
@@ -41,12 +44,16 @@ from rmsnorm_deploy.decoder.ort_model import (
     kv_cache_metadata,
     lm_head_of,
     residual_output,
-    rotary_caches,
     skip_norm_node,
     skip_refusal,
 )
+from rmsnorm_deploy.decoder.ort_rotary import rotary_tables
 from rmsnorm_deploy.decoder.ort_writer import ExternalData, GraphWriter, InMemory
+from rmsnorm_deploy.decoder.ort_moe import make_moe
+from rmsnorm_deploy.decoder.ort_quantized import QuantizedWeights
+from rmsnorm_deploy.decoder.quant_recipes import role_of
 from rmsnorm_deploy.decoder.quantize import Quantization, QuantizedLinear, WeightQuantizer, metadata_entry
+from rmsnorm_deploy.decoder.quantize import QuantizedExperts
 from rmsnorm_deploy.decoder.weights import ModuleTensors, TensorSource, parameter_names
 from rmsnorm_deploy.exporter.detect import Detection, detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -62,7 +69,7 @@ BLOCK_BYTES = 64 * 2**20
 COLUMN_BLOCK_BYTES = 256 * 2**20
 
 
-class OrtDecoderBuilder:
+class OrtDecoderBuilder(QuantizedWeights):
     """Writes the decoder graph of one Llama-family causal LM (see the module docstring).
 
     ``loaded``: the model (its module tree; weights on the meta device when ``tensors`` holds
@@ -97,8 +104,13 @@ class OrtDecoderBuilder:
         self.tensor_names = parameter_names(self.lm)
         self.tensors = tensors if tensors is not None else ModuleTensors(self.lm)
         self.w = GraphWriter(self.dtype, sink)
-        self.quantizer = WeightQuantizer(quantization) if quantization is not None else None
+        self.quantizer = WeightQuantizer(quantization.block_size) if quantization is not None else None
         self.quantized: list[QuantizedLinear] = []
+        self.quantized_experts: list[QuantizedExperts] = []
+        #: the tied embedding's packed weight, written once by make_embedding for the head to read
+        self.shared_head: QuantizedLinear | None = None
+        #: the float embedding table a tied, unquantized head multiplies by (Gemm, transB)
+        self.tied_table = ""
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
         self.skip_fusion = lowering == "ort"
@@ -157,12 +169,17 @@ class OrtDecoderBuilder:
     def make_linear(self, name: str, x: str, linears: list[torch.nn.Linear], base: str, *,
                     quantize: bool = True, out: str | None = None) -> str:
         """``x @ cat(W_i).T (+ bias)`` for Linear modules on the same input: one MatMul, or one
-        MatMulNBits when the graph is quantized (and ``quantize``)."""
+        MatMulNBits at the width the ``--quantize`` recipe names for this weight (its role and
+        layer read from ``name``: ``quant_recipes.role_of``), unless ``quantize`` is False."""
         what = f"{name} ({', '.join(self._path(lin) for lin in linears)})"
         names = [self._tensor_name(lin.weight, what) for lin in linears]
         k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        if self.quantizer is not None and quantize:
-            y = self._matmul_nbits(name, x, linears, names, base, out)
+        width = None
+        if self.quantization is not None and quantize:
+            role, layer = role_of(name)
+            width = self.quantization.width(role, layer, self.dims.layers)
+        if width is not None:
+            y = self._matmul_nbits(name, x, linears, names, base, out, width)
         else:
             weight = self.w.blocks(name, (k, sum(sizes)), self.w.np_dtype, self._transposed_blocks(names, sum(sizes), k))
             y = self._emit("MatMul", [x, weight], base, out)
@@ -174,28 +191,6 @@ class OrtDecoderBuilder:
         self.w.nodes.append(helper.make_node(op, inputs, [out], name=self.w.name(f"{base}/{op}"),
                                              domain=MS_DOMAIN if op == "MatMulNBits" else None, **attrs))
         return out
-
-    def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
-                      out: str | None) -> str:
-        """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]):
-        the packed blocks go to the sink as they are made, the scales after them."""
-        assert self.quantizer is not None and self.quantization is not None
-        q = self.quantization
-        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
-        n, blocks = sum(sizes), -(-k // q.block_size)
-        scales: list[np.ndarray] = []
-
-        def packed_blocks() -> Iterator[np.ndarray]:
-            for _, rows in self._row_blocks(names, sizes, k):
-                packed, block_scales = self.quantizer(self.w.cast_transposed(rows))
-                scales.append(block_scales)
-                yield packed
-
-        packed = self.w.blocks(f"{name}_Q{q.bits}", (n, blocks, q.block_size * q.bits // 8), np.uint8, packed_blocks())
-        scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
-        self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
-            (self._path(lin), size) for lin, size in zip(linears, sizes))))
-        return self._emit("MatMulNBits", [x, packed, scale], base, out, **q.node_attributes(k, n))
 
     def _bias(self, name: str, x: str, linears: list[torch.nn.Linear]) -> str:
         biases = [lin.bias for lin in linears]
@@ -223,15 +218,15 @@ class OrtDecoderBuilder:
         w = self.w
         one_1d, axes1 = self.i64("one_1d", [1]), self.i64("axes_1", [1])
         seq_1d = w.one("Shape", ["input_ids"], "mask/seq_1d", start=1, end=2)
-        total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
+        total_1d = self.total_1d = w.one("Shape", ["attention_mask"], "mask/total_1d", start=1, end=2)
         self.chunk_bounds = (w.one("Sub", [total_1d, seq_1d], "mask/past_1d"), total_1d)
         chunk = w.one("Slice", ["attention_mask", *self.chunk_bounds, axes1], "mask/chunk")
         _, to_compact = w.node("TopK", [chunk, seq_1d], "mask/to_compact", outputs=2, axis=1, largest=1, sorted=1)
         _, self.back = w.node("TopK", [to_compact, seq_1d], "mask/to_original", outputs=2, axis=1, largest=0, sorted=1)
         self.ids = w.one("GatherElements", ["input_ids", to_compact], "mask/input_ids_compact", axis=1)
         self.to_compact, self.positions = to_compact, None
-        lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
-        self.seqlens = w.one("Cast", [w.one("Sub", [lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
+        self.lengths = w.one("ReduceSum", ["attention_mask", axes1], "mask/lengths", keepdims=0)  # [batch]
+        self.seqlens = w.one("Cast", [w.one("Sub", [self.lengths, one_1d], "mask/seqlens64")], "mask/seqlens_k",
                              to=TensorProto.INT32)
         # GroupQueryAttention's total_sequence_length: a scalar or, as here, a one-element vector.
         self.total_i32 = w.one("Cast", [total_1d], "mask/total_sequence_length", to=TensorProto.INT32)
@@ -241,23 +236,26 @@ class OrtDecoderBuilder:
 
     def make_rotary(self) -> None:
         """One cos/sin pair per rotary table the layers read (Gemma3: local and global attention;
-        ``""``: a layer without rotary, no table)."""
-        self.caches: dict[str | None, tuple[str, str]] = {}
-        for kind in dict.fromkeys(self.rotary_kinds):
-            if kind == "":
-                continue
-            cos, sin = rotary_caches(self.lm, self.dims, self.w.np_dtype, kind)
-            tag = f"_{kind}" if kind else ""
-            self.caches[kind] = (self.w.init(f"cos_cache{tag}", cos), self.w.init(f"sin_cache{tag}", sin))
+        ``""``: a layer without rotary, no table); LongRoPE's picked per run (``ort_rotary``)."""
+        self.caches, self.rotary_switch = rotary_tables(self.w, self.lm, self.dims, self.rotary_kinds, self.lengths,
+                                                        self.total_1d)
 
     def make_embedding(self) -> str:
-        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma)."""
+        """Gather from the embedding, written in blocks of rows; the family's scale after it (Gemma).
+        A head tied to the embedding and quantized: the weight is quantized once, at the head's
+        width, looked up by ``GatherBlockQuantized`` and multiplied by the head's MatMulNBits."""
         embed = self.lm.get_input_embeddings()
         name = self._tensor_name(embed.weight, "the input embedding")
         vocab, hidden = (int(d) for d in embed.weight.shape)
-        table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
-                              (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
-        x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+        width = self._tied_head_width(embed)
+        if width is not None:
+            x = self._quantized_lookup(embed, name, width)
+        else:
+            table = self.w.blocks(f"{self.prefix}model.embed_tokens.weight", (vocab, hidden), self.w.np_dtype,
+                                  (self.w.cast(rows) for _, rows in self._row_blocks([name], [vocab], hidden)))
+            x = self.w.one("Gather", [table, self.ids], EMBED_OUTPUT)
+            if getattr(self.lm.get_output_embeddings(), "weight", None) is embed.weight:
+                self.tied_table = table
         scale = self.family.embedding_scale(self.lm)
         if scale is not None:
             x = self.scalar_op("Mul", x, scale.detach().cpu().numpy(), "embed/scale", EMBED_SCALED_OUTPUT,
@@ -330,14 +328,16 @@ class OrtDecoderBuilder:
             qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]  # packed
-        window = self.windows[i]
-        softcap = family.attention_softcap(self.lm.config)
+        window, softcap, do_rotary = self.windows[i], family.attention_softcap(self.lm.config), int(bool(rotary))
+        if family.sinks is not None:  # head_sink is input 11, after cos, sin, position_ids, attention_bias
+            sinks = self.tensors.get(self._tensor_name(getattr(attn, family.sinks), f"{base}.self_attn.{family.sinks}"))
+            rotary = (rotary or ["", ""]) + ["", "", self.w.weight(f"{base}.self_attn.{family.sinks}", sinks)]
         gqa_out = self.w.node(
             "GroupQueryAttention",
             qkv_inputs + [f"past_key_values.{i}.key", f"past_key_values.{i}.value", self.seqlens, self.total_i32,
                           *rotary],
             f"{base}/attn/gqa", outputs=3, domain=MS_DOMAIN,
-            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=int(bool(rotary)),
+            num_heads=dims.heads, kv_num_heads=dims.kv_heads, scale=dims.scale, do_rotary=do_rotary,
             rotary_interleaved=int(family.rotary_interleaved),
             # local_window_size counts the query itself, as transformers' sliding_window does (measured:
             # window - 1 is 0.1 off on the logits from the first token past the window).
@@ -379,6 +379,10 @@ class OrtDecoderBuilder:
         gated = self.w.one("Mul", [self.make_activation(gate, f"{base}/mlp"), up], f"{base}/mlp/gated")
         return self.make_linear(f"{base}.mlp.down_proj.weight", gated, [getattr(mlp, family.down)],
                                 f"{base}/mlp/down")
+
+    def make_moe_mlp(self, mlp: torch.nn.Module, x: str, base: str) -> str:
+        """A mixture-of-experts MLP of a ``MoEFamily`` (``ort_moe``): router, then one MoE / QMoE node."""
+        return make_moe(self, self.family, mlp, x, base)
 
     def make_activation(self, x: str, base: str) -> str:
         """The family's activation of ``x`` (one of ``families.ACTIVATIONS``)."""
@@ -426,7 +430,7 @@ class OrtDecoderBuilder:
                 if part == "attn":
                     out = self.make_attention(i, layer, x, base)
                 else:
-                    out = self.family.make_mlp(self, layer, x, base)
+                    out = self.family.make_mlp(self, i, layer, x, base)
                 if norm_out:
                     out = self.make_norm(getattr(layer, norm_out), out)
                 pending = self._scaled(out, residual_scale, f"{base}/{part}/residual_scale")
@@ -444,17 +448,29 @@ class OrtDecoderBuilder:
         head = self.lm.get_output_embeddings()
         back_3d = self.w.one("Unsqueeze", [self.back, self.i64("axes_last", [-1])], "mask/to_original_3d")
         x = self.w.one("GatherND", [x, back_3d], "final_norm/to_original", batch_dims=1)
-        quantize = self.quantization is not None and self.quantization.lm_head
         config = self.lm.config
         divisor, cap = self.family.logits_divisor(config), self.family.final_softcap(config)
-        y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", quantize=quantize,
-                             out="logits" if divisor is None and cap is None else None)
+        out = "logits" if divisor is None and cap is None else None
+        if self.tied_table and (self.quantization is None or not self.quantization.head):
+            y = self._tied_float_head(x, out)
+        else:
+            y = self.make_linear(f"{self.prefix}lm_head.weight", x, [head], "lm_head", out=out)
         if divisor is not None:  # Python floats in the config: float32 math (scalar_op)
             y = self.scalar_op("Div", y, np.float32(divisor), "lm_head/divide", "logits" if cap is None else None)
         if cap is not None:  # cap * tanh(y / cap), in transformers' order
             t = self.w.one("Tanh", [self.scalar_op("Div", y, np.float32(cap), "lm_head/softcap/div")],
                            "lm_head/softcap/tanh")
             self.scalar_op("Mul", t, np.float32(cap), "lm_head/softcap/mul", "logits")
+
+    def _tied_float_head(self, x: str, out: str | None) -> str:
+        """``x @ E.T`` on the embedding's own [vocab, hidden] initializer: ``Gemm(transB=1)`` on x
+        flattened to [rows, hidden], then back to [batch, sequence, vocab]; the tied weight is
+        stored once (a MatMul would need it transposed: a second copy)."""
+        flat = self.w.one("Reshape", [x, self.i64("lm_head_rows", [-1, self.dims.hidden])], "lm_head/rows")
+        logits = self.w.one("Gemm", [flat, self.tied_table], "lm_head/gemm", transB=1)
+        lead = self.w.one("Shape", [x], "lm_head/lead", start=0, end=2)
+        shape = self.w.one("Concat", [lead, self.i64("lm_head_vocab", [self.dims.vocab])], "lm_head/shape", axis=0)
+        return self._node_to("Reshape", [logits, shape], "lm_head/logits", out)
 
     def _node_to(self, op: str, inputs: list[str], base: str, out: str | None, **attrs: Any) -> str:
         """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""
@@ -493,8 +509,9 @@ class OrtDecoderBuilder:
                   "total": [1, 1, max_len]},
             versions=tool_versions(),
             kv_cache=kv_cache_metadata(dims, self.dtype, share_buffer=self.share_buffer, max_length=max_len,
-                                       head=self.head_path),
-            quantization=(metadata_entry(self.quantization, self.quantized)
+                                       head=self.head_path, rotary_switch=self.rotary_switch,
+                                       recompute_past=self.family.recompute_past(self.lm.config)),
+            quantization=(metadata_entry(self.quantization, self.quantized, self.quantized_experts)
                           if self.quantization is not None else None),
         ).write(model)
         return model

@@ -20,19 +20,20 @@ from typing import Any
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
 from rmsnorm_deploy.decoder.convention import KVCacheLayout
+from rmsnorm_deploy.decoder.divergence import QUANTIZATION_TEXT_CHUNKS, quantization_text_cost, text_cost_line
 from rmsnorm_deploy.decoder.genai_config import write_serving_files
 from rmsnorm_deploy.decoder.layer_parity import LayerParity, layer_parity
 from rmsnorm_deploy.decoder.ort_graph import OrtDecoder, build_decoder
-from rmsnorm_deploy.decoder.ort_model import kv_cache_metadata
+from rmsnorm_deploy.decoder.ort_model import causal_lm
 from rmsnorm_deploy.decoder.ort_parity import DecodeParity, audit_norms, decode_parity
 from rmsnorm_deploy.decoder.ort_writer import ExternalData
-from rmsnorm_deploy.decoder.quantize import Quantization
+from rmsnorm_deploy.decoder.quantize import Quantization, widths_summary
 from rmsnorm_deploy.decoder.streaming import reference_fits
 from rmsnorm_deploy.decoder.weights import TensorSource
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter import hf
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
-from rmsnorm_deploy.graph.metadata import tool_versions
+from rmsnorm_deploy.graph.metadata import ModelMetadata, tool_versions
 from rmsnorm_deploy.graph.onnx_file import atomic_path, save_onnx
 from rmsnorm_deploy.progress import Progress
 
@@ -47,6 +48,9 @@ class OrtDecoderExport:
     serving_files: list[str] = dataclasses.field(default_factory=list)
     #: why the parity check ran layer by layer (a streamed model too large to load beside ONNX Runtime)
     layer_by_layer: str = ""
+    #: a quantized graph's perplexity and KL divergence against the unquantized model on the shipped text
+    #: (``divergence.quantization_text_cost``), or why they were not measured
+    text_cost: dict[str, Any] | None = None
 
     @property
     def parity_failed(self) -> bool:
@@ -97,10 +101,9 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
                                     lowering=options.lowering, share_buffer=share_buffer, max_length=max_length,
                                     quantization=quantization)
         st.note(f"{len(decoder.model.graph.node)} nodes, {decoder.norm_nodes} norm nodes audited in float32"
-                + (f", {len(decoder.quantized)} MatMulNBits" if decoder.quantized else ""))
-    max_len = int(max_length or decoder.dims.max_positions)
-    kv_cache = kv_cache_metadata(decoder.dims, options.dtype, share_buffer=share_buffer, max_length=max_len,
-                                 head=decoder.lm_head)
+                + (f", {len(decoder.quantized)} MatMulNBits: {widths_summary(decoder.quantized)}"
+                   if decoder.quantized else ""))
+    kv_cache = ModelMetadata.read(decoder.model).kv_cache
     with progress.stage("writing genai_config.json and the Hugging Face files beside it") as st:
         serving_files = write_serving_files(plan.model_path, KVCacheLayout.from_dict(kv_cache), loaded.source,
                                             hf_folder=loaded.folder, force=options.force)
@@ -124,15 +127,30 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
             result.parity = decode_parity(reference, str(plan.model_path), batch=options.batch, prompt=options.seq,
                                           seed=options.seed)
             st.note(result.parity.status)
+    if quantization is not None:
+        result.text_cost = _text_cost(result, reference, progress)
     parity = {**result.parity.to_dict(), **({"why": result.layer_by_layer} if result.layer_by_layer else {})}
     report = {
         "model": str(plan.model_path), "name": loaded.name, "dtype": options.dtype, "lowering": options.lowering,
         "source": loaded.source, "kv_cache": kv_cache, "serving_files": serving_files,
         "quantization": quantization.describe() if quantization is not None else None,
         "nodes": len(decoder.model.graph.node), "norms": [n.to_dict() for n in decoder.detection.norms],
-        "parity": parity, "versions": tool_versions(),
+        "parity": parity, "vs_unquantized_on_text": result.text_cost, "versions": tool_versions(),
     }
     with atomic_path(plan.report_path, force=options.force) as tmp:
         tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
     result.report_path = plan.report_path
     return result
+
+
+def _text_cost(result: OrtDecoderExport, reference: LoadedModel, progress: Progress) -> dict[str, Any]:
+    """What quantization cost on text (``divergence.quantization_text_cost``): the graph against
+    ``reference``, the unquantized transformers model, unless that model is too large to run whole."""
+    if result.layer_by_layer:
+        return {"measured": False, "why": "the unquantized model is too large to run whole beside ONNX Runtime's "
+                f"session ({result.layer_by_layer})"}
+    with progress.stage(f"what quantization cost on text: the graph vs the unquantized model in transformers, "
+                        f"the first {QUANTIZATION_TEXT_CHUNKS} chunks of the shipped GNU GPL v3") as st:
+        cost = quantization_text_cost(causal_lm(reference), result.path)
+        st.note(text_cost_line(cost))
+    return cost

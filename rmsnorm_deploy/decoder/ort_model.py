@@ -1,12 +1,11 @@
 """What the ONNX Runtime decoder graph needs from a model, read from its module tree and config.
 
-The dimensions (:class:`DecoderDims`), the LM head its forward uses, the rotary tables as its
-``rotary_emb`` computes them, where a residual ``Add`` and the norm after it may be one
-``SkipSimplifiedLayerNormalization``, and the metadata the graph carries: each read from the model,
-never guessed, and a one-line refusal (:class:`OrtDecoderError`) for anything the writer
-(``ort_builder``) cannot write exactly. Nothing here needs the weights of the projections: a
+The dimensions (:class:`DecoderDims`), the LM head its forward uses, where a residual ``Add``
+and the norm after it may be one ``SkipSimplifiedLayerNormalization``, and the metadata the graph
+carries: each read from the model, never guessed, and a one-line refusal (:class:`OrtDecoderError`)
+for anything the writer (``ort_builder``) cannot write exactly. Nothing here needs the weights of the projections: a
 module tree whose Linear and Embedding weights are on the meta device (a streamed export,
-``streaming``) is read the same way.
+``streaming``) is read the same way. The rotary tables are ``ort_rotary``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import onnx
 import torch
 from onnx import helper
@@ -133,33 +131,6 @@ def lm_head_of(lm: torch.nn.Module) -> tuple[torch.Tensor, str]:
     return head.weight, path
 
 
-def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype,
-                  layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim / 2] exactly as the model's ``rotary_emb`` computes them
-    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
-    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type."""
-    rotary = getattr(lm.model, "rotary_emb", None)
-    prefix = f"{layer_type}_" if layer_type else ""
-    inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
-    if not isinstance(inv_freq, torch.Tensor):
-        raise OrtDecoderError(f"the model has no rotary_emb.{prefix}inv_freq; --target onnxruntime writes rotary models")
-    rope_type = getattr(rotary, "rope_type", "default")
-    if isinstance(rope_type, dict):
-        rope_type = rope_type.get(layer_type, "default")
-    if rope_type == "dynamic":
-        raise OrtDecoderError("dynamic rotary scaling changes with the sequence length; use --target portable")
-    if inv_freq.numel() * 2 != dims.head_dim:
-        raise OrtDecoderError(f"partial rotary embeddings ({inv_freq.numel() * 2} of {dims.head_dim} dims) are not "
-                              "written by --target onnxruntime yet")
-    positions = torch.arange(dims.max_positions, dtype=torch.float32)
-    # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
-    freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
-    scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
-    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
-    return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
-
-
-
 #: The op that adds the residual and normalizes in one kernel (ONNX Runtime's CPU and CUDA).
 SKIP_NORM_OP = "SkipSimplifiedLayerNormalization"
 
@@ -197,7 +168,7 @@ def skip_norm_node(spec: RMSNormSpec, inputs: list[str], outputs: list[str], *, 
 
 
 def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_length: int,
-                      head: str) -> dict[str, Any]:
+                      head: str, rotary_switch: int | None = None, recompute_past: int | None = None) -> dict[str, Any]:
     """The ``kv_cache`` entry of the metadata: the convention's fields (the keys of
     ``decoder.convention.KVCacheLayout``), the target, its buffer mode and the LM head used."""
     return {
@@ -216,6 +187,9 @@ def kv_cache_metadata(dims: DecoderDims, dtype: str, *, share_buffer: bool, max_
                    "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
         "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
         "lm_head": head,
+        # LongRoPE (decoder.convention.KVCacheLayout): written where the model has them
+        **({"rotary_switch": int(rotary_switch)} if rotary_switch is not None else {}),
+        **({"recompute_past": int(recompute_past)} if recompute_past is not None else {}),
     }
 
 

@@ -8,7 +8,8 @@ amounts, the last position's logits compared per step.
 The verdict is grounded in float64, as the plain export's is (``exporter.parity``): transformers
 runs the graph's own tokens twice, in the model's dtype and in float64 (``upcast.float64_view``:
 every norm its spec's float64 oracle), and at each step the graph may be at most the
-``model_vs_float64`` bound's multiple of the same-dtype run's own distance from float64. The
+``model_vs_float64`` bound's multiple of the same-dtype run's own distance from float64 (its
+largest over the run's steps: the source's error level). The
 distance to transformers in the same dtype is context: on a trained deep model two float32
 runtimes drift further apart than either is from float64. Each greedy token must be the float64
 run's choice wherever its two best logits are further apart than twice that step's bound; closer
@@ -188,9 +189,15 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
         with float64_view(loaded.module, detect_norms(loaded.module, dtype=loaded.dtype).norms):
             wide = transformers_steps(lm, ids, mask, tokens=got.tokens)
     bound = accuracy_bound_for(*key)
+    # The source's own error level on this run: its largest distance from float64 over the steps. One
+    # step's distance is a sample of that level, not the level: on real Gemma 3 (int4, float32 compute)
+    # torch landed 4.1e-5 from float64 at one step and 1.7e-4 at the others, a bound below what float32
+    # promises at that step (the graph: 3.2e-4, as the unquantized graph there).
+    level = max(float(np.max(np.abs(e.astype(np.float64) - w), initial=0.0))
+                for e, w in zip(same.step_logits, wide.step_logits))
+    allowed = bound.tolerance(level)
     margins = []
-    for name, g, e, w in zip(names, got.step_logits, same.step_logits, wide.step_logits):
-        allowed = bound.tolerance(float(np.max(np.abs(e.astype(np.float64) - w), initial=0.0)))
+    for name, g, w in zip(names, got.step_logits, wide.step_logits):
         results.append(compare(g, w, allowed, name=name, dtype=dtype))
         margins.append(2 * allowed.atol)
     context = [compare(g, e, CONTEXT, name=n, dtype=dtype) for n, g, e in zip(names, got.step_logits, same.step_logits)]

@@ -1,16 +1,20 @@
 """Weight-only int8/int4 MatMuls (``export --quantize``): ONNX Runtime's quantizer, and what it computes.
 
-Each projection weight is quantized by ONNX Runtime's own weight-only quantizer
+Each projection weight is quantized by ONNX Runtime's own weight-only quantizers, one tensor at a
+time, so the graph writer can stream, at the width its ``--quantize`` recipe names for it
+(``quant_recipes``): round-to-nearest
 (``onnxruntime.quantization.matmul_nbits_quantizer.DefaultWeightOnlyQuantizer.qbits_block_quant``,
-its C++ ``quantize_matmul_4bits``/``quantize_matmul_8bits`` kernels), one tensor at a time, so the
-graph writer can stream: symmetric, one float scale per ``block_size`` values of an input column,
-packed as ``com.microsoft.MatMulNBits`` reads it ([N, K / block_size, block_size * bits / 8]
-bytes). The norms are not touched: they stay our exact ``rmsnorm_deploy::RMSNorm`` nodes.
+its C++ ``quantize_matmul_4bits``/``quantize_matmul_8bits`` kernels), symmetric or with zero
+points, or the k-quant scale search (``onnxruntime.quantization.neural_compressor.weight_only``);
+one float scale (and zero point) per ``block_size`` values of an input column, packed as
+``com.microsoft.MatMulNBits`` reads it ([N, K / block_size, block_size * bits / 8] bytes). The
+norms are not touched: they stay our exact ``rmsnorm_deploy::RMSNorm`` nodes.
 
 What the kernel multiplies by, and so the reference a quantized graph is held to:
 
-- the weights, dequantized: ``(q - 2^(bits-1)) * scale`` (:func:`dequantize`; exact in float32,
-  and equal bit for bit to what ``MatMulNBits`` multiplies an identity matrix into);
+- the weights, dequantized: ``(q - zero_point) * scale``, the zero point ``2^(bits-1)`` where
+  there is none (:func:`dequantize`; exact in float32, and equal bit for bit to what
+  ``MatMulNBits`` multiplies an identity matrix into and what ``GatherBlockQuantized`` looks up);
 - at ``accuracy_level`` 0 or 1 the input as it is (float32 compute);
 - at ``accuracy_level`` 4 (int8 compute) the input rounded per row and block of ``block_size`` to
   int8, with the scale ``max|x| / 127`` of its block (:func:`round_activations`), before the int8
@@ -30,13 +34,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from rmsnorm_deploy.decoder.quant_recipes import RECIPES, Recipe, Width
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.quantized import ACCURACY_COMPUTE
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.resources import package_version
 
-#: ``--quantize`` scheme -> bits per weight.
-SCHEMES = {"int8": 8, "int4": 4}
+#: ``--quantize`` recipes (``quant_recipes``): each weight's width and quantizer.
+SCHEMES = tuple(RECIPES)
 #: ``--accuracy-level`` -> the dtype MatMulNBits computes in on ONNX Runtime CPU.
 ACCURACY_LEVELS = ACCURACY_COMPUTE
 #: The fastest level at both bit widths on this project's CPU measurement (int8 weights compute
@@ -49,8 +54,9 @@ DEFAULT_BLOCK_SIZE = 32
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """How the projections' weights are quantized: ``scheme`` int8 or int4, ``block_size`` values
-    per scale, the kernel's ``accuracy_level``, and whether the LM head is quantized too."""
+    """How the weights are quantized: the recipe ``scheme`` (``quant_recipes.RECIPES``),
+    ``block_size`` values per scale, the kernel's ``accuracy_level``, and whether the LM head is
+    quantized too (a recipe may quantize it always: ``Recipe.head_always``)."""
 
     scheme: str
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -58,8 +64,8 @@ class Quantization:
     lm_head: bool = False
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
-            raise UserError(f"unknown --quantize {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        if self.scheme not in RECIPES:
+            raise UserError(f"unknown --quantize {self.scheme!r}; choose one of {', '.join(RECIPES)}")
         if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:
             raise UserError(f"--block-size {self.block_size!r} is not one MatMulNBits takes; choose one of "
                             f"{', '.join(map(str, BLOCK_SIZES))}")
@@ -69,8 +75,24 @@ class Quantization:
                             + " (2 and 3 ask for float16 and bfloat16 compute, which ONNX Runtime CPU runs as 1)")
 
     @property
+    def recipe(self) -> Recipe:
+        return RECIPES[self.scheme]
+
+    @property
+    def head(self) -> bool:
+        """Whether the LM head is quantized (asked for, or the recipe's own choice)."""
+        return self.lm_head or self.recipe.head_always
+
+    def width(self, role: str, layer: int = 0, layers: int = 1) -> Width | None:
+        """The width of one weight (``quant_recipes.ROLES``); None: kept in the graph's dtype."""
+        if role == "head" and not self.head:
+            return None
+        return self.recipe.width(role, layer, layers)
+
+    @property
     def bits(self) -> int:
-        return SCHEMES[self.scheme]
+        """The bits of a projection in the recipe's first layer (every one, for int8 and int4)."""
+        return self.recipe.width("o", 0, 1).bits
 
     @property
     def compute(self) -> str:
@@ -78,50 +100,109 @@ class Quantization:
         return ACCURACY_LEVELS[self.accuracy_level]
 
     def describe(self) -> str:
-        head = ", LM head too" if self.lm_head else ", LM head unquantized"
-        return (f"{self.scheme} weights (block {self.block_size}, symmetric), accuracy_level {self.accuracy_level} "
+        head = ", LM head too" if self.head else ", LM head unquantized"
+        what = "symmetric" if self.scheme in ("int8", "int4") else self.recipe.summary
+        return (f"{self.scheme} weights (block {self.block_size}, {what}), accuracy_level {self.accuracy_level} "
                 f"({self.compute} compute){head}")
 
-    def node_attributes(self, k: int, n: int) -> dict[str, int]:
+    def node_attributes(self, k: int, n: int, bits: int | None = None) -> dict[str, int]:
         """MatMulNBits' attributes; ``accuracy_level`` 0 is left out, as ONNX Runtime's quantizer does."""
-        attrs = {"K": int(k), "N": int(n), "bits": self.bits, "block_size": self.block_size}
+        attrs = {"K": int(k), "N": int(n), "bits": int(bits or self.bits), "block_size": self.block_size}
         if self.accuracy_level:
             attrs["accuracy_level"] = self.accuracy_level
         return attrs
 
 
-def _quantizer(q: Quantization) -> Any:
+@dataclasses.dataclass
+class QuantizedWeight:
+    """One weight as MatMulNBits reads it: ``packed`` [N, K/block, block*bits/8] uint8, ``scales``
+    [N, K/block] (the graph's float dtype), ``zero_points`` [N, ceil(K/block * bits/8)] uint8 or None."""
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+
+
+def _rtn(width: Width, block_size: int) -> Any:
     module = require("onnxruntime.quantization.matmul_nbits_quantizer", "quantizing weights (--quantize)")
-    config = module.DefaultWeightOnlyQuantConfig(block_size=q.block_size, is_symmetric=True, bits=q.bits)
+    config = module.DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=width.symmetric, bits=width.bits)
     return module.DefaultWeightOnlyQuantizer(config)
 
 
+def _kquant(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ONNX Runtime's k-quant search on a [K, N] weight: (q [N, blocks, block] uint8, scales [N,
+    blocks] float64, zero points [N, blocks] uint8); K padded with zeros to whole blocks."""
+    module = require("onnxruntime.quantization.neural_compressor.weight_only", "quantizing weights (--quantize)")
+    k, n = weight_kn.shape
+    blocks = -(-k // block_size)
+    padded = np.zeros((n, blocks * block_size), np.float32)
+    padded[:, :k] = np.asarray(weight_kn, np.float32).T
+    q, scales, zero = module.quant_tensor_k_quant_cpu(padded, bits, block_size)
+    return (q.astype(np.uint8).reshape(n, blocks, block_size), scales.reshape(n, blocks),
+            zero.astype(np.uint8).reshape(n, blocks))
+
+
+def pack_zero_points(zero: np.ndarray, bits: int) -> np.ndarray:
+    """[N, blocks] zero points as MatMulNBits and GatherBlockQuantized read them: one byte each at
+    8 bits; at 4 bits two a byte along the blocks, the low nibble first, an odd last one beside 8."""
+    if bits == 8:
+        return zero.astype(np.uint8)
+    n, blocks = zero.shape
+    padded = np.full((n, blocks + blocks % 2), 8, np.uint8)
+    padded[:, :blocks] = zero
+    return (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
+
+
+def zero_points_of(packed: np.ndarray | None, bits: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The [N, blocks] float32 zero points of packed ones (``2^(bits-1)`` each where there are none)."""
+    n, blocks = shape
+    if packed is None:
+        return np.full((n, blocks), float(1 << (bits - 1)), np.float32)
+    if bits == 8:
+        return packed.reshape(n, blocks).astype(np.float32)
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
+
+
 class WeightQuantizer:
-    """ONNX Runtime's weight-only quantizer, one [K, N] weight (or a block of its columns) at a time."""
+    """ONNX Runtime's quantizers, one [K, N] weight (or a block of its columns) at a time."""
 
-    def __init__(self, q: Quantization):
-        self.q = q
-        self._ort = _quantizer(q)
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._rtn: dict[Width, Any] = {}
 
-    def __call__(self, weight_kn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(packed [N, K/block, block*bits/8] uint8, scales [N, K/block])`` of a [K, N] float weight;
-        the scales in its dtype (float32 or float16)."""
-        packed, scales, _ = self._ort.qbits_block_quant(np.ascontiguousarray(weight_kn))
-        return packed, scales
+    def __call__(self, weight_kn: np.ndarray, width: Width) -> QuantizedWeight:
+        """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype."""
+        weight_kn = np.ascontiguousarray(weight_kn)
+        if width.method == "kquant":
+            q, scales, zero = _kquant(weight_kn, width.bits, self.block_size)
+            if width.bits == 4:
+                q = q[..., 0::2] | (q[..., 1::2] << 4)
+            return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales.astype(weight_kn.dtype),
+                                   pack_zero_points(zero, width.bits))
+        if width not in self._rtn:
+            self._rtn[width] = _rtn(width, self.block_size)
+        packed, scales, zero = self._rtn[width].qbits_block_quant(weight_kn)
+        return QuantizedWeight(packed, scales, None if width.symmetric else zero)
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray, *, bits: int, block_size: int, k: int) -> np.ndarray:
-    """The [K, N] float32 weights MatMulNBits multiplies by: ``(q - 2^(bits-1)) * scale``, the
-    padding of the last block dropped. int4: two values per byte, the low nibble first."""
+def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *, bits: int,
+               block_size: int, k: int) -> np.ndarray:
+    """The [K, N] float32 weights MatMulNBits multiplies by: ``(q - zero_point) * scale`` (zero
+    point ``2^(bits-1)`` without ``zero_points``), the padding of the last block dropped. int4: two
+    values per byte, the low nibble first. ``packed`` may be the 2-D [N, K * bits / 8] form
+    GatherBlockQuantized reads (the same bytes)."""
     n, blocks = scales.shape[0], int(math.ceil(k / block_size))
-    if packed.shape != (n, blocks, block_size * bits // 8):
+    shape = (n, blocks, block_size * bits // 8)
+    if packed.shape != shape and not (packed.ndim == 2 and packed.size == math.prod(shape)):
         raise UserError(f"packed weights of shape {list(packed.shape)} do not hold [{n}, {blocks}, "
                         f"{block_size * bits // 8}] for K={k}, block {block_size}, {bits} bits")
+    packed = packed.reshape(shape)
     if bits == 4:
         q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks, block_size)
     else:
         q = packed.reshape(n, blocks, block_size)
-    w = (q.astype(np.float32) - float(1 << (bits - 1))) * scales.astype(np.float32).reshape(n, blocks, 1)
+    zero = zero_points_of(zero_points, bits, (n, blocks))
+    w = (q.astype(np.float32) - zero.reshape(n, blocks, 1)) * scales.astype(np.float32).reshape(n, blocks, 1)
     return np.ascontiguousarray(w.reshape(n, blocks * block_size)[:, :k].T)
 
 
@@ -141,26 +222,104 @@ def round_activations(x: torch.Tensor, block_size: int) -> torch.Tensor:
 # -- what the graph records, and the reference built from it -------------------------------------
 @dataclasses.dataclass(frozen=True)
 class QuantizedLinear:
-    """One MatMulNBits of the graph: its packed weight and scales, and the Linear modules (paths in
-    the exported module tree) whose weights it holds side by side, with their output rows."""
+    """One MatMulNBits of the graph: its packed weight, scales and zero points ("" if none), its
+    width, and the Linear modules (paths in the exported module tree) whose weights it holds side
+    by side, with their output rows; ``embedding``: the Embedding module whose lookup
+    (GatherBlockQuantized) reads the same packed weight, when the head is tied to it."""
 
     packed: str
     scales: str
     k: int
     n: int
     parts: tuple[tuple[str, int], ...]
+    width: Width = Width(4)
+    zero_points: str = ""
+    embedding: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"packed": self.packed, "scales": self.scales, "K": self.k, "N": self.n,
-                "parts": [list(p) for p in self.parts]}
+        return {"packed": self.packed, "scales": self.scales, "zero_points": self.zero_points, "K": self.k,
+                "N": self.n, "parts": [list(p) for p in self.parts], **self.width.to_dict(),
+                "embedding": self.embedding}
 
 
-def metadata_entry(q: Quantization, linears: list[QuantizedLinear]) -> dict[str, Any]:
-    """The ``quantization`` entry of the model's metadata."""
-    return {"scheme": q.scheme, "bits": q.bits, "block_size": q.block_size, "accuracy_level": q.accuracy_level,
-            "compute": q.compute, "symmetric": True, "lm_head": q.lm_head,
-            "quantizer": f"onnxruntime {package_version('onnxruntime')} DefaultWeightOnlyQuantizer",
-            "linears": [lin.to_dict() for lin in linears]}
+def expert_rows(w: torch.Tensor, *, transposed: bool, halves: bool) -> torch.Tensor:
+    """One expert's weight (or bias, 1-D) as ``com.microsoft.MoE`` reads it, [N, K], from the model's
+    [N, K] ([K, N] when ``transposed``); ``halves``: the model's N rows are all gates then all ups,
+    which the op wants interleaved (gate 0, up 0, gate 1, ...)."""
+    w = w.t() if transposed else w
+    if halves:
+        half = w.shape[0] // 2
+        w = torch.stack([w[:half], w[half:]], dim=1).reshape(w.shape)
+    return w
+
+
+def expert_parameter(w: torch.Tensor, *, transposed: bool, halves: bool) -> torch.Tensor:
+    """The inverse of :func:`expert_rows`: the op's [N, K] back in the model's layout."""
+    if halves:
+        w = torch.cat([w[0::2], w[1::2]], dim=0)
+    return w.t() if transposed else w
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedExperts:
+    """One QMoE weight of the graph: packed [experts, N, K * bits / 8] and scales [experts, N, K / block],
+    and the model's fused experts parameter (its path) they hold, in the layout :func:`expert_rows` reads."""
+
+    packed: str
+    scales: str
+    k: int
+    n: int
+    experts: int
+    parameter: str
+    transposed: bool
+    halves: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def expert_width(q: Quantization) -> Width:
+    """How QMoE's expert weights are quantized under any recipe: symmetric round-to-nearest at the
+    recipe's bits (QMoE takes per-expert packing without per-tensor widths)."""
+    return Width(q.bits)
+
+
+def metadata_entry(q: Quantization, linears: list[QuantizedLinear],
+                   experts: list[QuantizedExperts] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """The ``quantization`` entry of the model's metadata: the recipe and, per weight, what it did
+    (QMoE's expert weights: symmetric round-to-nearest at the recipe's bits, :func:`expert_width`)."""
+    methods = sorted({lin.width.method for lin in linears} | ({"rtn"} if experts else set()))
+    return {"scheme": q.scheme, "recipe": q.recipe.summary, "bits": q.bits, "block_size": q.block_size,
+            "accuracy_level": q.accuracy_level, "compute": q.compute,
+            "symmetric": all(lin.width.symmetric for lin in linears), "lm_head": q.head,
+            "quantizer": f"onnxruntime {package_version('onnxruntime')} "
+                         + " and ".join(QUANTIZERS[m] for m in methods),
+            "linears": [lin.to_dict() for lin in linears], "experts": [e.to_dict() for e in experts]}
+
+
+def quantized_experts_of(entry: Any) -> list[QuantizedExperts]:
+    """The QMoE weights of a metadata ``quantization`` entry (none before mixtures of experts were written)."""
+    try:
+        return [QuantizedExperts(str(e["packed"]), str(e["scales"]), int(e["k"]), int(e["n"]), int(e["experts"]),
+                                 str(e["parameter"]), bool(e["transposed"]), bool(e["halves"]))
+                for e in entry.get("experts", [])]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"the model's quantization metadata is damaged ({exc}); export it again") from None
+
+
+def widths_summary(linears: list[QuantizedLinear]) -> str:
+    """What a recipe did, in one line: how many MatMulNBits at each width (and a tied weight stored once)."""
+    counts: dict[str, int] = {}
+    for lin in linears:
+        counts[lin.width.describe()] = counts.get(lin.width.describe(), 0) + 1
+    shared = [lin for lin in linears if lin.embedding]
+    return ", ".join(f"{n}x {w}" for w, n in counts.items()) + (
+        f"; the head and {shared[0].embedding} share one int{shared[0].width.bits} weight (GatherBlockQuantized)"
+        if shared else "")
+
+
+#: What each method is, in ONNX Runtime.
+QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant"}
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
@@ -171,9 +330,15 @@ def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
         linears = []
         for item in entry["linears"]:
             parts = tuple((str(path), int(rows)) for path, rows in item["parts"])
-            linear = QuantizedLinear(str(item["packed"]), str(item["scales"]), int(item["K"]), int(item["N"]), parts)
+            width = Width(int(item.get("bits", entry["bits"])), bool(item.get("symmetric", True)),
+                          str(item.get("method", "rtn")))
+            linear = QuantizedLinear(str(item["packed"]), str(item["scales"]), int(item["K"]), int(item["N"]), parts,
+                                     width, str(item.get("zero_points", "")), str(item.get("embedding", "")))
             if sum(rows for _, rows in parts) != linear.n or linear.k < 1:
                 raise ValueError(f"{linear.packed}: its parts' rows do not add up to N={linear.n}")
+            if bool(linear.zero_points) == width.symmetric:
+                raise ValueError(f"{linear.packed}: zero points {linear.zero_points!r} for a "
+                                 f"{'symmetric' if width.symmetric else 'zero-point'} width")
             linears.append(linear)
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the model's quantization metadata is damaged ({exc}); export it again") from None
@@ -192,51 +357,70 @@ def read_initializer(model: Any, name: str, base_dir: Any) -> np.ndarray:
 
 @dataclasses.dataclass
 class WeightCheck:
-    """The graph's quantized weights against the model's own: each within one quantization step
-    (rounding to the nearest step; the largest magnitude of a block sits at the end of the range,
-    where it may be up to one step off), each block's step its largest magnitude over 2^(bits-1)
-    (ONNX Runtime's symmetric scale). Without it a wrong packing would be its own reference."""
+    """The graph's quantized weights against the model's own: each the nearest point of its
+    block's grid ``(q - zero_point) * scale``, q in 0..2^bits - 1, to the original value (within
+    half a step of it, or of the grid's end where the quantizer clipped it: the k-quant search's
+    least-squares range may leave a block's extremes outside); and, for round-to-nearest, each
+    scale where ONNX Runtime's rule puts it: symmetric, the block's largest magnitude over
+    2^(bits-1); with zero points, the block's range (0 included) over 2^bits - 1. Without this
+    check a wrong packing would be its own reference."""
 
     name: str = "quantized weights vs the model's"
     weights: int = 0
-    max_steps: float = 0.0  # the largest |dequantized - original| in steps
-    worst_scale: float = 1.0  # the |scale| / (block max / 2^(bits-1)) farthest from 1
+    max_steps: float = 0.0  # the largest |dequantized - nearest grid point| in steps
+    worst_scale: float = 1.0  # the |scale| / (ONNX Runtime's rule) farthest from 1 (round-to-nearest)
     worst: str = ""
+    clipped: int = 0  # weights outside their block's grid (k-quant), set to its nearest end
 
     #: float rounding of the scale and of the dequantized product
     SLACK = 1e-5
+    #: the same in steps: float32 rounding of ``w / scale`` is up to ~2^bits ulps of a step (8 bits:
+    #: ~1.5e-5 measured on SmolLM2's head); a wrong packing is a whole step off
+    STEP_SLACK = 1e-3
 
-    def add(self, path: str, original: torch.Tensor, dequantized: np.ndarray, scales: np.ndarray, bits: int,
-            block_size: int) -> None:
-        """``original`` [rows, K] (the model's), ``dequantized`` [rows, K] and ``scales`` [rows, K/block] (the graph's)."""
+    def add(self, path: str, original: torch.Tensor, dequantized: np.ndarray, scales: np.ndarray,
+            zero: np.ndarray, width: Width, block_size: int) -> None:
+        """``original`` [rows, K] (the model's), ``dequantized`` [rows, K], ``scales`` and ``zero``
+        (unpacked zero points) [rows, K/block] (the graph's)."""
         w = original.detach().float().numpy()
         rows, k = w.shape
         blocks = scales.shape[1]
         padded = np.zeros((rows, blocks * block_size), np.float32)
-        padded[:, :k] = np.abs(w)
-        expected = padded.reshape(rows, blocks, block_size).max(-1) / float(1 << (bits - 1))
-        step = np.abs(scales.astype(np.float32))
+        padded[:, :k] = w
+        padded = padded.reshape(rows, blocks, block_size)
+        if width.symmetric:
+            expected = np.abs(padded).max(-1) / float(1 << (width.bits - 1))
+        else:
+            expected = (np.maximum(padded.max(-1), 0) - np.minimum(padded.min(-1), 0)) / float((1 << width.bits) - 1)
+        scale = scales.astype(np.float32)
+        ends = np.stack([-zero * scale, (float((1 << width.bits) - 1) - zero) * scale])
+        expand = lambda a: np.repeat(a, block_size, axis=-1)[..., :k]  # noqa: E731
+        nearest = np.clip(w, expand(ends.min(0)), expand(ends.max(0)))
+        step = np.abs(scale)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(expected > 0, step / expected, np.where(step > 0, np.inf, 1.0))
-            steps = np.abs(dequantized - w) / np.repeat(np.maximum(step, 1e-30), block_size, axis=1)[:, :k]
-        far = float(ratio.flat[np.argmax(np.abs(ratio - 1.0))])
-        if abs(far - 1.0) > abs(self.worst_scale - 1.0):
-            self.worst_scale = far
+            steps = 2.0 * np.abs(dequantized - nearest) / expand(np.maximum(step, 1e-30))
+        self.clipped += int(np.count_nonzero(np.abs(nearest - w) > self.SLACK * expand(step)))
+        if width.method == "rtn":
+            far = float(ratio.flat[np.argmax(np.abs(ratio - 1.0))])
+            if abs(far - 1.0) > abs(self.worst_scale - 1.0):
+                self.worst_scale = far
         if steps.size and float(steps.max()) > self.max_steps:
             self.max_steps, self.worst = float(steps.max()), path
         self.weights += w.size
 
     @property
     def passed(self) -> bool:
-        return self.max_steps <= 1.0 + self.SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
+        return self.max_steps <= 1.0 + self.STEP_SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
 
     def __bool__(self) -> bool:
         return self.passed
 
     def summary(self) -> str:
-        return (f"{self.name}: {'PASS' if self.passed else 'FAIL'} {self.weights:,} weights within "
-                f"{self.max_steps:.3g} quantization steps (at most 1){f' (worst: {self.worst})' if self.worst else ''}, "
-                f"every step the block's largest magnitude / 2^(bits-1) (farthest ratio {self.worst_scale:.6g})")
+        return (f"{self.name}: {'PASS' if self.passed else 'FAIL'} {self.weights:,} weights each within "
+                f"{self.max_steps / 2:.3g} quantization steps of its block's nearest grid point (at most 0.5)"
+                f"{f' (worst: {self.worst})' if self.worst else ''}, {self.clipped:,} clipped to the grid's end; "
+                f"every round-to-nearest step ONNX Runtime's (farthest ratio {self.worst_scale:.6g})")
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "passed": self.passed}
@@ -254,23 +438,25 @@ class Reference:
 def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base_dir: Any = None,
                           under: str = "", check: WeightCheck | None = None) -> Iterator[Reference]:
     """``root`` (the exported module tree) computing what the quantized ``model`` (a ModelProto;
-    its external data under ``base_dir``) computes: each quantized Linear's weight replaced by the
-    dequantized values read back from the graph (checked against the weight it replaces:
-    :class:`WeightCheck`) and, at int8 compute, its input rounded as the kernel rounds it; only the
-    Linears under the module path ``under`` when given (one layer at a time; ``check`` then gathers
-    the weights' check over the layers). Restored on exit."""
+    its external data under ``base_dir``) computes: each quantized Linear's weight and each quantized
+    experts parameter (QMoE's) replaced by the dequantized values read back from the graph (checked
+    against the weight it replaces: :class:`WeightCheck`) and, at int8 compute, their inputs rounded
+    as the kernels round them; only the weights under the module path ``under`` when given (one layer
+    at a time; ``check`` then gathers the weights' check over the layers). Restored on exit."""
     q, linears = quantization_of(entry)
+    experts = quantized_experts_of(entry)
     if under:
         linears = [lin for lin in linears if all(path.startswith(under + ".") for path, _ in lin.parts)]
+        experts = [e for e in experts if e.parameter.startswith(under + ".")]
     modules = dict(root.named_modules())
-    saved: list[tuple[torch.nn.Linear, torch.nn.Parameter]] = []
-    hooks = []
     check = check if check is not None else WeightCheck()
-    try:
+    with contextlib.ExitStack() as stack:
         for lin in linears:
             scales = read_initializer(model, lin.scales, base_dir)
-            weight = dequantize(read_initializer(model, lin.packed, base_dir), scales, bits=q.bits,
+            zero = read_initializer(model, lin.zero_points, base_dir) if lin.zero_points else None
+            weight = dequantize(read_initializer(model, lin.packed, base_dir), scales, zero, bits=lin.width.bits,
                                 block_size=q.block_size, k=lin.k)
+            zeros = zero_points_of(zero, lin.width.bits, scales.shape)
             start = 0
             for path, rows in lin.parts:
                 module = modules.get(path)
@@ -278,18 +464,67 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                     raise UserError(f"the quantization metadata names {path!r} [{rows}, {lin.k}], which is not a "
                                     "Linear of that shape in the model; export it again")
                 values = np.ascontiguousarray(weight[:, start:start + rows].T)
-                check.add(path, module.weight, values, scales[start:start + rows], q.bits, q.block_size)
-                saved.append((module, module.weight))
-                # A new Parameter, not an in-place copy: a head tied to the embedding stays untied.
-                module.weight = torch.nn.Parameter(torch.from_numpy(values).to(module.weight.dtype),
-                                                   requires_grad=False)
+                check.add(path, module.weight, values, scales[start:start + rows], zeros[start:start + rows],
+                          lin.width, q.block_size)
+                stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
                 start += rows
                 if q.compute == "int8":
-                    hooks.append(module.register_forward_pre_hook(
-                        lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])))
+                    stack.callback(module.register_forward_pre_hook(
+                        lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])).remove)
+            if lin.embedding:  # the lookup reads the same packed weight: the dequantized rows, exactly
+                embedding = modules.get(lin.embedding)
+                if not isinstance(embedding, torch.nn.Embedding) or tuple(embedding.weight.shape) != (lin.n, lin.k):
+                    raise UserError(f"the quantization metadata names {lin.embedding!r} [{lin.n}, {lin.k}], which "
+                                    "is not an Embedding of that shape in the model; export it again")
+                stack.enter_context(_replaced(embedding, "weight", torch.from_numpy(np.ascontiguousarray(weight.T))))
+        for item in experts:
+            _dequantized_experts(stack, modules, model, base_dir, q, item, check)
         yield Reference(q.compute, check)
+
+
+@contextlib.contextmanager
+def _replaced(module: torch.nn.Module, name: str, values: torch.Tensor) -> Iterator[None]:
+    """``module.name`` a new Parameter of ``values`` (not an in-place copy: a head tied to the embedding
+    stays untied) for the time of the block."""
+    saved = getattr(module, name)
+    setattr(module, name, torch.nn.Parameter(values.to(saved.dtype), requires_grad=False))
+    try:
+        yield
     finally:
-        for hook in hooks:
-            hook.remove()
-        for module, weight in reversed(saved):
-            module.weight = weight
+        setattr(module, name, saved)
+
+
+def _dequantized_experts(stack: contextlib.ExitStack, modules: dict[str, torch.nn.Module], model: Any, base_dir: Any,
+                         q: Quantization, item: QuantizedExperts, check: WeightCheck) -> None:
+    """One QMoE weight's dequantized values in place of the experts parameter it holds; at int8 compute,
+    the experts' input and their activated intermediate rounded per block (QMoE's two GEMMs): the experts
+    then run transformers' ``batched_mm`` implementation, which calls ``_apply_gate`` where the eager loop
+    inlines it."""
+    path, _, attr = item.parameter.rpartition(".")
+    module = modules.get(path)
+    original = getattr(module, attr, None)
+    if not isinstance(original, torch.Tensor) or original.dim() != 3 or original.shape[0] != item.experts:
+        raise UserError(f"the quantization metadata names {item.parameter!r}, which is not a fused experts parameter "
+                        "of the model; export it again")
+    packed, scales = read_initializer(model, item.packed, base_dir), read_initializer(model, item.scales, base_dir)
+    blocks = item.k // q.block_size
+    values = []
+    for e in range(item.experts):
+        rows = dequantize(packed[e].reshape(item.n, blocks, -1), scales[e], bits=q.bits, block_size=q.block_size,
+                          k=item.k).T
+        mine = expert_rows(original[e].detach().float(), transposed=item.transposed, halves=item.halves)
+        check.add(f"{item.parameter}[{e}]", mine, np.ascontiguousarray(rows), scales[e],
+                  zero_points_of(None, q.bits, scales[e].shape), expert_width(q), q.block_size)
+        values.append(expert_parameter(torch.from_numpy(np.ascontiguousarray(rows)), transposed=item.transposed,
+                                       halves=item.halves))
+    stack.enter_context(_replaced(module, attr, torch.stack(values)))
+    if q.compute == "int8" and attr == "gate_up_proj":
+        config, block = module.config, q.block_size
+        saved = config._experts_implementation_internal
+        config._experts_implementation_internal = "batched_mm"
+        stack.callback(setattr, config, "_experts_implementation_internal", saved)
+        gate = module._apply_gate
+        module._apply_gate = lambda gate_up: round_activations(gate(gate_up), block)
+        stack.callback(delattr, module, "_apply_gate")
+        stack.callback(module.register_forward_pre_hook(
+            lambda _m, args: (round_activations(args[0], block), *args[1:])).remove)

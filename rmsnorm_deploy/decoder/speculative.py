@@ -33,12 +33,15 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from rmsnorm_deploy.decoder.convention import position_ids_for
-from rmsnorm_deploy.decoder.loop import SPECULATION_ONE_ROW, DecodeClock, Sampling, Step, sampling_probabilities
+from rmsnorm_deploy.decoder.loop import DecodeClock, Sampling, Step, sampling_probabilities
 from rmsnorm_deploy.errors import InputError, UserError
 
 __all__ = ["AdaptiveK", "DraftModel", "PromptLookup", "SpeculationStats", "Speculator", "check_draft",
            "verify_greedy", "verify_sampled"]
 
+#: Why speculation refuses a batch on a GroupQueryAttention graph.
+SPECULATION_ONE_ROW = ("speculation checks one prompt at a time on a --target onnxruntime graph (ONNX Runtime's "
+                       "GroupQueryAttention takes several new tokens after a past only for one row); give one prompt")
 #: Longest pause (in runs without proposals) after proposals that keep failing.
 MAX_PAUSE = 16
 #: The extra share of a run each more fed token costs (measured on 2 CPU threads, SmolLM2-135M:
@@ -288,6 +291,9 @@ class Speculator:
             raise InputError(f"{type(step).__name__} cannot check proposed tokens (no run_all/rollback); "
                              "run without speculation")
         for each in (step, getattr(self.proposer, "step", None)):
+            if getattr(each, "recompute_past", None) is not None:
+                raise InputError("speculation cannot run this model: it recomputes its cache once past "
+                                 f"{each.recompute_past} tokens (Phi-3's LongRoPE switch); run without --speculative")
             layout = getattr(each, "layout", None)
             if ids.shape[0] > 1 and getattr(layout, "grouped_query_attention", False):
                 raise InputError(f"{SPECULATION_ONE_ROW} ({ids.shape[0]} prompts)")

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from rmsnorm_deploy.contract.dtypes import torch_dtype
+from rmsnorm_deploy.decoder.families import MoEFamily, family_of
 from rmsnorm_deploy.decoder.weights import SafetensorsTensors, parameter_names
 from rmsnorm_deploy.errors import one_line
 from rmsnorm_deploy.exporter import hf
@@ -65,25 +66,30 @@ def open_folder(folder: str | os.PathLike, dtype: str) -> tuple[LoadedModel, Saf
     the rest from."""
     checkpoint = hf.read_checkpoint(folder)
     path, config, model_cls = checkpoint.path, checkpoint.config, checkpoint.model_cls
-    tensors = SafetensorsTensors(path)
+    family = family_of(config)
+    moe = family if isinstance(family, MoEFamily) else None
+    tensors = SafetensorsTensors(path, experts=moe.checkpoint_experts if moe is not None else None)
     try:
         with parameters_on_meta(torch_dtype(dtype)):
             model = model_cls(config)
     except Exception as exc:  # transformers raises many kinds on a config it cannot build
         raise hf.HFModelError(f"{path}: transformers cannot build this config ({type(exc).__name__}: "
                               f"{one_line(exc)})") from None
-    _materialize_small_parameters(model, tensors, torch_dtype(dtype))
+    _materialize_small_parameters(model, tensors, torch_dtype(dtype),
+                                  streamed=f".mlp.{moe.experts}" if moe is not None else None)
     loaded = hf.loaded_model(model, config, dtype, name=checkpoint.name, source=checkpoint.source, folder=path)
     return loaded, tensors
 
 
 @torch.no_grad()
-def _materialize_small_parameters(model: torch.nn.Module, tensors: SafetensorsTensors, dtype: torch.dtype) -> None:
-    """The parameters of every module but Linear and Embedding (the norms' gains) read from the
-    checkpoint, checked and cast to ``dtype`` as ``from_pretrained`` casts them."""
+def _materialize_small_parameters(model: torch.nn.Module, tensors: SafetensorsTensors, dtype: torch.dtype, *,
+                                  streamed: str | None = None) -> None:
+    """The parameters of every module but Linear and Embedding and the experts (modules whose path ends
+    with ``streamed``) read from the checkpoint (the norms' gains, routers, sinks), checked and cast to
+    ``dtype`` as ``from_pretrained`` casts them."""
     names = parameter_names(model)
     for path, module in model.named_modules():
-        if isinstance(module, _STREAMED):
+        if isinstance(module, _STREAMED) or (streamed is not None and path.endswith(streamed)):
             continue
         for attr, param in list(module.named_parameters(recurse=False)):
             name = names[id(param)]

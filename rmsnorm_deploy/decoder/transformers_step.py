@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.families import family_of
 from rmsnorm_deploy.decoder.loop import Generation, decode_loop, forced, greedy
 from rmsnorm_deploy.errors import InputError
 
@@ -23,6 +24,9 @@ class TransformersStep:
 
     def __init__(self, lm: Any):
         self.lm = lm
+        family = family_of(lm.config)
+        #: what ``generate`` does on its own and the loop does for it (``decode_steps``)
+        self.recompute_past = family.recompute_past(lm.config) if family is not None else None
 
     def empty_cache(self, batch: int) -> Any:
         from transformers import DynamicCache

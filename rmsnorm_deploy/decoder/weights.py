@@ -12,11 +12,19 @@ blocks. Two sources answer:
 
 Every tensor is checked against the shape the module tree expects (the checkpoint is untrusted
 input): a missing tensor, another shape or a non-float dtype is a one-line error naming it.
+
+Mixture-of-experts checkpoints of Qwen3-MoE and Mixtral store each expert's projections apart
+(``mlp.experts.{e}.gate_proj.weight``; Mixtral ``block_sparse_moe.experts.{e}.w1.weight``), and
+transformers 5 still saves them so; its module tree holds them fused (``mlp.experts.gate_up_proj``
+[experts, 2I, hidden], ``down_proj``), as it merges them on load. Given the family's names
+(``MoEFamily.checkpoint_experts``), :class:`SafetensorsTensors` answers the fused names the same
+way, one expert (a block of rows of the fused tensor) at a time.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -75,7 +83,7 @@ class ModuleTensors:
 class SafetensorsTensors:
     """The tensors of a folder's ``*.safetensors`` files, read block by block through a memory map."""
 
-    def __init__(self, folder: str | os.PathLike):
+    def __init__(self, folder: str | os.PathLike, *, experts: tuple[str, str, str, str] | None = None):
         self.folder = Path(folder)
         self._safe_open = require("safetensors", "reading a checkpoint tensor by tensor").safe_open
         self.files = self._index()
@@ -83,6 +91,44 @@ class SafetensorsTensors:
         self.dtypes: dict[str, str] = {}
         for file in sorted(set(self.files.values())):
             self._read_header(file)
+        #: fused name -> per expert, the stored tensors whose rows it stacks; renamed name -> stored name
+        self.stacked: dict[str, list[list[str]]] = {}
+        self.renamed: dict[str, str] = {}
+        if experts is not None:
+            self._fuse_experts(*experts)
+
+    def _fuse_experts(self, block: str, gate: str, up: str, down: str) -> None:
+        """The fused names of the experts stored apart as ``{layer}.{block}.experts.{e}.{gate|up|down}.weight``
+        (see the module docstring); the router ``{layer}.{block}.gate.weight`` by the module tree's name."""
+        pattern = re.compile(rf"^(.*)\.{re.escape(block)}\.experts\.(\d+)\.({re.escape(gate)}|{re.escape(up)}|"
+                             rf"{re.escape(down)})\.weight$")
+        layers: dict[str, dict[int, dict[str, str]]] = {}
+        for name in self.files:
+            m = pattern.match(name)
+            if m:
+                layers.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = name
+        for layer, experts in layers.items():
+            count = len(experts)
+            if sorted(experts) != list(range(count)) or any(len(parts) != 3 for parts in experts.values()):
+                raise CheckpointError(f"{self.folder}: {layer}.{block}.experts does not hold {gate}, {up} and {down} "
+                                      f"for experts 0..{count - 1}; is the checkpoint complete?")
+            self._stack(f"{layer}.mlp.experts.gate_up_proj", [[experts[e][gate], experts[e][up]] for e in range(count)])
+            self._stack(f"{layer}.mlp.experts.down_proj", [[experts[e][down]] for e in range(count)])
+            router = f"{layer}.{block}.gate.weight"
+            if block != "mlp" and router in self.files:
+                self.renamed[f"{layer}.mlp.gate.weight"] = router
+                self.shapes[f"{layer}.mlp.gate.weight"] = self.shapes[router]
+                self.dtypes[f"{layer}.mlp.gate.weight"] = self.dtypes[router]
+
+    def _stack(self, name: str, parts: list[list[str]]) -> None:
+        first = self.shapes[parts[0][0]]
+        shapes = [[self.shapes[p] for p in expert] for expert in parts]
+        if any(len(sh) != 2 or sh[1] != first[1] for expert in shapes for sh in expert) or len(
+                {sum(sh[0] for sh in expert) for expert in shapes}) != 1:
+            raise CheckpointError(f"{self.folder}: the experts stacked as {name!r} do not all have the same shapes")
+        self.stacked[name] = parts
+        self.shapes[name] = (len(parts), sum(sh[0] for sh in shapes[0]), first[1])
+        self.dtypes[name] = self.dtypes[parts[0][0]]
 
     def _index(self) -> dict[str, Path]:
         """``name -> file`` from the headers of the folder's weight files: those of its shard index, or
@@ -109,16 +155,22 @@ class SafetensorsTensors:
 
     def check(self, name: str, shape: tuple[int, ...], what: str) -> None:
         """That ``name`` is stored with ``shape`` in a float dtype, or a one-line error naming it."""
-        if name not in self.files:
+        if name not in self.shapes:
             raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r} ({what}); is it complete?")
+        where = self.files.get(self.renamed.get(name, name), self.folder)
         if self.shapes[name] != tuple(shape):
-            raise CheckpointError(f"{self.files[name]}: tensor {name!r} has shape {list(self.shapes[name])}; the "
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(self.shapes[name])}; the "
                                   f"config makes {what} {list(shape)}")
         if self.dtypes[name] not in FLOAT_DTYPES:
-            raise CheckpointError(f"{self.files[name]}: tensor {name!r} is stored as {self.dtypes[name]}; weights are "
+            raise CheckpointError(f"{where}: tensor {name!r} is stored as {self.dtypes[name]}; weights are "
                                   f"read from {', '.join(FLOAT_DTYPES)} checkpoints (a quantized checkpoint is not)")
 
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        name = self.renamed.get(name, name)
+        if name in self.stacked:  # experts stored apart: only those of the rows asked for are read
+            experts = range(len(self.stacked[name]))[index[0] if index else slice(None)]
+            whole = torch.stack([torch.cat([self._read(p, ()) for p in self.stacked[name][e]]) for e in experts])
+            return whole[(slice(None), *index[1:])]
         if name not in self.files:
             raise CheckpointError(f"{self.folder}: the checkpoint has no tensor {name!r}")
         with self._open(self.files[name]) as f:

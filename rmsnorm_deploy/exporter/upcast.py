@@ -20,7 +20,9 @@ at a time, only while that module runs:
 * mixture-of-experts blocks of transformers (``@use_experts_implementation``): their default
   ``grouped_mm`` kernel has no float64 version, so for the duration of their forward their
   config says ``"eager"`` (the class's own loop over experts, float64-capable); the
-  same-dtype run keeps the implementation the model was loaded with.
+  same-dtype run keeps the implementation the model was loaded with;
+* ``softmax(x, dtype=torch.float32)`` (transformers' eager attention "upcasting" its scores):
+  on float64 scores it keeps float64 (:func:`softmax_never_narrows`).
 
 A float64 run that still fails is a one-line :class:`Float64RunError`: the reference is never
 skipped silently.
@@ -150,6 +152,29 @@ def _embedding64(module: torch.nn.Embedding):
 
 
 @contextlib.contextmanager
+def softmax_never_narrows() -> Iterator[None]:
+    """``torch.nn.functional.softmax(x, dtype=...)`` on float64 ``x`` computes in float64 inside the block.
+
+    transformers' eager attention (Gemma 2 has no other on CPU) writes ``softmax(scores,
+    dtype=torch.float32)`` to upcast; on float64 scores that narrows them, and float64's mask value
+    (-1.8e308) becomes -inf in float32: a query row that sees only padding is all -inf, its softmax
+    NaN, and NaN values times zero weights spread it to every position of a left-padded row.
+    """
+    original = F.softmax
+
+    def softmax(input: torch.Tensor, dim: Any = None, _stacklevel: int = 3, dtype: Any = None) -> torch.Tensor:
+        if input.dtype == torch.float64 and dtype is not None:
+            dtype = torch.float64
+        return original(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    F.softmax = softmax
+    try:
+        yield
+    finally:
+        F.softmax = original
+
+
+@contextlib.contextmanager
 def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[torch.nn.Module]:
     """``model`` computing in float64 inside the block; restored exactly on exit.
 
@@ -195,7 +220,7 @@ def float64_view(model: torch.nn.Module, norms: Sequence[Any] = ()) -> Iterator[
                 getattr(m, group)[name] = t
 
     try:
-        with swapped_modules(model, replacements):
+        with swapped_modules(model, replacements), softmax_never_narrows():
             for path, module in model.named_modules():
                 if path in norm_paths or isinstance(module, OracleRMSNorm):
                     continue

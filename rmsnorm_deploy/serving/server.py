@@ -1,12 +1,12 @@
 """``serve``: a real Triton Inference Server (embedded through PyTriton) behind our checking fronts,
-in front of our ONNX Runtime runner.
-
-Long: one server process: its ports, its Triton models and its stop, which share their state.
+in front of our ONNX Runtime runner: the glue that starts the rooms of ``serving`` in one process
+(the engine, Triton with the infer functions of ``triton.binding``, the KServe fronts, the OpenAI
+API) and stops them cleanly.
 
 The server is Triton's own binary: KServe v2 over HTTP and gRPC, Prometheus metrics, the dynamic
-batcher. Clients reach it through ``serving.front``: our HTTP (Starlette on uvicorn) and gRPC
+batcher. Clients reach it through ``serving.kserve.front``: our HTTP (Starlette on uvicorn) and gRPC
 fronts on the public ports check every inference request against the served models
-(``serving.request_check``: names, datatypes, shapes, sizes, the data carried) before Triton, on
+(``serving.kserve.request_check``: names, datatypes, shapes, sizes, the data carried) before Triton, on
 internal 127.0.0.1 ports, sees it; Triton 2.51 trusts a claimed shape and one request could take it
 down. Triton checks again and answers with its own errors, which the fronts pass on unchanged.
 Inference runs through :class:`OnnxRuntimeRunner`, so the provider checks (never a silent
@@ -18,7 +18,7 @@ default is every interface). The endpoints that change the server (model reposit
 memory, trace and log settings) are not served by the fronts, and need PyTriton's per-process
 access token on Triton's own ports; statistics stay readable, since they are how a user sees
 batching at work. After any stop, a crash included, nothing of the server is left on disk
-(``serving.leftovers``).
+(``serving.triton.leftovers``).
 """
 
 from __future__ import annotations
@@ -30,273 +30,41 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rmsnorm_deploy.decoder.generate import KVCacheModel
-from rmsnorm_deploy.errors import InputError, UserError, one_line
-from rmsnorm_deploy.graph.metadata import ModelMetadata
-from rmsnorm_deploy.graph.onnx_file import load_onnx
+from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
-from rmsnorm_deploy.serving.engine import Engine, EngineBusy, EngineUnavailable, StreamCancelled, StreamFailed
-from rmsnorm_deploy.serving.front import Front, FrontPorts
-from rmsnorm_deploy.serving.kserve_generation import (
+from rmsnorm_deploy.serving.engine.engine import Engine
+from rmsnorm_deploy.serving.kserve.front import Front, FrontPorts
+from rmsnorm_deploy.serving.kserve.generation import (
     GENERATION_INPUTS,
     GENERATION_OUTPUT,
     STREAM_INDEX,
     STREAM_SUFFIX,
     EngineStreams,
-    parse_generation_request,
 )
-from rmsnorm_deploy.serving.leftovers import new_workspace, remove_leftovers
-from rmsnorm_deploy.serving.process import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    ServeOptions,
-    ServeProcess,
-    check_model_name,
-    check_options,
-    check_port_free,
-    free_ports,
-    start_serve_process,
+from rmsnorm_deploy.serving.kserve.signature import TensorSpec, model_path, read_signature
+from rmsnorm_deploy.serving.triton.binding import (
+    BatchedInference,
+    GenerationInference,
+    StreamingGenerationInference,
+    generation_endpoint,
+    pytriton_tensor,
+    served_models,
+    token_bounds_of,
 )
-from rmsnorm_deploy.serving.pytriton_env import CANCELLED, REQUEST_NUMBER, prepare_process, refusal
-from rmsnorm_deploy.serving.request_check import ExpectedInput, Refused, ServedModel, numpy_check
-from rmsnorm_deploy.serving.signature import Signature, TensorSpec, model_path, read_signature
-from rmsnorm_deploy.validate.feeds import check_token_ids, token_bounds
+from rmsnorm_deploy.serving.triton.leftovers import new_workspace, remove_leftovers
+from rmsnorm_deploy.serving.triton.process import ServeOptions, check_options, free_ports
+from rmsnorm_deploy.serving.triton.pytriton_env import prepare_process
 
 #: Triton's endpoints that only an operator should reach (PyTriton's token guards them).
 PROTECTED_ENDPOINTS = ["model-repository", "shared-memory", "trace", "logging"]
-
-
-class BatchedInference:
-    """PyTriton's infer function: the requests of one batch, run through the runner, split back.
-
-    Triton's dynamic batcher hands over requests whose non-batch dims may still differ (a
-    sequence of 9 tokens and one of 12): those are grouped by shape, each group stacked along
-    the batch dim and run once, each request answered with its own rows. Rows are computed the
-    same way alone or stacked (the serving tests check this bit for bit).
-    """
-
-    def __init__(self, runner: Any, signature: Signature, served: ServedModel | None = None,
-                 token_bounds: dict[str, int] | None = None):
-        self.runner = runner
-        self.signature = signature
-        self.input_names = [t.name for t in signature.inputs]
-        self.lock = threading.Lock()
-        self.served = served
-        self.token_bounds = token_bounds or {}
-
-    def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
-        feeds = [{name: np.asarray(request[name]) for name in self.input_names} for request in requests]
-        results: list[dict[str, np.ndarray] | None] = [self.refusal(feed) for feed in feeds]
-        if not self.signature.batched:
-            return [result or self._run(feed) for result, feed in zip(results, feeds)]
-        groups: dict[tuple, list[int]] = {}
-        for index, feed in enumerate(feeds):
-            if results[index] is not None:
-                continue
-            key = tuple((name, feed[name].dtype.str, feed[name].shape[1:]) for name in self.input_names)
-            groups.setdefault(key, []).append(index)
-        for members in groups.values():
-            if len(members) == 1:
-                results[members[0]] = self._run(feeds[members[0]])
-                continue
-            stacked = {name: np.concatenate([feeds[i][name] for i in members]) for name in self.input_names}
-            outputs = self._run(stacked)
-            start = 0
-            for i in members:
-                rows = len(feeds[i][self.input_names[0]])
-                results[i] = {k: v[start:start + rows] for k, v in outputs.items()}
-                start += rows
-        return [r for r in results if r is not None]
-
-    def _run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        with self.lock:
-            return self.runner.infer(feed)
-
-    def refusal(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-        """The refusal (HTTP 400, one line) of a request the model cannot answer, else ``None``: dims
-        outside the model's ranges (an empty sequence), token ids outside the vocabulary (ONNX
-        ``Gather`` would wrap a negative one round to the table's end and answer 200)."""
-
-        try:
-            if self.served is not None:
-                numpy_check(self.served, feed)
-            check_token_ids(feed, self.token_bounds)
-        except (Refused, InputError) as exc:
-            return refusal(str(exc))
-        return None
-
-
-#: the largest OpenAI request body: JSON parsed into Python objects (a prompt longer than any model fits)
+#: the largest OpenAI request body: JSON parsed into Python objects (a prompt longer than any model fits);
+#: ``--max-request-bytes`` lowers it
 OPENAI_MAX_REQUEST_BYTES = 8 << 20
-
-
-class GenerationInference:
-    """PyTriton's infer function for a KV-cache graph's whole answers: each request goes to the
-    generation engine (``serving.engine``) and is answered when its stream ends.
-
-    ``input_ids`` INT64 [n] is one prompt; ``max_new_tokens`` INT64 [1] is optional (default
-    :data:`~rmsnorm_deploy.decoder.generate.DEFAULT_MAX_NEW_TOKENS`); ``output_ids`` INT64 [m] are
-    the new tokens, greedy, ending at the folder's end-of-sequence token if one comes: the tokens
-    ``generate(model, [prompt])`` returns, whatever else the engine runs meanwhile. Nothing is
-    locked across a generation: the function awaits its stream in PyTriton's event loop, so the
-    model's instance takes the next request at once (its proxy answers through the request's
-    sender: ``pytriton_env``'s ``answer_later``).
-
-    Refused (:func:`~rmsnorm_deploy.serving.pytriton_env.refusal`, one line): a bad request (no
-    ``input_ids``, ids outside the vocabulary, too long, ``max_new_tokens`` < 1) with HTTP 400 /
-    gRPC ``INVALID_ARGUMENT``; a full queue, a model still warming up or a server that is stopping
-    with HTTP 503 / gRPC ``UNAVAILABLE``; a failed generation step with HTTP 500 / gRPC
-    ``INTERNAL``. The proxy's notice that Triton cancelled a request cancels its stream.
-    """
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        #: streams by the proxy's request number, for its cancellation notices
-        self.streams: dict[int, Any] = {}
-
-    async def __call__(self, requests: Sequence[Any]) -> list[dict[str, np.ndarray]]:
-        import asyncio
-
-        return list(await asyncio.gather(*(self._one(request) for request in requests)))
-
-    async def _one(self, request: Any) -> dict[str, np.ndarray]:
-        if self.cancel_notice(request):
-            return {}  # nobody waits for this answer
-        stream = self.submit(request)
-        if isinstance(stream, dict):
-            return stream
-        try:
-            tokens = await stream.result_async()
-        except Exception as exc:  # noqa: BLE001 - StreamFailed / StreamCancelled: one line to the client
-            return stream_refusal(exc)
-        finally:
-            self.forget(request)
-        return {GENERATION_OUTPUT: np.asarray(tokens, dtype=np.int64)}
-
-    def submit(self, request: Any) -> Any:
-        """The request's ``Stream`` in the engine, or the refusal to answer it with."""
-
-        try:
-            prompt, max_new_tokens = parse_generation_request(request)
-            stream = self.engine.submit(prompt, max_new_tokens=max_new_tokens, name="max_new_tokens")
-        except (EngineBusy, EngineUnavailable) as exc:
-            return refusal(str(exc), "unavailable")
-        except InputError as exc:
-            return refusal(str(exc))
-        number = _request_number(request)
-        if number is not None:
-            self.streams[number] = stream
-        return stream
-
-    def forget(self, request: Any) -> None:
-        number = _request_number(request)
-        if number is not None:
-            self.streams.pop(number, None)
-
-    def cancel_notice(self, request: Any) -> bool:
-        """True when ``request`` is the proxy's notice that Triton cancelled requests; their streams
-        are cancelled (the engine frees their slots at its next step)."""
-
-        if CANCELLED not in request.keys():
-            return False
-        for number in np.asarray(request[CANCELLED]).reshape(-1).tolist():
-            stream = self.streams.pop(int(number), None)
-            if stream is not None:
-                stream.cancel()
-        return True
-
-
-class StreamingGenerationInference(GenerationInference):
-    """The decoupled twin of :class:`GenerationInference` (model ``<name>_stream``): one response per
-    new token as the engine makes it (``output_ids`` INT64 [1], ``index`` INT64 [1]), then Triton's
-    final (empty) response. The tokens are those ``generate`` returns for the same request.
-
-    A refused request, and a stream that fails or is cancelled by the server, get one error
-    response on the stream (the codes of :class:`GenerationInference`). A client that closes its
-    stream is reported by the proxy: its generation is cancelled and its slot freed.
-    """
-
-    async def __call__(self, requests: Sequence[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:  # type: ignore[override]
-        if len(requests) != 1:  # Triton hands an unbatched model's requests over one by one
-            raise RuntimeError(f"the streaming model got {len(requests)} requests at once; it answers one at a time")
-        request = requests[0]
-        if self.cancel_notice(request):
-            return
-        stream = self.submit(request)
-        if isinstance(stream, dict):
-            yield [stream]
-            return
-        index = 0
-        try:
-            async for token in stream:
-                yield [{GENERATION_OUTPUT: np.array([token], dtype=np.int64),
-                        STREAM_INDEX: np.array([index], dtype=np.int64)}]
-                index += 1
-        except Exception as exc:  # noqa: BLE001 - StreamFailed / StreamCancelled: one line to the client
-            yield [stream_refusal(exc)]
-        finally:
-            self.forget(request)
-
-
-def stream_refusal(exc: BaseException) -> dict[str, np.ndarray]:
-    """The answer to a stream that did not end normally: a failed step is a server fault (500), a
-    stream cancelled by the server (a drain out of time) is unavailable (503)."""
-
-    if isinstance(exc, StreamCancelled):
-        return refusal(str(exc), "unavailable")
-    if isinstance(exc, StreamFailed):
-        return refusal(str(exc), "internal")
-    return refusal(f"generation failed: {one_line(exc)}", "internal")
-
-
-def _request_number(request: Any) -> int | None:
-
-    number = (getattr(request, "parameters", None) or {}).get(REQUEST_NUMBER)
-    return number if isinstance(number, int) else None
-
-
-def generation_endpoint(path: Path, signature: Signature, providers: Sequence[str]) -> Any:
-    """The ``KVCacheModel`` a KV-cache graph is served through, or ``None`` for a stateless graph.
-
-    A KV-cache graph's ``present`` outputs are the next step's ``past`` inputs, so it is not served
-    as a stateless model (every client would run its own cache round trip): it becomes a
-    generation model (:class:`GenerationInference`) with the same name. Its metadata and inputs
-    are checked here, before any port is opened: a graph with past/present pairs but no
-    ``kv_cache`` metadata is refused in one line.
-    """
-    if not signature.is_kv_cache:
-        return None
-
-    return KVCacheModel(path, providers)
-
-
-def _pytriton_tensor(spec: TensorSpec, batched: bool):
-    from pytriton.model_config import Tensor
-
-    return Tensor(name=spec.name, dtype=np.dtype(spec.dtype), shape=tuple(spec.dims(batched=batched)))
-
-
-def _token_bounds(path: Path) -> dict[str, int]:
-    """The vocabulary bound of each token-id input (``validate.feeds.token_bounds``: metadata, else
-    the embedding table the graph gathers from)."""
-
-    model = load_onnx(path, load_external=False)
-    return token_bounds(model, ModelMetadata.read(model))
-
-
-def served_models(signature: Signature, name: str, *, generation: bool) -> list[ServedModel]:
-    """What the fronts check each served model's requests against: the same tensors Triton is given."""
-    if generation:
-        inputs = tuple(ExpectedInput(n, "INT64", tuple(d if d > 0 else "n" for d in dims))
-                       for n, dims, _ in GENERATION_INPUTS)
-        return [ServedModel(name, inputs), ServedModel(name + STREAM_SUFFIX, inputs)]
-    inputs = tuple(ExpectedInput(t.name, t.kserve_type, t.shape) for t in signature.inputs)
-    ranges = {d: r for d, r in signature.ranges.items() if d != signature.batch_dim}
-    return [ServedModel(name, inputs, signature.max_batch if signature.batched else 0, ranges)]
 
 
 def _describe(tensors: Sequence[TensorSpec]) -> str:
@@ -321,7 +89,7 @@ class Server:
         self.generator = generation_endpoint(self.path, self.signature, options.providers)
         if self.generator is not None:
             options.engine_options().check()
-        from rmsnorm_deploy.serving.openai_serve import openai_placement  # optional: pydantic, starlette
+        from rmsnorm_deploy.serving.openai.serve import openai_placement  # optional: pydantic, starlette
 
         self.openai_place, self.openai_note = openai_placement(self.generator, enabled=options.openai,
                                                                port=options.openai_port)
@@ -388,9 +156,9 @@ class Server:
                 batching=sig.batched, max_batch_size=sig.max_batch if sig.batched else 0,
                 batcher=DynamicBatcher(max_queue_delay_microseconds=o.queue_delay_us),
             )
-            infer_func = BatchedInference(self.runner, sig, self.models[0], _token_bounds(self.path))
-            inputs = [_pytriton_tensor(t, sig.batched) for t in sig.inputs]
-            outputs = [_pytriton_tensor(t, sig.batched) for t in sig.outputs]
+            infer_func = BatchedInference(self.runner, sig, self.models[0], token_bounds_of(self.path))
+            inputs = [pytriton_tensor(t, sig.batched) for t in sig.inputs]
+            outputs = [pytriton_tensor(t, sig.batched) for t in sig.outputs]
         try:
             self.workspace = new_workspace()
             self.triton = Triton(config=config, workspace=self.workspace,
@@ -408,15 +176,20 @@ class Server:
             self.start_openai()
 
     def start_front(self) -> None:
-        """The public fronts, once Triton serves on its internal ports (``serving.front``)."""
+        """The public fronts, once Triton serves on its internal ports (``serving.kserve.front``)."""
 
         o = self.options
         ports = FrontPorts(o.host, o.http_port, o.grpc_port, *self.internal)
         streams = {}
-        if self.engine is not None:  # token streams over gRPC straight from the engine (serving.kserve_generation)
+        if self.engine is not None:  # token streams over gRPC straight from the engine (serving.kserve.generation)
             name = o.model_name + STREAM_SUFFIX
             streams[name] = EngineStreams(self.engine, name, (GENERATION_OUTPUT, STREAM_INDEX)).answer
-        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes, streams=streams)
+        mounts = []
+        if self.engine is not None:  # the engine's Prometheus metrics beside the KServe routes
+            from rmsnorm_deploy.serving.engine.metrics import metrics_route  # optional: prometheus-client
+
+            mounts.append(metrics_route(self.engine))
+        self.front = Front(self.models, ports, max_request_bytes=o.max_request_bytes, streams=streams, mounts=mounts)
         try:
             self.front.start()
         except UserError:
@@ -424,12 +197,13 @@ class Server:
             raise
 
     def start_openai(self) -> None:
-        """The OpenAI API on its own port, over the warm engine (``serving.openai_serve``)."""
-        from rmsnorm_deploy.serving.openai_serve import OpenAIServer, engine_app  # optional: pydantic, starlette
+        """The OpenAI API on its own port, over the warm engine (``serving.openai.serve``)."""
+        from rmsnorm_deploy.serving.openai.serve import OpenAIServer, engine_app  # optional: pydantic, starlette
 
         o = self.options
         try:
-            app, self.openai_note = engine_app(self.engine, o.model_name, max_request_bytes=OPENAI_MAX_REQUEST_BYTES)
+            limit = min(o.max_request_bytes, OPENAI_MAX_REQUEST_BYTES)
+            app, self.openai_note = engine_app(self.engine, o.model_name, max_request_bytes=limit)
             self.openai = OpenAIServer(app, o.host, o.openai_port).start()
         except UserError:
             self.stop()
@@ -558,8 +332,4 @@ def serve(model: str | Path, options: ServeOptions, *, say: Callable[[str], None
             signal.signal(sig, handler)
 
 
-__all__ = ["ServeOptions", "Server", "serve", "BatchedInference", "GenerationInference",
-           "StreamingGenerationInference", "check_options", "free_ports",
-           "generation_endpoint", "InputError", "served_models",
-           # kept importable from here (serving.process holds them)
-           "DEFAULT_MAX_REQUEST_BYTES", "ServeProcess", "check_model_name", "check_port_free", "start_serve_process"]
+__all__ = ["Server", "serve"]

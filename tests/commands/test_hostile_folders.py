@@ -280,7 +280,8 @@ def test_serve_refuses_hostile_side_files_before_a_port_opens(folders, tmp_path,
     ``start`` binds any port)."""
     pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
     from rmsnorm_deploy.errors import UserError
-    from rmsnorm_deploy.serving.server import ServeOptions, Server
+    from rmsnorm_deploy.serving.server import Server
+    from rmsnorm_deploy.serving.triton.process import ServeOptions
 
     folder = _damaged_copy(folders, tmp_path, case)
     with pytest.raises(UserError) as exc:

@@ -86,3 +86,15 @@ def test_int8_costs_less_than_int4_against_the_unquantized_model(real_weights):
     int8, int4 = (real_weights.export(kind).report["parity"]["vs_unquantized"] for kind in QUANTIZED)
     assert max(int8["max_abs"]) < max(int4["max_abs"])
     assert int8["same_argmax"] >= int4["same_argmax"]
+
+
+def test_a_quantized_export_measures_its_cost_on_text(real_weights):
+    """Beside its parity, each quantized export reports its perplexity and KL divergence against the
+    unquantized model (transformers float32) on the shipped text: int8 costs less than int4."""
+    int8, int4 = (real_weights.export(kind).report["vs_unquantized_on_text"] for kind in QUANTIZED)
+    for cost in (int8, int4):
+        assert cost["measured"] and cost["chunks"] == 4 and cost["scored_tokens"] == 4 * 127, cost
+        assert "float32" in cost["reference"] and math.isfinite(cost["perplexity"]), cost
+    assert int8["reference_perplexity"] == pytest.approx(int4["reference_perplexity"], rel=1e-6)
+    assert 0 < int8["kl_mean"] < int4["kl_mean"] and int8["same_top"] > int4["same_top"]
+    assert "vs the unquantized model on text" in real_weights.export("kv-ort-int4").output

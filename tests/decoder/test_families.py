@@ -15,7 +15,7 @@ from rmsnorm_deploy.decoder.convention import KVCacheLayout, left_padded  # noqa
 from rmsnorm_deploy.decoder.families import FAMILIES, REFUSED, refusal  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.decoder.genai_config import write_serving_files  # noqa: E402
-from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.loop import KVDecoderRunner, decode_loop  # noqa: E402
 from rmsnorm_deploy.decoder.ort_export import write_ort_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError  # noqa: E402
@@ -25,6 +25,7 @@ from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # no
 from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
+from rmsnorm_deploy.serving.engine.slots import slots_refusal  # noqa: E402
 from tests.decoder.families import ROWS, FamilyRow, tiny_config  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
@@ -32,6 +33,25 @@ NEW_TOKENS = 32
 #: Prompt tokens beyond the window in the past-window tests (decode then runs 32 more past it).
 PAST_WINDOW = 5
 IDS = [row.name for row in ROWS]
+
+
+def _one_per_family() -> list[FamilyRow]:
+    """One row per model type for the checks that hold the family, not each config of it, to a path
+    (int4, the written folder): its last row that onnxruntime-genai runs, else its last row (the
+    table lists a family's plain config first and its harder ones after)."""
+    chosen: dict[str, FamilyRow] = {}
+    for row in ROWS:
+        kept = chosen.get(row.model_type)
+        if kept is None or row.genai or not kept.genai:
+            chosen[row.model_type] = row
+    return list(chosen.values())
+
+
+FAMILY_ROWS = _one_per_family()
+FAMILY_IDS = [row.name for row in FAMILY_ROWS]
+#: New tokens of the written folder's checks (generate, the engine, genai): the decode past the
+#: window is held to 32 tokens by the graph's own greedy test.
+FOLDER_TOKENS = 16
 
 
 def _prompt_length(row: FamilyRow) -> int:
@@ -105,13 +125,13 @@ def test_every_norm_is_our_node_audited_in_float32(row):
     assert (row.window is not None) == (row.window in windows)
 
 
-@pytest.mark.parametrize("row", ROWS, ids=IDS)
+@pytest.mark.parametrize("row", FAMILY_ROWS, ids=FAMILY_IDS)
 def test_int4_matches_its_dequantized_model(row):
     """int4 (block 32, float32 compute): step logits within the quantized row of the tolerance
     table and greedy tokens equal to transformers on the dequantized weights."""
     loaded = _loaded(row)
     dec = build_decoder(loaded, quantization=Quantization("int4", 32, 0, False), max_length=64)
-    parity = decode_parity(loaded, dec.model, batch=2, prompt=_prompt_length(row), steps=2)
+    parity = decode_parity(loaded, dec.model, batch=2, prompt=_prompt_length(row), steps=1)
     assert not parity.failed, parity.table()
     ids, mask = random_left_padded(2, _prompt_length(row), loaded.vocab_size, seed=5)
     got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=16).tokens
@@ -130,27 +150,68 @@ def _folder(row: FamilyRow, tmp_path):
     return loaded, path.parent
 
 
-@pytest.mark.parametrize("row", ROWS, ids=IDS)
+@pytest.mark.parametrize("row", FAMILY_ROWS, ids=FAMILY_IDS)
 def test_folder_generates_serves_and_runs_in_genai(row, tmp_path):
-    """``generate`` and the serving engine give transformers' tokens for a prompt past the window;
-    onnxruntime-genai gives the same tokens where it knows the model type."""
-    from rmsnorm_deploy.serving.engine import Engine, EngineOptions
+    """``generate`` gives transformers' tokens for a batch of prompts past the window; the serving
+    engine and onnxruntime-genai (where it knows the model type) those of each prompt alone (under
+    LongRoPE transformers' batch switches every row's table when its longest row crosses)."""
+    from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions
 
     loaded, folder = _folder(row, tmp_path)
     prompts = [[int(t) for t in np.random.default_rng(7).integers(3, 250, size=_prompt_length(row))], [5, 17, 99]]
     ids, mask = left_padded(prompts, 0)
-    want = _generate(loaded.module.model, ids, mask, NEW_TOKENS).tolist()
+    alone = [_generate(loaded.module.model, *left_padded([p], 0), FOLDER_TOKENS)[0].tolist() for p in prompts]
+    # Rows of a batch decode alone, except under LongRoPE, where the batch's longest row picks every row's table.
+    coupled = "rope_scaling" in row.config
+    want = _generate(loaded.module.model, ids, mask, FOLDER_TOKENS).tolist() if coupled else alone
     with KVCacheModel(folder) as kv:
-        assert generate(kv, prompts, max_new_tokens=NEW_TOKENS, eos_token_id=None).tokens == want
+        assert generate(kv, prompts, max_new_tokens=FOLDER_TOKENS, eos_token_id=None).tokens == want
         engine = Engine(kv, EngineOptions(max_batch=2, prefill_chunk=4)).start(warm=False)
         try:
-            streams = [engine.submit(p, max_new_tokens=NEW_TOKENS, eos_token_id=None) for p in prompts]
-            assert [s.result(timeout=120) for s in streams] == want
+            streams = [engine.submit(p, max_new_tokens=FOLDER_TOKENS, eos_token_id=None) for p in prompts]
+            assert [s.result(timeout=120) for s in streams] == alone
         finally:
             engine.drain(5)
     if row.genai:
         pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
         from rmsnorm_deploy.decoder.genai_client import genai_greedy
 
-        theirs = genai_greedy(folder, prompts[0], NEW_TOKENS)
-        assert theirs == want[0][:len(theirs)] and theirs, (theirs, want[0])
+        theirs = genai_greedy(folder, prompts[0], FOLDER_TOKENS)
+        assert theirs == alone[0][:len(theirs)] and theirs, (theirs, alone[0])
+
+
+LONGROPE_ROWS = [row for row in ROWS if "rope_scaling" in row.config]
+
+
+@pytest.mark.parametrize("row", LONGROPE_ROWS, ids=[row.name for row in LONGROPE_ROWS])
+def test_longrope_switch_and_recompute_are_in_the_metadata(row, tmp_path):
+    """The graph slices its run's rows from the table the switch picks (short and long stacked); the
+    loop recomputes there (transformers' generate); the engine's streams take turns (one table per
+    run would couple them)."""
+    dec = build_decoder(_loaded(row))
+    kv = ModelMetadata.read(dec.model).kv_cache
+    switch = row.config["original_max_position_embeddings"]
+    assert kv["rotary_switch"] == kv["recompute_past"] == switch
+    stacked = {i.name: i.dims[0] for i in dec.model.graph.initializer if "_cache_short_long" in i.name}
+    assert sorted(stacked) == ["cos_cache_short_long", "sin_cache_short_long"]
+    assert set(stacked.values()) == {2 * row.config["max_position_embeddings"]}
+    _, folder = _folder(row, tmp_path)
+    with KVCacheModel(folder) as model:
+        assert "LongRoPE" in slots_refusal(model)
+
+
+@pytest.mark.parametrize("row", LONGROPE_ROWS, ids=[row.name for row in LONGROPE_ROWS])
+def test_longrope_graph_runs_in_genai(row, tmp_path):
+    """onnxruntime-genai 0.18 runs the LongRoPE graph (short table, then the long one past the switch)
+    as our loop does without the recompute: genai recomputes Phi-3's cache only at a fixed 4097 tokens."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    from rmsnorm_deploy.decoder.genai_client import genai_greedy
+
+    _, folder = _folder(row, tmp_path)
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 250, size=_prompt_length(row))]
+    step = KVDecoderRunner(str(folder / "model.onnx")).step
+    assert len(prompt) <= step.recompute_past < len(prompt) + NEW_TOKENS  # the run crosses the switch
+    step.recompute_past = None  # as genai runs it below 4097 tokens
+    ours = decode_loop(step, np.asarray([prompt]), max_new_tokens=NEW_TOKENS).tokens[0].tolist()
+    theirs = genai_greedy(folder, prompt, NEW_TOKENS)
+    assert len(theirs) == NEW_TOKENS and theirs == ours, (theirs, ours)

@@ -127,8 +127,8 @@ def test_refusals(models):
     nemotron = hf.from_config({**hf.TINY_CONFIGS["llama"], "model_type": "nemotron"}, "float32", seed=0)
     with pytest.raises(OrtDecoderError, match="does not write 'nemotron' models yet; it writes .*llama"):
         build_decoder(nemotron)
-    with pytest.raises(OrtDecoderError, match="final_logit_softcapping"):
-        build_decoder(models("gemma3", final_logit_softcapping=30.0))
+    with pytest.raises(OrtDecoderError, match="llama: activation 'relu' is not written by --target onnxruntime"):
+        build_decoder(models("llama", hidden_act="relu"))
     with pytest.raises(OrtDecoderError, match="GroupQueryAttention has no bfloat16 CPU kernel"):
         build_decoder(hf.from_config(hf.TINY_CONFIGS["llama"], "bfloat16", seed=0))
     with pytest.raises(OrtDecoderError, match="outside the model's 1..128 positions"):

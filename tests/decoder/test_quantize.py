@@ -1,5 +1,6 @@
-"""``export --kv-cache --target onnxruntime --quantize int8|int4``: ONNX Runtime's MatMulNBits with the
-norms still our exact float32 nodes; the reference is the model holding the dequantized weights (and,
+"""``export --kv-cache --target onnxruntime --quantize RECIPE``: ONNX Runtime's MatMulNBits (and, for a
+tied quantized head, GatherBlockQuantized on the same packed weight) with the norms still our exact
+float32 nodes; the reference is the model holding the dequantized weights (and,
 at int8 compute, int8-rounded inputs), held to its own row of the tolerance table, with transformers'
 greedy tokens; the cost against the unquantized model reported beside it."""
 
@@ -20,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
+from rmsnorm_deploy.decoder.quant_recipes import RECIPES, Width, use_more_bits  # noqa: E402
 from rmsnorm_deploy.decoder.quantize import (  # noqa: E402
     Quantization,
     WeightQuantizer,
@@ -45,40 +47,83 @@ def llama():
     return hf.from_config(hf.TINY_CONFIGS["llama"], "float32", seed=0)
 
 
-def _nbits_model(packed: np.ndarray, scales: np.ndarray, k: int, n: int, q: Quantization) -> bytes:
-    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", **q.node_attributes(k, n))
+def _nbits_model(packed: np.ndarray, scales: np.ndarray, k: int, n: int, q: Quantization, bits: int,
+                 zero: np.ndarray | None = None) -> bytes:
+    inputs = ["A", "B", "S"] + (["Z"] if zero is not None else [])
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", **q.node_attributes(k, n, bits))
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")]
+    inits += [numpy_helper.from_array(zero, "Z")] if zero is not None else []
     graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["m", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])],
-                              [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "S")])
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["m", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     return model.SerializeToString()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+WIDTHS = [Width(8), Width(4), Width(8, False), Width(4, False), Width(4, False, "kquant"), Width(8, False, "kquant")]
+
+
+@pytest.mark.parametrize("width", WIDTHS, ids=lambda w: w.describe().replace(" ", "-"))
 @pytest.mark.parametrize("block", [16, 32, 128])
-def test_dequantized_weights_are_what_matmulnbits_multiplies(scheme, block):
-    """K=200 (not a multiple of the block: the last block padded). An identity through the kernel
-    computing in float32 gives the weights it multiplies by: exactly ``dequantize``'s; in int8 the
-    kernel multiplies ``round_activations(A)`` by them (to float32 summation order)."""
+def test_dequantized_weights_are_what_matmulnbits_multiplies(width, block):
+    """K=200 (not a multiple of the block: the last block padded; an odd count of 4-bit zero points).
+    An identity through the kernel computing in float32 gives the weights it multiplies by: exactly
+    ``dequantize``'s; in int8 the kernel multiplies ``round_activations(A)`` by them (to float32
+    summation order)."""
     k, n = 200, 48
     weight = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
-    q = Quantization(scheme, block, 1)
-    packed, scales = WeightQuantizer(q)(weight)
-    deq = dequantize(packed, scales, bits=q.bits, block_size=block, k=k)
-    fp32 = ort.InferenceSession(_nbits_model(packed, scales, k, n, q), providers=["CPUExecutionProvider"])
+    got = WeightQuantizer(block)(weight, width)
+    assert (got.zero_points is None) == width.symmetric
+    deq = dequantize(got.packed, got.scales, got.zero_points, bits=width.bits, block_size=block, k=k)
+    model = _nbits_model(got.packed, got.scales, k, n, Quantization("int4", block, 1), width.bits, got.zero_points)
+    fp32 = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(fp32.run(None, {"A": np.eye(k, dtype=np.float32)})[0], deq)
-    assert 0 < np.abs(deq - weight).max() <= np.abs(weight).max() / (7 if scheme == "int4" else 127)
+    assert 0 < np.abs(deq - weight).max() <= np.abs(weight).max() / (7 if width.bits == 4 else 127)
     a = np.random.default_rng(1).standard_normal((5, k)).astype(np.float32)
-    int8 = ort.InferenceSession(_nbits_model(packed, scales, k, n, Quantization(scheme, block, 4)),
-                                providers=["CPUExecutionProvider"])
+    int8 = ort.InferenceSession(_nbits_model(got.packed, got.scales, k, n, Quantization("int4", block, 4), width.bits,
+                                             got.zero_points), providers=["CPUExecutionProvider"])
     want = round_activations(torch.from_numpy(a), block).numpy() @ deq
     np.testing.assert_allclose(int8.run(None, {"A": a})[0], want, rtol=1e-5, atol=1e-5)
     assert np.abs(a @ deq - want).max() > 1e-3  # the rounding matters: a float32 reference would not do
 
 
+@pytest.mark.parametrize("width", WIDTHS[:4], ids=lambda w: w.describe().replace(" ", "-"))
+def test_gather_block_quantized_looks_up_the_dequantized_rows(width):
+    """The tied embedding's lookup: GatherBlockQuantized on the MatMulNBits packing viewed [N, K*bits/8]
+    returns exactly the dequantized rows (ONNX Runtime 1.32 CPU)."""
+    k, n, block = 96, 40, 32
+    weight = np.random.default_rng(2).standard_normal((k, n)).astype(np.float32)
+    got = WeightQuantizer(block)(weight, width)
+    flat = got.packed.reshape(n, -1)
+    inputs = ["W", "ids", "S"] + ([] if width.symmetric else ["Z"])
+    node = helper.make_node("GatherBlockQuantized", inputs, ["E"], domain="com.microsoft", gather_axis=0,
+                            quantize_axis=1, block_size=block, bits=width.bits)
+    inits = [numpy_helper.from_array(flat, "W"), numpy_helper.from_array(got.scales, "S")]
+    inits += [] if width.symmetric else [numpy_helper.from_array(got.zero_points, "Z")]
+    graph = helper.make_graph([node], "gbq", [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_value_info("E", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    ids = np.array([[0, 7, n - 1], [3, 3, 20]])
+    rows = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    deq = dequantize(flat, got.scales, got.zero_points, bits=width.bits, block_size=block, k=k)
+    np.testing.assert_array_equal(rows, deq.T[ids])
+
+
+def test_recipes_widths():
+    """int4-mixed is llama.cpp Q4_K_M's layout (src/llama-quant.cpp): the head 8 bits, Q/K/V and down
+    (and, measured, the output projection) 8 bits in the layers use_more_bits picks (14 of 30),
+    everything else 4-bit with zero points; int4-kquant the same with k-quant 4-bit blocks."""
+    assert [i for i in range(30) if use_more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    q = Quantization("int4-mixed")
+    assert q.head and q.width("head") == Width(8)
+    assert q.width("qkv", 5, 30) == q.width("down", 26, 30) == q.width("o", 0, 30) == Width(8)
+    assert q.width("qkv", 4, 30) == q.width("o", 3, 30) == q.width("up", 0, 30) == Width(4, False)
+    assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
+    assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
+    assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym"}
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("block, level, head", [(16, 4, True), (32, 0, False), (32, 1, True), (32, 4, False),
-                                                (128, 1, False)])
+@pytest.mark.parametrize("block, level, head", [(16, 4, True), (32, 0, False), (128, 1, False)])
 def test_quantized_graph_norms_exact_and_matmuls_nbits(llama, scheme, block, level, head):
     q = Quantization(scheme, block, level, head)
     dec = build_decoder(llama, quantization=q)
@@ -101,8 +146,8 @@ def test_quantized_graph_norms_exact_and_matmuls_nbits(llama, scheme, block, lev
 
 
 @pytest.mark.parametrize("scheme, block, level, head", [
-    ("int4", 32, 4, False), ("int4", 16, 1, True), ("int4", 128, 0, False),
-    ("int8", 32, 4, True), ("int8", 16, 0, False), ("int8", 128, 1, True),
+    ("int4", 32, 4, False), ("int4", 16, 1, True), ("int8", 32, 4, True), ("int8", 128, 0, False),
+    ("int4-mixed", 32, 4, False), ("int4-kquant", 16, 0, False), ("int8-asym", 128, 1, True),
 ])
 def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, block, level, head):
     """Step logits within the row of the tolerance table for its compute dtype; transformers'
@@ -130,16 +175,56 @@ def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, b
     assert decode_parity(llama, build_decoder(llama).model, batch=1, prompt=4, steps=1).tokens_equal
 
 
-def test_tied_head_quantized_keeps_the_embedding(monkeypatch):
-    """Gemma3 ties its head to its embedding: the reference unties them for the comparison (the
-    graph's Gather reads the float embedding) and ties them back afterwards."""
+@pytest.mark.parametrize("scheme, head", [("int4", True), ("int4-mixed", False), ("int8-asym", False)])
+def test_tied_head_quantized_is_stored_once(scheme, head):
+    """Gemma3 ties its head to its embedding: quantized, the weight is one packed initializer read by
+    the lookup (GatherBlockQuantized) and, through a Reshape, by the head's MatMulNBits; no float
+    copy of it is left. The reference dequantizes both the head and the embedding (parity exact,
+    greedy tokens equal) and ties them back afterwards."""
     loaded = hf.from_config(hf.TINY_CONFIGS["gemma3"], "float32", seed=0)
     lm = loaded.module.model
-    assert lm.lm_head.weight is lm.get_input_embeddings().weight
-    dec = build_decoder(loaded, quantization=Quantization("int4", 32, 1, lm_head=True))
+    vocab, hidden = lm.get_input_embeddings().weight.shape
+    q = Quantization(scheme, 32, 4, lm_head=head)
+    dec = build_decoder(loaded, quantization=q, max_length=64)
+    graph = dec.model.graph
+    (lookup,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    (view,) = [n for n in graph.node if n.op_type == "Reshape" and n.input[0] == lookup.input[0]]
+    (head_mm,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == view.output[0]]
+    assert lookup.input[2] == head_mm.input[2] and lookup.input[3:] == head_mm.input[3:]
+    bits = q.width("head").bits
+    vocab_sized = [i for i in graph.initializer if i.dims and i.dims[0] == vocab]
+    packed = [i for i in vocab_sized if list(i.dims) == [vocab, hidden * bits // 8]]
+    assert len(packed) == 1 and not [i for i in vocab_sized if i.data_type == TensorProto.FLOAT and len(i.dims) == 2
+                                     and i.dims[1] == hidden]
+    assert not any(n.op_type == "Gather" for n in graph.node)
+    assert audit_norms(dec.model, dec.norm_nodes) == dec.norm_nodes
     parity = decode_parity(loaded, dec.model, batch=2, prompt=6, steps=2)
     assert not parity.failed, parity.table()
+    entry = ModelMetadata.read(dec.model).quantization
+    assert [lin["embedding"] for lin in entry["linears"] if lin["embedding"]] == ["model.model.embed_tokens"]
+    ids, mask = random_left_padded(2, 7, loaded.vocab_size, seed=4)
+    got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=12).tokens
+    with dequantized_reference(loaded.module, dec.model, entry):
+        assert lm.lm_head.weight is not lm.get_input_embeddings().weight
+        want = transformers_generate(lm, ids, mask, max_new_tokens=12, pad_token_id=0, stop_at_eos=False)
+    np.testing.assert_array_equal(got, want)
     assert lm.lm_head.weight is lm.get_input_embeddings().weight
+
+
+def test_recipe_names_each_weight_in_the_metadata(llama):
+    """int4-kquant on the 2-layer Llama: layer 1 is one use_more_bits picks, so its Q/K/V, output and
+    down are 8 bits; the rest 4-bit k-quant with zero points; the head 8 bits; every choice in the metadata."""
+    dec = build_decoder(llama, quantization=Quantization("int4-kquant"))
+    entry = ModelMetadata.read(dec.model).quantization
+    assert entry["scheme"] == "int4-kquant" and "k-quant" in entry["recipe"] and entry["lm_head"]
+    widths = {lin["parts"][0][0].split("model.model.")[-1]: (lin["bits"], lin["symmetric"], lin["method"])
+              for lin in entry["linears"]}
+    assert widths["layers.1.self_attn.q_proj"] == widths["layers.1.mlp.down_proj"] == (8, True, "rtn")
+    assert widths["layers.1.self_attn.o_proj"] == (8, True, "rtn")
+    assert widths["layers.0.self_attn.q_proj"] == widths["layers.1.mlp.up_proj"] == (4, False, "kquant")
+    assert widths["model.lm_head"] == (8, True, "rtn")
+    zero = [lin["zero_points"] for lin in entry["linears"] if not lin["symmetric"]]
+    assert zero and all(name in {i.name for i in dec.model.graph.initializer} for name in zero)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -47,7 +47,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("kind, dtype, quantization", [
     ("llama", "float32", None), ("llama", "float32", Quantization("int4", 32, 4, True)),
     ("llama", "float16", Quantization("int8", 16, 1)), ("qwen2", "float32", Quantization("int4", 16, 1)),
-    ("gemma3", "float32", Quantization("int8", 32, 4, True)),
+    ("gemma3", "float32", Quantization("int8", 32, 4, True)), ("gemma3", "float32", Quantization("int4-mixed")),
 ])
 def test_streamed_export_equals_the_in_memory_export_byte_for_byte(checkpoints, tmp_path, kind, dtype, quantization):
     folder = checkpoints(kind)
@@ -126,7 +126,7 @@ def _tamper(path, proto, name: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("quantization", [None, Quantization("int4", 32, 4, True)])
+@pytest.mark.parametrize("quantization", [None, Quantization("int4", 32, 4, True), Quantization("int4-mixed")])
 def test_layer_by_layer_parity_passes_and_finds_a_damaged_layer(checkpoints, tmp_path, quantization):
     streamed, tensors = open_folder(checkpoints("llama"), "float32")
     out = tmp_path / "model.onnx"
@@ -136,7 +136,7 @@ def test_layer_by_layer_parity_passes_and_finds_a_damaged_layer(checkpoints, tmp
     assert [r.name for r in parity.results] == [*weights, "layer 0 output", "logits"]
     assert not parity.failed, parity.table()
     proto = onnx.load(str(out), load_external_data=False)
-    suffix = "_Q4" if quantization else ""
+    suffix = f"_Q{quantization.width('down', 1, 2).bits}" if quantization else ""
     _tamper(tmp_path / "model.onnx.data", proto, f"model.model.layers.1.mlp.down_proj.weight{suffix}")
     damaged = layer_parity(streamed, tensors, out, prompt=6)
     # Unquantized: the damaged layer's output is off. Quantized: the reference holds the graph's own
@@ -185,3 +185,27 @@ def test_safetensors_header_is_read_without_the_weights(checkpoints):
                                   tensors.get("model.embed_tokens.weight")[3:5].float().numpy())
     np.testing.assert_array_equal(tensors.columns("model.embed_tokens.weight", 7, 9).float().numpy(),
                                   tensors.get("model.embed_tokens.weight")[:, 7:9].float().numpy())
+
+
+@pytest.mark.parametrize("row", ["qwen3_moe", "mixtral-window", "gpt_oss"])
+def test_experts_stream_whether_stored_apart_or_fused(tmp_path, row):
+    """Qwen3-MoE and Mixtral checkpoints store each expert apart (transformers 5 saves them so), gpt-oss
+    fused: the streamed int4 export equals the in-memory one byte for byte and passes layer by layer."""
+    from tests.decoder.families import ROWS
+
+    config = next(r for r in ROWS if r.name == row).config
+    folder = tmp_path / "checkpoint"
+    hf.from_config(config, "bfloat16", seed=0).module.model.save_pretrained(folder, max_shard_size="40KB")
+    stored = set(SafetensorsTensors(folder).files)
+    assert any(".experts.0." in n for n in stored) == (row != "gpt_oss"), sorted(stored)[:8]
+    quantization = Quantization("int4", 16, 4)
+    whole = hf.load_folder(folder, "float32")
+    write_ort_decoder(whole, tmp_path / "memory" / "model.onnx", force=False, quantization=quantization)
+    streamed, tensors = open_folder(folder, "float32")
+    assert all(p.is_meta for n, p in streamed.module.named_parameters() if "experts" in n)
+    out = tmp_path / "streamed" / "model.onnx"
+    write_ort_decoder(streamed, out, force=False, quantization=quantization, tensors=tensors)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (tmp_path / "memory" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
+    parity = layer_parity(streamed, tensors, out, prompt=6)
+    assert not parity.failed, parity.table()

@@ -162,7 +162,7 @@ def test_the_chat_template_and_tokenizer_come_along(gguf_files):
     serve --openai-port read from the export's folder (its files are copied there)."""
     from transformers import AutoTokenizer
 
-    from rmsnorm_deploy.serving.text import ChatTemplate
+    from rmsnorm_deploy.serving.openai.text import ChatTemplate
 
     folder = gguf_in.hf_folder_from_gguf(gguf_files["llama"])
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -303,7 +303,7 @@ def test_real_smollm2_gguf_generates_transformers_greedy_text(real_weights, monk
     cut = next((i + 1 for i, t in enumerate(ours["tokens"][0]) if t in eos), len(ours["tokens"][0]))
     assert ours["tokens"][0][:cut] == expected[:cut]
     assert "Paris" in ours["text"][0]
-    from rmsnorm_deploy.serving.text import ChatTemplate
+    from rmsnorm_deploy.serving.openai.text import ChatTemplate
 
     template, why = ChatTemplate.load(result.folder)  # serve --openai-port's chat, from the export's folder
     assert why is None and template.render([{"role": "user", "content": "hi"}]).endswith(

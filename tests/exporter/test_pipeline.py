@@ -399,3 +399,21 @@ def test_the_weights_are_held_once_while_the_model_is_saved_and_released_before_
     assert held < 4096 and streamed > 0.9 * weight_bytes  # the graph's own weights are the 1 KB-or-less ones
     [(module, size)] = checked
     assert module is None and size > weight_bytes  # released once the file holds the weights
+
+
+def test_the_float64_view_keeps_an_eager_attention_softmax_in_float64():
+    """Eager attention's ``softmax(scores, dtype=float32)`` on a row that sees only padding: float64's
+    mask value is -inf in float32, so the row is NaN; inside the view it stays float64 and finite."""
+    import torch.nn.functional as F
+
+    from rmsnorm_deploy.exporter.upcast import softmax_never_narrows
+
+    low = torch.finfo(torch.float64).min
+    scores = torch.tensor([[0.5, low], [low, low]], dtype=torch.float64)
+    assert torch.isnan(F.softmax(scores, dim=-1, dtype=torch.float32)).any()
+    with softmax_never_narrows():
+        got = F.softmax(scores, dim=-1, dtype=torch.float32)
+        narrow = F.softmax(scores.float(), dim=-1, dtype=torch.float16)
+    assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    assert narrow.dtype == torch.float16  # only float64 inputs keep their dtype
+    assert F.softmax(scores, dim=-1, dtype=torch.float32).dtype == torch.float32  # restored

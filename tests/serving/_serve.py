@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.serving.server import ServeProcess, start_serve_process
+from rmsnorm_deploy.serving.triton.process import ServeProcess, start_serve_process
 
 STARTUP_S = 90
 

@@ -18,7 +18,7 @@ pytest.importorskip("transformers", reason="transformers' greedy tokens are the 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_steps  # noqa: E402
 from rmsnorm_deploy.errors import InputError, UserError  # noqa: E402
-from rmsnorm_deploy.serving.engine import (  # noqa: E402
+from rmsnorm_deploy.serving.engine.engine import (  # noqa: E402
     Engine,
     EngineBusy,
     EngineOptions,
@@ -26,7 +26,7 @@ from rmsnorm_deploy.serving.engine import (  # noqa: E402
     StreamCancelled,
     StreamFailed,
 )
-from rmsnorm_deploy.serving.slots import SlotBatch, TurnBatch  # noqa: E402
+from rmsnorm_deploy.serving.engine.slots import SlotBatch, TurnBatch  # noqa: E402
 
 VOCAB, EOS = 256, 2  # the tiny Llama's
 TIMEOUT_S = 120
@@ -344,6 +344,7 @@ def test_leaving_the_async_loop_cancels_the_stream(engine_exports):
     (dict(max_batch=4, max_tokens_in_flight=7), "--max-tokens-in-flight must be an integer >= 2 x --max-batch (8), "
                                                 "got 7"),
     (dict(drain_timeout_s=float("nan")), "--drain-timeout must be a number of seconds >= 0, got nan"),
+    (dict(prefix_cache_mb=-1), "--prefix-cache-mb must be an integer >= 0, got -1"),
 ])
 def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(UserError) as info:
@@ -379,5 +380,23 @@ def test_the_portable_graph_says_why_its_streams_take_turns(engine_exports):
     with KVCacheModel(engine_exports("ort")) as model:
         engine = Engine(model, EngineOptions(max_batch=4, max_tokens_in_flight=1024, prefill_chunk=16))
         assert engine.batching == (
-            "continuous batching: up to 4 streams decoded together in slots of 256 tokens (KV cache 0.5 MiB), "
-            "prompts prefilled 16 tokens per step, 64 more requests queued")
+            "continuous batching: up to 4 streams decoded together in slots of 256 tokens (KV cache 1,024 tokens, "
+            "0.5 MiB, --max-tokens-in-flight; the largest request: 256 tokens, prompt and new tokens together), "
+            "prompts prefilled 16 tokens per step, prompt KV reused across requests (a prefix cache of up to 256 MiB "
+            "beside the slots' own), 64 more requests queued")
+
+
+def test_the_default_kv_budget_is_sized_to_the_model_and_the_machine(engine_exports, monkeypatch):
+    """Never a model-length slot per stream by default: at most DEFAULT_TOKENS_IN_FLIGHT in all, less
+    where the model is shorter or the machine's memory budget holds less."""
+    from rmsnorm_deploy.serving.engine import engine as engine_module
+
+    with KVCacheModel(engine_exports("ort")) as model:
+        lay, per_token = model.layout, SlotBatch.cache_bytes(model.layout, 1, 1)
+        assert lay.max_length == 16384 and engine_module.DEFAULT_TOKENS_IN_FLIGHT == 32768
+        assert Engine(model, EngineOptions(max_batch=16)).slot_length == 2048
+        assert Engine(model, EngineOptions(max_batch=1)).slot_length == 16384  # the model's length is less
+        monkeypatch.setattr(engine_module, "memory_budget", lambda: 1000 * per_token)  # half holds 500 tokens
+        engine = Engine(model, EngineOptions(max_batch=16, prefix_cache_mb=0))
+        assert engine.slot_length == 31 and "slots of 31 tokens (KV cache 496 tokens" in engine.batching
+        assert "default; the largest request: 31 tokens" in engine.batching and "--prefix-cache-mb 0" in engine.batching

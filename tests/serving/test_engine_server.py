@@ -22,7 +22,7 @@ tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="serving tes
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
-from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
 from tests.serving._serve import STARTUP_S, post_infer, running_server  # noqa: E402
 
 VOCAB = 256  # the tiny Llama's
@@ -93,13 +93,18 @@ def test_concurrent_streams_and_whole_answers_are_each_exact(engine_exports):
                 for _ in range(8)]
     want = _want(folder, requests)
     with running_server(folder, "--max-batch", "4") as server:
-        assert "continuous batching: up to 4 streams decoded together in slots of 16384 tokens" in "".join(server.log)
+        assert "continuous batching: up to 4 streams decoded together in slots of 8192 tokens" in "".join(server.log)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             streamed = [pool.submit(lambda r: (s := GrpcStream(server.grpc, *r)).read() and s.close() or s.tokens, r)
                         for r in requests[:4]]
             whole = [pool.submit(lambda r: _tokens(_whole(server.http, *r)), r) for r in requests[4:]]
             got = [f.result(timeout=120) for f in streamed + whole]
         assert got == want
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http}/metrics", timeout=30) as response:
+            scraped = response.read().decode()  # the engine's Prometheus metrics on the KServe front
+        assert "rmsnorm_deploy_running_streams 0.0" in scraped, scraped
+        assert f"rmsnorm_deploy_generated_tokens_total {float(sum(map(len, want)))}" in scraped, scraped
+        assert "rmsnorm_deploy_time_to_first_token_seconds_count 8.0" in scraped, scraped
         server.stop()
         assert server.process.returncode == 0
         assert _summary(server.log) == "generations: 8 finished, 0 cancelled, 0 failed; 0 refused with the queue full\n"

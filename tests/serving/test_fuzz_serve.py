@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
-from rmsnorm_deploy.serving.server import start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
 
 LIMIT = 1 << 20  # --max-request-bytes of the plain server
 VOCAB = 512  # the tiny preset's
@@ -304,6 +304,22 @@ def test_the_issues_request_for_the_generation_model_is_refused(generation, shap
                  "matches the data"})
     body = json.dumps({"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [3], "data": [5, 6, 7]},
                                   {"name": "max_new_tokens", "datatype": "INT64", "shape": [1], "data": [4]}]})
+    status, _, text = _request(proc.http, "POST", "/v2/models/model/infer", body.encode())
+    assert status == 200 and json.loads(text)["outputs"][0]["data"] == want
+
+
+def test_the_last_fuzz_runs_finds_are_refused_in_one_line(generation):
+    """``"sequence_id": -1`` was Triton's 500; HTTP infer on the streaming twin was Triton's 501."""
+    proc, want = generation
+    inputs = [{"name": "input_ids", "datatype": "INT64", "shape": [3], "data": [5, 6, 7]}]
+    body = json.dumps({"inputs": inputs, "parameters": {"sequence_id": -1}}).encode()
+    status, _, text = _request(proc.http, "POST", "/v2/models/model/infer", body)
+    assert (status, json.loads(text)) == (400, {
+        "error": "the request's parameter sequence_id is -1; give an integer from 0 to 2^64-1 or a string"})
+    body = json.dumps({"inputs": inputs}).encode()
+    status, _, text = _request(proc.http, "POST", "/v2/models/model_stream/infer", body)
+    assert status == 400 and "over a gRPC stream only" in json.loads(text)["error"]
+    body = json.dumps({"inputs": inputs + [{"name": "max_new_tokens", "datatype": "INT64", "shape": [1], "data": [4]}]})
     status, _, text = _request(proc.http, "POST", "/v2/models/model/infer", body.encode())
     assert status == 200 and json.loads(text)["outputs"][0]["data"] == want
 

@@ -12,14 +12,10 @@ import pytest
 
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate, stream
 from rmsnorm_deploy.errors import InputError
-from rmsnorm_deploy.serving.engine import Engine, EngineOptions
-from rmsnorm_deploy.serving.pytriton_env import CANCELLED, REFUSED, REFUSED_CODE, REQUEST_NUMBER, refusal
-from rmsnorm_deploy.serving.server import (
-    GENERATION_OUTPUT,
-    STREAM_INDEX,
-    GenerationInference,
-    StreamingGenerationInference,
-)
+from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions
+from rmsnorm_deploy.serving.triton.pytriton_env import CANCELLED, REFUSED, REFUSED_CODE, REQUEST_NUMBER, refusal
+from rmsnorm_deploy.serving.kserve.generation import GENERATION_OUTPUT, STREAM_INDEX
+from rmsnorm_deploy.serving.triton.binding import GenerationInference, StreamingGenerationInference
 
 pytest.importorskip("onnxruntime", reason="the generation loop runs in ONNX Runtime")
 VOCAB = 512  # the tiny preset's

@@ -179,10 +179,10 @@ def test_without_a_seed_sampling_differs_between_requests(server):
 
 ERRORS = [
     # (path, body, status, message, param, code)
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400,
-     "n=2 is not supported by this server (it answers n=1); leave n out", "n", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400,
-     "n=3 is not supported by this server (it answers n=1); leave n out", "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 9}, 400, "n: input should be less than or equal to 8, got 9", "n",
+     None),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400,
+     "echo=True is not supported by this server (it answers echo=False); leave echo out", "echo", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400,
      "max_tokens: input should be a valid integer, got '5'", "max_tokens", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400,
@@ -203,8 +203,8 @@ ERRORS = [
      "stop has 5 strings; give at most 4", "stop", None),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop holds an empty string; give non-empty strings",
      "stop", None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400,
-     "logprobs=3 is not supported by this server (it answers logprobs=False); leave logprobs out", "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400,
+     "logprobs: input should be less than or equal to 20, got 21", "logprobs", None),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400,
      "best_of=2 is not supported by this server (it answers best_of=1); leave best_of out", "best_of", None),
     ("/v1/completions", {"prompt": "hi", "colour": "red"}, 400,
@@ -225,9 +225,9 @@ ERRORS = [
      "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages: list should have at least 1 item after validation, "
      "not 0, got []", "messages", None),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,
-     "messages.0.role: input should be 'system', 'developer', 'user' or 'assistant', got 'tool'", "messages.0.role",
-     None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role: input should be 'system', 'developer', 'user', 'assistant' or 'tool', got 'robot'",
+     "messages.0.role", None),
     ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "x"}]}, 400,
      "the model's chat template refused these messages: this template knows the roles system, user and assistant, "
      "not developer", "messages", None),
@@ -262,8 +262,8 @@ def test_a_body_that_is_not_a_json_object_is_refused(server, body, message):
 def test_the_official_client_raises_its_own_errors_with_our_messages(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="model", prompt="hi", n=2)
-    assert refused.value.status_code == 400 and refused.value.param == "n"
+        client.completions.create(model="model", prompt="hi", best_of=2)
+    assert refused.value.status_code == 400 and refused.value.param == "best_of"
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
     assert unknown.value.code == "model_not_found"
@@ -276,7 +276,9 @@ def test_unknown_paths_methods_and_huge_bodies_get_one_line(server):
         "type": "invalid_request_error", "param": None, "code": None}})
     assert _raw(server, "/v1/completions", "", method="GET")[0] == 405
     status, body = _raw(server, "/v1/completions", b" " * (2 << 20))
-    assert (status, body["error"]["message"]) == (413, "the body is 2097152 bytes, over this server's limit of 1048576 bytes")
+    assert (status, body["error"]["message"]) == (
+        413, "the body is 2097152 bytes, over this server's limit of 1048576 bytes; send less "
+             "(serve --max-request-bytes)")
 
 
 def test_a_folder_without_a_chat_template_refuses_chat_in_one_line_and_still_completes(folder, tmp_path, reference):
@@ -369,3 +371,33 @@ def test_32_concurrent_streaming_chat_clients_each_get_generate_exactly(server, 
 
 def test_health_is_ready_while_the_engine_serves(server):
     assert _raw(server, "/health", "", method="GET") == (200, {"status": "ready"})
+
+
+def test_a_slow_body_is_a_408_as_on_the_kserve_front(tmp_path):
+    """A body at 1 byte/s was waited on for 47 s; the OpenAI API reads bodies as the KServe front does
+    (``serving.asgi.body``), so it answers 408 at its timeout (made short here)."""
+    import types
+
+    from rmsnorm_deploy.serving.openai.app import openai_app
+
+    model = types.SimpleNamespace(tokenizer=object(), folder=tmp_path)
+    app = openai_app(types.SimpleNamespace(model=model), "model", body_timeout_s=0.2)
+    sent: list[dict] = []
+    first = [{"type": "http.request", "body": b'{"model": "mo', "more_body": True}]
+
+    async def receive():
+        if first:
+            return first.pop()
+        await asyncio.sleep(3600)  # the rest of the body never comes
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 5),
+             "server": ("127.0.0.1", 8000)}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"]) == {"error": {"message": "the body did not arrive within 0.2 s",
+                                                     "type": "invalid_request_error", "param": None, "code": None}}

@@ -1,5 +1,6 @@
-"""The OpenAI API's examples in docs/serving.md, run as they are written (only the port changed to
-the test server's), and curl's ``--no-buffer`` stream as a shell script reads it."""
+"""The OpenAI API's examples in docs/serving.md, run exactly as they are written against the API on
+the address the section's ``serve`` line gives it, and curl's ``--no-buffer`` stream as a shell
+script reads it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +26,29 @@ from tests.serving._openai import openai_server  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 SECTION = "## The OpenAI-compatible API"
-DOC_ADDRESS = "127.0.0.1:8000"
 TIMEOUT_S = 60
+
+
+def _section() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index(SECTION):]
+    following = section.find("\n## ", len(SECTION))
+    return section if following < 0 else section[:following]
+
+
+def _documented_serve() -> tuple[list[str], str]:
+    """The section's ``rmsnorm-deploy serve`` command line and the address its comment promises."""
+    found = re.search(r"^rmsnorm-deploy serve (.*?)\s+# the OpenAI API at http://([\d.]+:\d+)/v1$", _section(), re.M)
+    assert found, "the section shows no `rmsnorm-deploy serve ...  # the OpenAI API at http://HOST:PORT/v1` line"
+    return found.group(1).split(), found.group(2)
+
+
+SERVE_ARGS, DOC_ADDRESS = _documented_serve()
 
 
 def _examples() -> list[tuple[str, str]]:
     """``(language, code)`` of each Python block, and each bash block that is a curl command, in the section."""
-    text = DOC.read_text(encoding="utf-8")
-    section = text[text.index(SECTION):]
-    following = section.find("\n## ", len(SECTION))
-    section = section if following < 0 else section[:following]
+    section = _section()
     blocks = re.findall(r"```(python|bash)\n(.*?)```", section, flags=re.S)
     return [(language, code) for language, code in blocks if language == "python" or code.startswith("curl ")]
 
@@ -43,8 +58,28 @@ EXAMPLES = _examples()
 
 @pytest.fixture(scope="module")
 def server(text_exports):
-    with openai_server(text_exports("ort")) as served:
+    """The API on the documented address (a plain ``serve`` gives none: the command asks for it)."""
+    host, port = DOC_ADDRESS.split(":")
+    try:
+        socket.create_server((host, int(port))).close()
+    except OSError as exc:
+        pytest.skip(f"the documented address {DOC_ADDRESS} is taken on this machine ({exc.strerror})")
+    with openai_server(text_exports("ort"), port=int(port)) as served:
         yield served
+
+
+def test_the_documented_serve_line_serves_the_api_on_the_documented_address():
+    """``serve``'s own rule for where the API goes, applied to the documented flags."""
+    from types import SimpleNamespace
+
+    from rmsnorm_deploy.serving.openai.serve import openai_placement
+
+    flags = dict(zip(SERVE_ARGS[1::2], SERVE_ARGS[2::2]))
+    text_model = SimpleNamespace(tokenizer=object(), folder=SERVE_ARGS[0])
+    port = int(flags["--openai-port"]) if "--openai-port" in flags else None
+    assert openai_placement(text_model, enabled="--no-openai" not in SERVE_ARGS, port=port) == ("port", None)
+    host = flags.get("--host", "127.0.0.1")
+    assert f"{host}:{port}" == DOC_ADDRESS
 
 
 def test_the_section_has_python_and_curl_examples():
@@ -56,8 +91,7 @@ def test_the_section_has_python_and_curl_examples():
 def test_each_example_runs_as_written(server, language, code):
     if language == "bash" and shutil.which("curl") is None:
         pytest.skip("curl is not installed on this machine")
-    address = server.url.split("//")[1].split("/")[0]
-    code = code.replace(DOC_ADDRESS, address)
+    assert server.url == f"http://{DOC_ADDRESS}/v1"
     argv = [sys.executable, "-c", code] if language == "python" else ["bash", "-c", "set -euo pipefail\n" + code]
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)

@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="chat prompts are rendered by transfo
 from rmsnorm_deploy.cli import main  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.errors import UserError  # noqa: E402
-from rmsnorm_deploy.serving.server import free_ports, start_serve_process  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import free_ports, start_serve_process  # noqa: E402
 from tests.serving._models import fixed_shape_model  # noqa: E402
 from tests.serving._serve import post_infer  # noqa: E402
 

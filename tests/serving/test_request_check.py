@@ -8,12 +8,14 @@ import json
 
 import pytest
 
-from rmsnorm_deploy.serving.request_check import (ClaimedInput, ExpectedInput, Refused, ServedModel, check_inputs,
-                                                  claimed_http_inputs, count_data, parse_http_request)
+from rmsnorm_deploy.serving.kserve.request_check import (ClaimedInput, ExpectedInput, Refused, ServedModel,
+                                                         check_inputs, claimed_http_inputs, count_data,
+                                                         parse_http_request)
 
 PLAIN = ServedModel("model", (ExpectedInput("input_ids", "INT64", ("batch", "seq")),), max_batch=8,
                     ranges={"seq": (1, 256)})
 FIXED = ServedModel("fixed", (ExpectedInput("x", "FP32", (4, 3)),))
+STREAM = ServedModel("model_stream", PLAIN.inputs, stream_of="model")
 
 
 @pytest.mark.parametrize("model,claimed,message", [
@@ -81,10 +83,10 @@ def app_with(monkeypatch):
     pytest.importorskip("starlette", reason="the front needs starlette (the serve extra)")
     from starlette.testclient import TestClient
 
-    from rmsnorm_deploy.serving.http_front import KServeProxy, kserve_app
+    from rmsnorm_deploy.serving.kserve.http_front import KServeProxy, kserve_app
 
-    def make(handler, limit=1 << 20):
-        proxy = KServeProxy([PLAIN], "http://triton", limit)
+    def make(handler, limit=1 << 20, models=(PLAIN,)):
+        proxy = KServeProxy(list(models), "http://triton", limit)
         proxy.client = httpx.AsyncClient(base_url="http://triton", transport=httpx.MockTransport(handler))
         return TestClient(kserve_app(proxy))
 
@@ -143,7 +145,7 @@ def test_the_public_sockets_listen_with_nagle_off():
     import socket
 
     from rmsnorm_deploy.errors import UserError
-    from rmsnorm_deploy.serving.front import listening_socket
+    from rmsnorm_deploy.serving.asgi.uvicorn_thread import listening_socket
 
     sock = listening_socket("127.0.0.1", 0, "--http-port")
     try:
@@ -153,3 +155,97 @@ def test_the_public_sockets_listen_with_nagle_off():
             listening_socket("127.0.0.1", port, "--openai-port").close()
     finally:
         sock.close()
+
+
+# -- what the last fuzz run found ------------------------------------------------------------------------
+
+def _never_triton(request):
+    raise AssertionError(f"Triton was asked {request.url.path}")
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"sequence_id": -1}, "the request's parameter sequence_id is -1; give an integer from 0 to 2^64-1 or a string"),
+    ({"sequence_id": 1.5}, "the request's parameter sequence_id is 1.5; give an integer from 0 to 2^64-1 or a string"),
+    ({"sequence_start": 1}, "the request's parameter sequence_start is 1; give true or false"),
+    ({"priority": -3}, "the request's parameter priority is -3; give an integer from 0 to 2^64-1"),
+    ({"timeout": 1 << 64}, "the request's parameter timeout is 18446744073709551616; give an integer from 0 to "
+                           "2^64-1 (microseconds)"),
+])
+def test_request_parameters_triton_cannot_parse_are_a_400_not_its_500(app_with, parameters, message):
+    """Triton 2.51 answered ``"sequence_id": -1`` with a 500 carrying its parse error."""
+    body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]}],
+            "parameters": parameters}
+    response = app_with(_never_triton).post("/v2/models/model/infer", content=json.dumps(body))
+    assert (response.status_code, response.json()) == (400, {"error": message})
+
+
+def test_request_parameters_triton_parses_pass_when_well_formed():
+    body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]}],
+            "parameters": {"sequence_id": "abc", "sequence_start": True, "priority": 0, "timeout": 5, "custom": -1}}
+    assert len(claimed_http_inputs(body, b"")) == 1
+
+
+def test_http_infer_on_a_streaming_twin_says_where_its_tokens_come(app_with):
+    """Triton answers a decoupled model's HTTP infer with its 501; the front answers 400 and the way."""
+    body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]}]}
+    app = app_with(_never_triton, models=(PLAIN, STREAM))
+    response = app.post("/v2/models/model_stream/infer", content=json.dumps(body))
+    assert (response.status_code, response.json()) == (400, {"error": (
+        "model 'model_stream' streams its tokens over a gRPC stream only (ModelStreamInfer); for the whole answer in "
+        "one response, infer with model 'model' (HTTP: POST /v2/models/model/infer)")})
+
+
+async def _call(app, path: str, first: bytes, then: str) -> list[dict]:
+    """``app`` called as uvicorn calls it: a POST whose body starts with ``first``, then the client
+    stalls (``"stall"``) or closes its connection (``"close"``); the messages the app sent."""
+    import asyncio
+
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": first, "more_body": True}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        if then == "stall":
+            await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 8000)}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+def _kserve_app(body_timeout_s: float = 30):
+    pytest.importorskip("httpx", reason="the front needs httpx (the serve extra)")
+    pytest.importorskip("starlette", reason="the front needs starlette (the serve extra)")
+    from rmsnorm_deploy.serving.kserve.http_front import KServeProxy, kserve_app
+
+    return kserve_app(KServeProxy([PLAIN], "http://triton", 1 << 20, body_timeout_s=body_timeout_s))
+
+
+def test_a_client_that_closes_mid_body_is_one_log_line_not_a_traceback(caplog):
+    """Starlette's ``ClientDisconnect`` went up through the app and uvicorn logged its traceback."""
+    import asyncio
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        sent = asyncio.run(_call(_kserve_app(), "/v2/models/model/infer", b'{"inputs": [', "close"))
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in records] == [
+        "a client closed its connection after 12 bytes of its body to /v2/models/model/infer; nothing was answered"]
+    assert not any(r.exc_info for r in records)
+    assert sent[0]["status"] == 499  # nobody reads it
+
+
+def test_a_slow_body_is_a_408_at_the_configured_timeout():
+    import asyncio
+
+    sent = asyncio.run(_call(_kserve_app(body_timeout_s=0.2), "/v2/models/model/infer", b'{"inputs": [', "stall"))
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"]) == {"error": "the body did not arrive within 0.2 s"}

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from rmsnorm_deploy.cli import main
-from rmsnorm_deploy.serving import pytriton_env
+from rmsnorm_deploy.serving.triton import proxy_patch, pytriton_env
 from rmsnorm_deploy.errors import UserError
-from rmsnorm_deploy.serving.server import check_port_free, free_ports, start_serve_process
-from rmsnorm_deploy.serving.signature import read_signature
+from rmsnorm_deploy.serving.triton.process import check_port_free, free_ports, start_serve_process
+from rmsnorm_deploy.serving.kserve.signature import read_signature
 from tests.serving._models import external_data_model, fixed_shape_model, kv_cache_model
 
 
@@ -112,14 +112,12 @@ def test_proxy_patch_is_applied_once_to_the_file_pytriton_loads_into_the_server(
             self.model_name = model_name
 
     text = Model.get_proxy_model_files(Fake("plain"))["file:1/model.py"].decode()
-    assert text.count("TritonRequestsServer._wrap_request = _wrap_request_dlpack") == 1
-    # the refusal patch comes once, after the DLPack one (it wraps the _wrap_response that one defines)
-    assert text.count("_rmsnorm_deploy_wrap_response = _wrap_response") == 1
-    assert text.index("_wrap_request_dlpack") < text.index("_rmsnorm_deploy_wrap_response")
-    assert f'"{pytriton_env.REFUSED}" in response.data' in text and f'"{pytriton_env.REFUSED_CODE}"' in text
-    assert "_rd_respond" not in text  # a plain model answers the proxy's usual way
+    # the changes are a module of the package, loaded by its path in the stub, applied once
+    assert text.count("_rd_patch.apply(globals(), dlpack=True, answer_later=False)") == 1
+    assert f"spec_from_file_location('rmsnorm_deploy_proxy_patch', {str(Path(proxy_patch.__file__))!r})" in text
     generating = Model.get_proxy_model_files(Fake("generating"))["file:1/model.py"].decode()
-    assert generating.startswith(text) and generating.count("TritonRequestsServer.push = _rd_push_sent") == 1
+    assert generating.count("_rd_patch.apply(globals(), dlpack=True, answer_later=True)") == 1
+    assert "answer_later=False" not in generating
     for source in (text, generating):
         compile(source, "model.py", "exec")
     # the names the patches rely on are still the proxy's own
@@ -151,11 +149,60 @@ def test_generation_models_pass_their_tensors_in_messages(monkeypatch, answer_la
     assert (pytriton_env.os.environ.get(pytriton_env.NO_TENSORSTORE) == "1") is switched
 
 
-def test_the_refusal_patch_does_not_need_the_dlpack_one():
-    plain = pytriton_env.proxy_patch(dlpack=False)
-    assert "_wrap_request_dlpack" not in plain and "TritonError, code" in plain
-    assert pytriton_env.proxy_patch(dlpack=True).endswith(plain)
-    assert pytriton_env.proxy_patch(dlpack=False, answer_later=True).startswith(plain)
+def _patched_proxy(*, dlpack: bool, answer_later: bool):
+    """A fresh copy of PyTriton's proxy ``model.py`` (with a stand-in for the stub's ``pb_utils``),
+    patched as the stub patches it, and the module that patched it."""
+    import importlib.util
+    import sys
+    import types
+
+    pytest.importorskip("pytriton", reason="the patch applies to nvidia-pytriton's proxy model")
+    pb_utils = types.ModuleType("triton_python_backend_utils")
+
+    class TritonError:
+        INVALID_ARG, UNAVAILABLE, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "INTERNAL"
+
+        def __init__(self, message, code=None):
+            self.message, self.code = message, code
+
+    pb_utils.TritonError = TritonError
+    pb_utils.InferenceResponse = lambda output_tensors=(), error=None: ("response", list(output_tensors), error)
+    from pytriton import proxy
+
+    source = Path(proxy.__file__).parent / "model.py"
+    spec = importlib.util.spec_from_file_location("pytriton.proxy.rd_test_copy", source)
+    model = importlib.util.module_from_spec(spec)
+    sys.modules["triton_python_backend_utils"] = pb_utils  # the stub's module, for this copy only
+    try:
+        spec.loader.exec_module(model)
+    finally:
+        del sys.modules["triton_python_backend_utils"]
+    spec = importlib.util.spec_from_file_location("rd_test_proxy_patch", proxy_patch.__file__)
+    patch = importlib.util.module_from_spec(spec)  # loaded by path, as the stub loads it
+    spec.loader.exec_module(patch)
+    patch.apply(vars(model), dlpack=dlpack, answer_later=answer_later)
+    return model, patch
+
+
+@pytest.mark.parametrize("dlpack", [False, True])
+def test_a_refusal_answer_becomes_the_triton_error_it_names_in_the_patched_proxy(dlpack):
+    from pytriton.proxy.types import Response
+
+    model, patch = _patched_proxy(dlpack=dlpack, answer_later=False)
+    assert model._wrap_response is patch._wrap_response_refused
+    assert (model.TritonRequestsServer._wrap_request is patch._wrap_request_dlpack) is dlpack
+    answer = pytriton_env.refusal("the queue is full", "unavailable")
+    kind, tensors, error = model._wrap_response(Response(data=answer), [], {})
+    assert (kind, tensors, error.message, error.code) == ("response", [], "the queue is full", "UNAVAILABLE")
+
+
+def test_the_answer_later_patch_takes_over_the_senders_and_numbers_the_requests():
+    model, patch = _patched_proxy(dlpack=True, answer_later=True)
+    assert model.DecoupledResponsesHandler.handle_responses is patch._respond
+    assert model.TritonRequestsServer.push is patch._push_sent
+    assert model.TritonRequestsServer._wrap_request is patch._wrap_request_numbered
+    assert patch._wrap_request is patch._wrap_request_dlpack  # numbering wraps the DLPack exchange
+    assert model.TritonPythonModel.initialize is patch._initialize_answer_later
 
 
 def test_free_ports_are_distinct_and_bindable():

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rmsnorm_deploy.serving import leftovers
-from rmsnorm_deploy.serving.server import start_serve_process
+from rmsnorm_deploy.serving.triton import leftovers
+from rmsnorm_deploy.serving.triton.process import start_serve_process
 
 
 def _config(workspace: Path) -> str:

@@ -203,7 +203,7 @@ def test_statistics_are_readable_but_the_repository_api_is_guarded(served):
 
 
 def test_served_answers_pass_against_the_server_over_both_protocols(served, tiny_export):
-    from rmsnorm_deploy.serving.served_answers import main as served_answers_main
+    from rmsnorm_deploy.serving.kserve.served_answers import main as served_answers_main
 
     assert served_answers_main([str(tiny_export), "--http", f"127.0.0.1:{served.http}", "--grpc",
                         f"127.0.0.1:{served.grpc}", "--exact"]) == 0
@@ -212,7 +212,7 @@ def test_served_answers_pass_against_the_server_over_both_protocols(served, tiny
 def test_served_answers_reports_other_weights_as_a_failure(served, tiny_export, tmp_path, capsys):
     import onnx
 
-    from rmsnorm_deploy.serving.served_answers import main as served_answers_main
+    from rmsnorm_deploy.serving.kserve.served_answers import main as served_answers_main
 
     model = onnx.load(str(tiny_export / "model.onnx"))
     weight = next(t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2)

@@ -1,4 +1,4 @@
-"""Text out of a token stream (``serving.text.TextStream``): the pieces joined are exactly the
+"""Text out of a token stream (``serving.openai.text.TextStream``): the pieces joined are exactly the
 tokenizer's decode of all the tokens, a character split across tokens is never handed out half,
 stop strings are cut at their first match across token boundaries, and the decode stays windowed;
 the folder's chat template (``ChatTemplate``)."""
@@ -13,7 +13,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers", reason="the tests decode with a real tokenizer")
 
 from rmsnorm_deploy.errors import InputError, UserError  # noqa: E402
-from rmsnorm_deploy.serving.text import ANCHOR_EVERY, ANCHOR_KEEP, ChatTemplate, TextStream  # noqa: E402
+from rmsnorm_deploy.serving.openai.text import ANCHOR_EVERY, ANCHOR_KEEP, ChatTemplate, TextStream  # noqa: E402
 from tests.serving._tokenizer import CHAT_TEMPLATE, write_tokenizer  # noqa: E402
 
 

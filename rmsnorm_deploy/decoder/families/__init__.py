@@ -12,9 +12,9 @@ import importlib
 import pkgutil
 from typing import Any
 
-from rmsnorm_deploy.decoder.families.base import ACTIVATIONS, Family, LayerNorms
+from rmsnorm_deploy.decoder.families.base import ACTIVATIONS, Family, LayerNorms, MoEFamily
 
-__all__ = ["ACTIVATIONS", "FAMILIES", "Family", "LayerNorms", "REFUSED", "family_of", "refusal"]
+__all__ = ["ACTIVATIONS", "FAMILIES", "Family", "LayerNorms", "MoEFamily", "REFUSED", "family_of", "refusal"]
 
 
 def _discover() -> tuple[dict[str, Family], dict[str, str]]:

@@ -47,6 +47,9 @@ class Family:
     qk_norms_after_rotary: bool = False
     #: the rotary embedding rotates adjacent pairs (GLM's ``rotate_half``: Ernie 4.5), not the two halves
     rotary_interleaved: bool = False
+    #: ``self_attn``'s per-head attention sink logits (gpt-oss: a learned extra column of each head's
+    #: softmax, dropped after it), GroupQueryAttention's ``head_sink``; or ``None``
+    sinks: str | None = None
     #: ``mlp``'s gate and up projections: two Linears, or one fused [gate; up] Linear (Phi-3)
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
     down: str = "down_proj"
@@ -100,6 +103,11 @@ class Family:
         """Whether layer ``layer`` rotates q and k (SmolLM3 leaves some layers without RoPE)."""
         return True
 
+    def recompute_past(self, config: Any) -> int | None:
+        """The cache length past which transformers' ``generate`` drops its cache once and runs the
+        whole sequence again (Phi-3's ``prepare_inputs_for_generation``), or ``None``."""
+        return None
+
     # -- scales and caps ------------------------------------------------------------------------
     def embedding_scale(self, lm: torch.nn.Module) -> torch.Tensor | None:
         """The factor the embedding's output is multiplied by, or ``None``: a 0-d tensor in the dtype the
@@ -117,7 +125,9 @@ class Family:
         return None
 
     def attention_softcap(self, config: Any) -> float | None:
-        """``cap * tanh(score / cap)`` on the attention scores (Gemma 2), or ``None``."""
+        """``cap * tanh(score / cap)`` on the attention scores (Gemma 2), or ``None``. GroupQueryAttention's
+        ``softcap`` caps the scores after its ``scale``, where transformers caps them (measured exact on
+        ONNX Runtime 1.32 CPU: the gemma2 row of the family table)."""
         return None
 
     def final_softcap(self, config: Any) -> float | None:
@@ -125,7 +135,55 @@ class Family:
         return None
 
     # -- graph parts ----------------------------------------------------------------------------
-    def make_mlp(self, b: Any, layer: torch.nn.Module, x: str, base: str) -> str:
-        """The layer's MLP on ``x`` written by ``b`` (the ``ort_builder.OrtDecoderBuilder``, which calls
+    def make_mlp(self, b: Any, i: int, layer: torch.nn.Module, x: str, base: str) -> str:
+        """Layer ``i``'s MLP on ``x`` written by ``b`` (the ``ort_builder.OrtDecoderBuilder``, which calls
         this with itself): the dense gated MLP, ``down(act(gate(x)) * up(x))``."""
         return b.make_dense_mlp(layer.mlp, x, base)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEFamily(Family):
+    """A family whose MLPs are (some or all) mixtures of experts, as transformers 5 stores them: a
+    router (a ``weight`` [experts, hidden], maybe a ``bias``) and the experts' fused 3-D parameters
+    ``gate_up_proj`` / ``down_proj`` (``*_bias`` where ``expert_bias``). Every routing written here is
+    ``softmax(logits)``, the top ``k``, renormalized over them where :meth:`normalize_routing` says:
+    ``com.microsoft.MoE``'s own (``ort_moe``); top-k of the logits then a softmax over them (gpt-oss)
+    is the same numbers, the softmax's denominator taken over k values instead of all."""
+
+    #: the MoE block's router and experts (attributes of ``layer.mlp``)
+    router: str = "gate"
+    experts: str = "experts"
+    #: ``gate_up_proj`` [E, hidden, 2I] and ``down_proj`` [E, I, hidden] (gpt-oss), not [E, 2I, hidden], [E, hidden, I]
+    experts_transposed: bool = False
+    #: ``gate_up_proj``'s 2I outputs alternate gate and up (gpt-oss), not all gates then all ups
+    gate_up_interleaved: bool = False
+    expert_bias: bool = False
+    #: how checkpoints store the experts apart (``weights.SafetensorsTensors`` fuses them on read):
+    #: ``(block, gate, up, down)`` in ``{layer}.{block}.experts.{e}.{gate}.weight``; ``None``: stored fused
+    checkpoint_experts: tuple[str, str, str, str] | None = None
+
+    def sparse(self, config: Any, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts (else the dense MLP)."""
+        return True
+
+    def top_k(self, config: Any) -> int:
+        return int(config.num_experts_per_tok)
+
+    def normalize_routing(self, config: Any) -> bool:
+        """Whether the top-k routing weights are divided by their sum (Mixtral: always)."""
+        return True
+
+    def swiglu(self, config: Any) -> tuple[float, float, float | None]:
+        """``(alpha, beta, limit)`` of the experts' ``G * sigmoid(alpha * G) * (L + beta)`` with ``G``, ``L``
+        the gate and up clamped to ``limit`` (``None``: no clamp); SiLU-gated experts are ``(1, 0, None)``."""
+        return 1.0, 0.0, None
+
+    def refusal(self, config: Any) -> str | None:
+        if self.swiglu(config) == (1.0, 0.0, None) and self.activation(config) != "silu":
+            return f"experts with activation {self.activation(config)!r} are not written (MoE's SwiGLU is SiLU-gated)"
+        return super().refusal(config)
+
+    def make_mlp(self, b: Any, i: int, layer: torch.nn.Module, x: str, base: str) -> str:
+        if self.sparse(b.lm.config, i):
+            return b.make_moe_mlp(layer.mlp, x, base)
+        return super().make_mlp(b, i, layer, x, base)

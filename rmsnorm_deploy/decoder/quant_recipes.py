@@ -1,0 +1,119 @@
+"""``--quantize`` recipes: which width and quantizer each weight of the decoder gets.
+
+A recipe maps each weight the graph writes (a role: ``qkv``, ``o``, ``gate``, ``up``, ``gate_up``,
+``down``, ``head``; and its layer) to a :class:`Width` (bits, symmetric or with zero points, the
+quantizer) or to ``None`` (kept in the graph's dtype). ``MatMulNBits`` has one width per node, so
+a fused projection (Q/K/V together) gets one width.
+
+- ``int8`` / ``int4``: every projection 8 or 4 bits, symmetric, ONNX Runtime's round-to-nearest
+  (its ``DefaultWeightOnlyQuantizer``); the LM head only with ``--quantize-lm-head``.
+- ``int4-mixed``: llama.cpp's Q4_K_M layout on ONNX Runtime's kernels: 4-bit blocks with zero
+  points (round-to-nearest over each block's range) for most projections; 8 bits for the tensors
+  Q4_K_M widens (``src/llama-quant.cpp``, ``llama_tensor_get_type``): the output / tied embedding
+  (Q6_K there), and, in the layers its ``use_more_bits`` picks (the first and last eighth and
+  every third between: about half), ``attn_v`` (here the fused Q/K/V it is part of) and
+  ``ffn_down`` (Q6_K there); and, measured on SmolLM2-135M (``benchmarks/quant_quality.py``),
+  the attention output projection in those layers too (the most perplexity per byte of the
+  tensors left at 4 bits). The LM head is always quantized; a tied embedding is then stored
+  once, read by the lookup and the head.
+- ``int4-kquant``: the same layout with the 4-bit blocks chosen by ONNX Runtime's k-quant search
+  (``neural_compressor.weight_only``, llama.cpp's ``make_qkx`` weighted least squares over
+  candidate scales): measured worse than round-to-nearest with zero points on SmolLM2.
+- ``int8-asym``: every projection and the head 8 bits with zero points (round-to-nearest over
+  each block's min..max: no clipping of a block's largest magnitude).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+#: Quantizers: ONNX Runtime's C++ round-to-nearest kernels, or its k-quant scale search.
+METHODS = ("rtn", "kquant")
+#: The roles a weight plays in the decoder graph, by the last name the graph writer gives it
+#: (``...layers.3.self_attn.qkv_proj.weight``); ``other``: any other projection.
+NAMES = {"qkv_proj": "qkv", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "gate_up_proj": "gate_up",
+         "down_proj": "down", "lm_head": "head"}
+ROLES = (*NAMES.values(), "other")
+
+
+def role_of(name: str) -> tuple[str, int]:
+    """``(role, layer)`` of a weight the graph writer names ``name`` (layer 0 outside the layers)."""
+    parts = name.removesuffix(".weight").split(".")
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return NAMES.get(parts[-1], "other"), int(layer.group(1)) if layer else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Width:
+    """How one weight is quantized: ``bits`` (4 or 8), ``symmetric`` (no zero points: the
+    kernel's default zero point 2^(bits-1)) or with zero points, and the quantizer ``method``."""
+
+    bits: int
+    symmetric: bool = True
+    method: str = "rtn"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8) or self.method not in METHODS or (self.method == "kquant" and self.symmetric):
+            raise ValueError(f"no quantizer for {self}")
+
+    def describe(self) -> str:
+        return f"int{self.bits} {'symmetric' if self.symmetric else 'zero points'} {self.method}"
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's ``use_more_bits(i_layer, n_layers)``: the first and last eighth of the layers
+    and every third layer between them (integer division, as there)."""
+    eighth = layers // 8
+    return layer < eighth or layer >= 7 * layers // 8 or (layer - eighth) % 3 == 2
+
+
+Rule = Callable[[str, int, int], "Width | None"]
+
+
+def _uniform(bits: int) -> Rule:
+    def rule(role: str, layer: int, layers: int) -> Width | None:
+        return Width(bits)
+    return rule
+
+
+def _mixed(four: Width) -> Rule:
+    def rule(role: str, layer: int, layers: int) -> Width | None:
+        if role == "head" or (role in ("qkv", "o", "down") and use_more_bits(layer, layers)):
+            return Width(8)
+        return four
+    return rule
+
+
+def _int8_asym(role: str, layer: int, layers: int) -> Width | None:
+    return Width(8, symmetric=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    rule: Rule
+    #: the LM head is quantized whatever ``--quantize-lm-head`` says (the recipe names its width)
+    head_always: bool
+    summary: str
+
+    def width(self, role: str, layer: int, layers: int) -> Width:
+        if role not in ROLES:
+            raise ValueError(f"unknown weight role {role!r}")
+        return self.rule(role, layer, layers)
+
+
+RECIPES = {r.name: r for r in (
+    Recipe("int8", _uniform(8), False, "8-bit symmetric round-to-nearest"),
+    Recipe("int4", _uniform(4), False, "4-bit symmetric round-to-nearest"),
+    Recipe("int4-mixed", _mixed(Width(4, symmetric=False)), True,
+           "llama.cpp Q4_K_M's layout: 4-bit with zero points; 8-bit head/tied embedding, and Q/K/V, output and down "
+           "projections in half the layers (llama.cpp's use_more_bits)"),
+    Recipe("int4-kquant", _mixed(Width(4, symmetric=False, method="kquant")), True,
+           "int4-mixed's layout with ONNX Runtime's k-quant search for the 4-bit blocks"),
+    Recipe("int8-asym", _int8_asym, True, "8-bit with zero points, round-to-nearest, the head too"),
+)}

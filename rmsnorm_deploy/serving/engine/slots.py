@@ -1,0 +1,292 @@
+"""How the generation engine runs its streams: in slots of one KV cache, or one stream at a time.
+
+:class:`SlotBatch` is continuous batching over the ``--target onnxruntime`` graph. The KV cache is
+preallocated once: one [slots, kv_heads, slot_length, head_dim] array per past/present pair,
+bound as both the past input and the present output, so GroupQueryAttention writes each new key
+in place (the graph decides the shared mode by the two tensors being one buffer: a graph exported
+without ``--share-buffer`` runs the same way). A stream owns one row (a slot) from its prefill to
+its last token. What each run tells GroupQueryAttention per row is ``attention_mask``: the graph
+takes ``seqlens_k = sum(mask) - 1`` as the row's past length and ``total_sequence_length`` as the
+mask's width, so rows at different positions decode in one run with each row's mask left-padded
+to the widest (row ``r`` at length ``n_r``: ``n_r + 1`` ones at the right, the new key written
+at index ``n_r`` of its row, rotary position ``n_r``).
+
+- Prefill runs one stream alone on its own row (the row's slice of each cache array is a
+  contiguous view: nothing is copied), in chunks of at most ``prefill_chunk`` tokens; a later
+  chunk is GroupQueryAttention's "subsequent prompt" (past = the earlier chunks). An iteration
+  prefills at most ``prefill_chunk`` prompt tokens in all, so a newcomer stalls the running
+  streams for one chunk at most.
+- Decode runs rows ``0 .. highest busy slot`` in one run: each decoding stream's last token at its
+  own position. A free or still-prefilling row in that range rides along as a placeholder (pad
+  token, its own length: a free slot's is the tokens it keeps): its write lands just past the
+  keys that row holds, and its logits are ignored.
+- Prompt KV is kept across requests (``serving.engine.prefix_cache``): a slot a stream leaves keeps the
+  KV of the tokens it fed; a newcomer goes to the free slot that shares the longest prefix with
+  its prompt (else the lowest free slot, whose tokens are first copied into the ``PrefixStore``
+  when there are enough of them), or has a longer prefix copied back from the store, and
+  prefills only the rest.
+
+Measured on the 125M Llama (hidden 768 x 12 layers): a row's logits are bit-identical alone and in
+a batch of 2 to 16, and a prompt's last logits bit-identical prefilled whole or in chunks of 16,
+32 or 64 (MLAS computes each row of a MatMul the same whatever the batch): each stream's tokens
+are those of ``generate`` on its prompt alone (the tests check it token for token).
+
+:class:`TurnBatch` is the fallback for graphs whose cache cannot live in slots (the portable graph
+concatenates its past every step; a non-CPU provider keeps the cache on its device): each stream
+runs its own batch-1 decode loop (``decode_steps``), and the streams take turns one step each.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Iterator
+
+import numpy as np
+
+from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
+from rmsnorm_deploy.decoder.loop import CacheLayout, decode_steps
+from rmsnorm_deploy.errors import one_line
+from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.serving.engine.prefix_cache import PrefixStore, common_prefix
+
+#: A slot's tokens are copied into the prefix store before an unrelated prompt overwrites them only
+#: when at least this many would be lost: a shorter prefix costs less to prefill than to keep.
+KEEP_AT_LEAST = 16
+
+
+def slots_refusal(model: Any) -> str | None:
+    """Why ``model`` (a ``KVCacheModel``) cannot decode its streams in slots, or ``None`` when it can."""
+    if model.layout.target != "onnxruntime":
+        return ("the portable graph concatenates its past every step, so batching it would copy every row's "
+                "cache at each join; export with --target onnxruntime for continuous batching")
+    if model.layout.rotary_switch is not None:
+        return ("LongRoPE picks one rotary table per run for every row (as transformers does for a batch), so "
+                "streams decoded together would change each other's tables; they take turns")
+    providers = list(model.runner.actual_providers)
+    if providers[:1] != ["CPUExecutionProvider"]:
+        return f"the KV cache in slots lives in host memory, which {providers[0]} would copy every step"
+    return None
+
+
+@dataclasses.dataclass
+class _Row:
+    """A stream's slot and how much of its prompt is in the cache."""
+
+    slot: int
+    filled: int = 0  # tokens in this slot's cache
+    last: int = -1  # the last token handed out (the next decode step's input)
+    fed: list[int] = dataclasses.field(default_factory=list)  # the tokens whose KV the slot holds (filled of them)
+    failed: bool = False  # a run this row was in failed: its slot keeps nothing
+
+    def prefilling(self, stream: Any) -> bool:
+        return self.filled < len(stream.prompt)
+
+
+class SlotBatch:
+    """Continuous batching in the slots of one preallocated KV cache (see the module docstring).
+    Used by the engine thread only."""
+
+    def __init__(self, model: Any, *, slots: int, slot_length: int, prefill_chunk: int, prefix_cache_bytes: int = 0):
+        self.ort = require("onnxruntime", "running a KV-cache model")
+        self.session = model.session
+        self.layout = CacheLayout.of(model.layout)
+        self.slots, self.slot_length, self.prefill_chunk = slots, slot_length, prefill_chunk
+        self.dtype = np.dtype(model.layout.dtype)
+        self.pad = int(model.special.get("pad_token_id") or 0)
+        shape = (slots, self.layout.kv_heads, slot_length, self.layout.head_dim)
+        self.cache = [np.zeros(shape, self.dtype) for _ in self.layout.pairs()]
+        self.logits = np.empty((slots, 1, model.layout.vocab_size), self.dtype)
+        self.rows: dict[Any, _Row] = {}
+        self.free = list(range(slots))
+        self.kept: list[list[int]] = [[] for _ in range(slots)]  # a free slot's tokens whose KV it still holds
+        self.store = PrefixStore(prefix_cache_bytes)
+        self.reuse_prefixes = True  # False: every prompt prefilled whole (a benchmark's baseline)
+        #: prefill_tokens (run), prefix_hits (requests that reused a prefix), prefix_tokens_saved
+        self.counts: collections.Counter = collections.Counter()
+        self._decode_bindings: dict[int, Any] = {}  # per batch size: caches and logits bound once
+        self._prefill_bindings: dict[int, Any] = {}
+        self.takes_positions = POSITION_IDS in {i.name for i in self.session.get_inputs()}
+
+    @staticmethod
+    def cache_bytes(layout: Any, slots: int, slot_length: int) -> int:
+        """Bytes of the KV cache of ``slots`` slots of ``slot_length`` tokens (``layout``: a KVCacheLayout)."""
+        per_token = 2 * layout.num_layers * layout.kv_heads * layout.head_dim * np.dtype(layout.dtype).itemsize
+        return per_token * slots * slot_length
+
+    # -- slots --------------------------------------------------------------------------------------
+    def admit(self, stream: Any) -> None:
+        """Give ``stream`` a free slot with as much of its prompt's KV as the slots or the store hold
+        (all of the prompt but its last token at most: its logits pick the first new token)."""
+        prompt, limit = stream.prompt, (len(stream.prompt) - 1 if self.reuse_prefixes else 0)
+        self.free.sort()
+        slot, reused = self.free[0], 0
+        for free in self.free:
+            shared = min(common_prefix(self.kept[free], prompt), limit)
+            if shared > reused:
+                slot, reused = free, shared
+        stored, key = self.store.longest(prompt) if self.store.entries else (0, None)
+        stored = min(stored, limit)
+        if key is not None and stored > reused:
+            slot, reused = self.free[0], stored
+            self._keep(slot, 0)
+            self.store.copy_into(key, stored, self._row_views(slot))
+        else:
+            self._keep(slot, reused)
+        self.free.remove(slot)
+        self.kept[slot] = []
+        self.rows[stream] = _Row(slot, filled=reused, fed=list(prompt[:reused]))
+        if reused:
+            self.counts["prefix_hits"] += 1
+            self.counts["prefix_tokens_saved"] += reused
+
+    def release(self, stream: Any) -> None:
+        row = self.rows.pop(stream, None)
+        if row is not None:
+            self.free.append(row.slot)
+            # (fed never reaches slot_length: a stream's last token is handed out, not fed)
+            self.kept[row.slot] = [] if row.failed else row.fed[:self.slot_length - 1]
+
+    def _row_views(self, slot: int) -> list[np.ndarray]:
+        return [array[slot] for array in self.cache]
+
+    def _keep(self, slot: int, reused: int) -> None:
+        """Copy a free slot's tokens into the store before a prompt that shares only ``reused`` of
+        them overwrites the rest (when enough would be lost)."""
+        kept = self.kept[slot]
+        if self.store.budget_bytes and len(kept) - reused >= KEEP_AT_LEAST:
+            self.store.put(kept, self._row_views(slot))
+
+    def _binding(self, cache: dict[int, Any], key: int, lo: int, hi: int, logits: Any = None) -> Any:
+        """An IOBinding with the logits bound first (``logits``: an OrtValue to write into, else
+        ONNX Runtime allocates them: ``get_outputs()[0]``), then rows ``lo:hi`` of every cache array
+        as past and present (made once per ``key``)."""
+        if key not in cache:
+            binding = self.session.io_binding()
+            if logits is None:
+                binding.bind_output(LOGITS, "cpu")
+            else:
+                binding.bind_ortvalue_output(LOGITS, logits)
+            for (past, present), array in zip(self.layout.pairs(), self.cache):
+                value = self.ort.OrtValue.ortvalue_from_numpy(array[lo:hi])  # a contiguous view: no copy
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+            cache[key] = binding
+        return cache[key]
+
+    def _run(self, binding: Any) -> None:
+        """One ONNX Runtime run (the one place a step can fail)."""
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
+            raise RuntimeError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
+
+    def _feed(self, binding: Any, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> None:
+        binding.bind_cpu_input(INPUT_IDS, ids)
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        if self.takes_positions:
+            binding.bind_cpu_input(POSITION_IDS, positions)
+
+    # -- one iteration --------------------------------------------------------------------------
+    def iteration(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
+        """Prefill work, then one decode step: ``([stream], token, None)`` for each new token, or
+        ``(streams, None, message)`` for the streams of a run that failed."""
+        yield from self._prefill()
+        yield from self._decode()
+
+    def _prefill(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
+        budget = self.prefill_chunk
+        for stream, row in sorted(self.rows.items(), key=lambda item: item[0].number):
+            if not row.prefilling(stream):
+                continue
+            end = min(len(stream.prompt), row.filled + self.prefill_chunk)
+            if budget < end - row.filled and budget < self.prefill_chunk:
+                break  # this iteration's prompt tokens are spent
+            budget -= end - row.filled
+            binding = self._binding(self._prefill_bindings, row.slot, row.slot, row.slot + 1)
+            chunk = np.asarray([stream.prompt[row.filled:end]], dtype=np.int64)
+            self._feed(binding, chunk, np.ones((1, end), np.int64), np.arange(row.filled, end, dtype=np.int64)[None])
+            binding.bind_output(LOGITS, "cpu")  # again: a bound output keeps the shape of its first run
+            try:
+                self._run(binding)
+            except RuntimeError as exc:
+                row.failed = True
+                yield [stream], None, str(exc)
+                continue
+            self.counts["prefill_tokens"] += end - row.filled
+            row.fed.extend(stream.prompt[row.filled:end])
+            row.filled = end
+            if not row.prefilling(stream):
+                row.last = int(stream.pick(np.asarray(binding.get_outputs()[0].numpy()[:, -1, :]))[0])
+                yield [stream], row.last, None
+            if budget <= 0:
+                break
+
+    def _decode(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
+        decoding = {row.slot: (stream, row) for stream, row in self.rows.items()
+                    if not row.prefilling(stream) and not stream.done}
+        if not decoding:
+            return
+        k = max(decoding) + 1
+        lengths = np.zeros(k, np.int64)
+        ids = np.full((k, 1), self.pad, np.int64)
+        for slot in self.free:
+            if slot < k:  # a placeholder that writes past the keys the slot keeps
+                lengths[slot] = len(self.kept[slot])
+        for stream, row in self.rows.items():
+            if row.slot < k:
+                lengths[row.slot] = row.filled
+        for slot, (_, row) in decoding.items():
+            ids[slot, 0] = row.last
+        width = int(lengths.max()) + 1
+        mask = (np.arange(width)[None, :] >= (width - 1 - lengths)[:, None]).astype(np.int64)
+        # the logits land in self.logits[:k], read in place after each run
+        binding = self._binding(self._decode_bindings, k, 0, k,
+                                None if k in self._decode_bindings else self.ort.OrtValue.ortvalue_from_numpy(self.logits[:k]))
+        self._feed(binding, ids, mask, lengths[:, None].copy())
+        try:
+            self._run(binding)
+        except RuntimeError as exc:
+            for _, row in decoding.values():
+                row.failed = True
+            yield [stream for stream, _ in decoding.values()], None, str(exc)
+            return
+        for slot, (stream, row) in sorted(decoding.items()):
+            row.fed.append(row.last)
+            row.filled += 1
+            row.last = int(stream.pick(self.logits[slot:slot + 1, -1, :])[0])
+            yield [stream], row.last, None
+
+
+class TurnBatch:
+    """Streams take turns, one batch-1 step each, every stream in its own decode loop (see the
+    module docstring). Used by the engine thread only."""
+
+    def __init__(self, model: Any, *, slots: int):
+        self.model, self.slots = model, slots
+        self.loops: dict[Any, Iterator[tuple[np.ndarray, np.ndarray]]] = {}
+        self.store = None  # each stream prefills its whole prompt: its cache lives in its own loop
+        self.counts: collections.Counter = collections.Counter()
+
+    def admit(self, stream: Any) -> None:
+        self.counts["prefill_tokens"] += len(stream.prompt)
+        ids = np.asarray([stream.prompt], dtype=np.int64)
+        # eos handled by the engine: the loop only has to run up to max_new_tokens steps
+        self.loops[stream] = decode_steps(self.model.stepper, ids, max_new_tokens=stream.max_new_tokens,
+                                          pick=stream.pick)
+
+    def release(self, stream: Any) -> None:
+        self.loops.pop(stream, None)
+
+    def iteration(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
+        for stream, loop in sorted(self.loops.items(), key=lambda item: item[0].number):
+            if stream.done:
+                continue
+            try:
+                token, _ = next(loop)
+            except StopIteration:
+                continue
+            except Exception as exc:  # noqa: BLE001 - a failing step fails its stream only
+                yield [stream], None, one_line(exc)
+                continue
+            yield [stream], int(token[0]), None
