@@ -22,6 +22,10 @@ What the kernel multiplies by, and so the reference a quantized graph is held to
 
 :func:`dequantized_reference` puts exactly that into a PyTorch model in place of its Linear
 weights (and, at int8 compute, on their inputs), for the time of a comparison.
+
+Long: what a quantized weight is, packed, recorded and read back, is one fact kept in one place for
+projections, the tied head and embedding, and QMoE's experts alike; split, the packing and its
+reference would drift apart.
 """
 
 from __future__ import annotations

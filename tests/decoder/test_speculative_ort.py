@@ -81,6 +81,15 @@ def test_a_batch_on_a_grouped_query_attention_graph_is_refused_in_one_line(folde
         generate(model, [PROMPT, PROMPT[:3]], max_new_tokens=4, speculation=SpeculationOptions("ngram", 4))
 
 
+def test_a_graph_computing_in_int8_is_refused_speculation(tmp_path):
+    """int8 compute rounds a run of several tokens differently from one: its greedy tokens would change."""
+    from rmsnorm_deploy.decoder.quantize import Quantization
+
+    folder = _write(tmp_path, "int4", quantization=Quantization("int4", 32, 4, False))
+    with KVCacheModel(folder) as model, pytest.raises(InputError, match="computes in int8 .*--accuracy-level 1"):
+        generate(model, [PROMPT], max_new_tokens=4, speculation=SpeculationOptions("ngram", 4))
+
+
 def test_generate_cli_reports_speculation_and_refuses_another_vocabulary(folders, capsys, tmp_path):
     ids = ",".join(str(t) for t in PROMPT)
     base = ["generate", str(folders["shared"]), "--input-ids", ids, "--max-new-tokens", "12", "--json"]
