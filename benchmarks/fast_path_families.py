@@ -132,6 +132,10 @@ def check_row(row: FamilyRow) -> dict[str, Any]:
 
 def speed_config(row: FamilyRow) -> dict[str, Any]:
     config = {**row.config, **SPEED_DIMS}
+    layers = row.config.get("num_hidden_layers")
+    for field, value in row.config.items():  # per-layer lists (layer_types, no_rope_layers, ...): the pattern repeated
+        if isinstance(value, list) and len(value) == layers:
+            config[field] = [value[i % layers] for i in range(SPEED_DIMS["num_hidden_layers"])]
     for field, value in SCALED_FIELDS.items():
         if field in config:
             config[field] = value
@@ -208,7 +212,10 @@ def markdown(results: dict[str, Any]) -> str:
 
         def ms(key: str) -> str:
             value = speed.get(f"{key} decode ms/token")
-            return f"{value:.2f}" if value is not None else speed.get(f"{key.split()[0]}_error", "–")
+            error = speed.get(f"{key.split()[0]}_error")
+            if value is not None:
+                return f"{value:.2f}"
+            return f"failed: {error[:110]}" if error else "–"
 
         if not row.get("writes"):
             lines.append(f"| {row['row']} | {row['model_type']} | no: {row.get('why')} | | | | | | | |")
@@ -220,6 +227,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{' (window ' + str(row['window']) + ')' if row['window'] else ''} | {row['int4']} | "
             f"{row.get('genai', '–')} | {ms('ours')} | "
             f"{ms('genai builder') if row.get('genai') else '–'} | {f'{ratio:.2f}' if ratio else '–'} |")
+    if results.get("note"):
+        lines += ["", results["note"]]
     lines += ["", "## Refused model types", "", "| model type | why |", "|---|---|"]
     lines += [f"| {t} | {why} |" for t, why in sorted(results["refused"].items())]
     return "\n".join(lines) + "\n"
