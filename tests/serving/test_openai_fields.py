@@ -86,7 +86,10 @@ def test_chat_logprobs_are_log_softmax_of_the_models_logits_streamed_or_not(serv
     chunks = client.chat.completions.create(model="model", messages=messages, max_tokens=6, temperature=0,
                                             logprobs=True, top_logprobs=5, stream=True)
     streamed = [c for chunk in chunks for choice in chunk.choices if choice.logprobs for c in choice.logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # the same tokens; the logprobs within float32 rounding: the second request prefills only what the
+    # prefix cache does not hold, so its logits are summed in other chunks
+    assert [c.token for c in streamed] == [c.token for c in content]
+    _check_close(np.array([c.logprob for c in streamed]), np.array([c.logprob for c in content]))
 
 
 def test_completion_logprobs_in_the_legacy_shape(server, torch_model):
