@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rmsnorm_deploy.serving.openai.choices import byte_chars
+
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2: the tiny Llama's pad, bos and eos
 #: a ChatML-like template: each message in <s>role\n...</s>, the assistant's turn opened at the end;
 #: roles it does not know are refused through transformers' raise_exception
@@ -24,22 +26,11 @@ CHAT_TEMPLATE = (
 _WORDS = [" the", " a", " to", " and", "in", "er", "on", " hello", " world", " stop", "END", "é", " café"]
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer writes)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def write_tokenizer(folder: Path, *, chat_template: bool = True) -> int:
     """``tokenizer.json`` and ``tokenizer_config.json`` in ``folder``; returns the vocabulary size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    chars = _byte_chars()
+    chars = byte_chars()
     vocab = {token: i for i, token in enumerate(SPECIALS)}
     for b in range(256):
         vocab[chars[b]] = len(vocab)

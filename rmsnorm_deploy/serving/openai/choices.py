@@ -76,7 +76,7 @@ class TokenTexts:
         self.tokenizer = tokenizer
         decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
         self.byte_level = "ByteLevel" in json.dumps(decoder)
-        self.table = {c: b for b, c in _byte_chars().items()}
+        self.table = {c: b for b, c in byte_chars().items()}
         self.added = set(tokenizer.get_added_tokens_decoder())  # written as their text, not in bytes
         self._cache: dict[int, bytes] = {}
 
@@ -123,7 +123,7 @@ class TokenTexts:
         return top
 
 
-def _byte_chars() -> dict[int, str]:
+def byte_chars() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what byte-level BPE vocabularies are written in)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, extra = {b: chr(b) for b in printable}, 0
