@@ -19,6 +19,7 @@ the largest logit difference are checked against the ``MoE`` graph. Writes
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -135,6 +136,7 @@ def decompose(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     sys.path.insert(0, str(ROOT))
     from rmsnorm_deploy.decoder.loop import KVDecoderRunner
     from rmsnorm_deploy.decoder.ort_graph import build_decoder
