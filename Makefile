@@ -38,7 +38,7 @@ run: $(STAMP)
 	$(VENV)/bin/rmsnorm-deploy validate export/tiny/float32-function/model.onnx
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(JOBS) -q
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup -q
 
 sweep parity: $(STAMP)
 	$(VENV)/bin/rmsnorm-deploy sweep

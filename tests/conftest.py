@@ -1,4 +1,5 @@
-"""Shared test settings: the Hypothesis profile, and Triton's interpreter where there is no GPU.
+"""Shared test settings: the Hypothesis profile, Triton's interpreter where there is no GPU, and
+which tests share one pytest-xdist worker.
 
 Hypothesis is a test extra; the GPU check (``benchmarks/gpu_check.py``) runs the kernel tests on
 machines that may lack it, so its profile is registered only where it is installed.
@@ -38,6 +39,18 @@ if settings is not None:
         derandomize=True,
     )
     settings.load_profile("ci")
+
+
+#: Fixtures whose work is made once per run under a file lock (``tests/real_weights.py``): the tests
+#: using them run on one worker (``make test`` passes ``--dist loadgroup``), so the other worker never
+#: waits on a lock for an export it does not need yet, and takes the rest of the suite meanwhile.
+REAL_WEIGHTS_FIXTURES = frozenset({"real_weights", "real_plain_base"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_WEIGHTS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("real-weights"))
 
 
 @pytest.fixture(scope="session")
