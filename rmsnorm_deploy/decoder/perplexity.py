@@ -203,13 +203,16 @@ def session_logits(model: Any, context: int) -> LogitsOf:
     past_length = cache.max_length if cache.share_buffer else 0
     empty = np.zeros((1, cache.kv_heads, past_length, cache.head_dim), numpy_dtype(feed.dtype))
     fixed = {past: empty for past, _ in cache.pairs()}
-    fixed[feed.attention_mask] = np.ones((1, context), np.int64)
-    if feed.position_ids is not None and feed.position_ids in {i.name for i in session.get_inputs()}:
-        fixed[feed.position_ids] = np.arange(context, dtype=np.int64)[None, :]
+    # int64 as the convention says; int32 where a foreign graph declares it (its own builder's choice)
+    integer = {i.name: np.int32 if i.type == "tensor(int32)" else np.int64 for i in session.get_inputs()}
+    fixed[feed.attention_mask] = np.ones((1, context), integer.get(feed.attention_mask, np.int64))
+    if feed.position_ids is not None and feed.position_ids in integer:
+        fixed[feed.position_ids] = np.arange(context, dtype=integer[feed.position_ids])[None, :]
+    ids_type = integer.get(feed.input_ids, np.int64)
 
     def logits_of(window: np.ndarray) -> np.ndarray:
         try:
-            (logits,) = session.run([feed.logits], {**fixed, feed.input_ids: window[None, :]})
+            (logits,) = session.run([feed.logits], {**fixed, feed.input_ids: window[None, :].astype(ids_type)})
         except Exception as exc:  # ONNX Runtime raises its own exception types
             raise UserError(f"ONNX Runtime failed to run a perplexity chunk: {one_line(exc)}") from None
         return logits[0]

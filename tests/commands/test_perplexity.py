@@ -293,6 +293,22 @@ def test_the_progress_bar_is_on_stderr_only_when_asked(capsys, folders, token_fi
     assert lines[-1].startswith("perplexity [####") and " 3/3 (100%)" in lines[-1] and len(lines) == 4
 
 
+def test_on_a_terminal_the_bar_is_redrawn_in_place():
+    import io
+
+    from rmsnorm_deploy.progress import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    bar = ProgressBar("perplexity", stream=stream, redraw_seconds=3600.0)
+    for done in range(5):
+        bar.update(done, 4)  # the first drawn, the next ones within the redraw time skipped, the last drawn
+    assert stream.getvalue().count("\r") == 2 and stream.getvalue().endswith("4/4 (100%), 0s\x1b[K\n")
+
+
 @pytest.mark.parametrize("damage, fragments", [
     ("no_model", ["not a KV-cache model folder perplexity reads (it holds config.json, model.onnx.data, tokenizer.json)",
                   "expected model.onnx with rmsnorm-deploy's KV-cache metadata"]),

@@ -117,14 +117,13 @@ def test_strided_perplexity_matches_transformers_own_loss_window_by_window(tiny_
     ids = np.random.default_rng(8).integers(3, lm.config.vocab_size, size=2 * CONTEXT + 3)
     with KVCacheModel(folder) as model:
         got = perplexity(model, ids, context=CONTEXT, bos_token_id=1, stride=stride)
-    total, count = 0.0, 0
-    for start in range(0, len(ids) - CONTEXT + 1, stride):
-        window = torch.from_numpy(ids[start: start + CONTEXT].copy())[None, :]
-        window[0, 0] = 1
-        labels = window.clone()
-        labels[:, : CONTEXT - stride] = -100
-        with torch.no_grad():
-            total += lm(input_ids=window, labels=labels).loss.item() * stride
-        count += stride
+    starts = range(0, len(ids) - CONTEXT + 1, stride)
+    windows = torch.from_numpy(np.stack([ids[start: start + CONTEXT] for start in starts]))
+    windows[:, 0] = 1
+    labels = windows.clone()
+    labels[:, : CONTEXT - stride] = -100  # transformers shifts: label j is predicted at position j - 1
+    with torch.no_grad():
+        loss = lm(input_ids=windows, labels=labels).loss.item()  # the mean over every unmasked label
+    count = stride * len(starts)
     assert (got.chunks, got.scored_tokens, got.stride) == (4, count, stride) and count == 20
-    assert got.mean_nll == pytest.approx(total / count, rel=1e-5)
+    assert got.mean_nll == pytest.approx(loss, rel=1e-5)
