@@ -62,7 +62,30 @@ def folders(hf: Path, work: Path) -> dict[str, Path]:
     return made
 
 
-def write_markdown(rows: list[dict], source: str) -> None:
+def genai_runtime_check(folder: Path, text: Path) -> dict:
+    """The first chunk's logits as onnxruntime-genai's own ``Generator`` hands them out against what
+    ``perplexity`` reads from the same folder in plain ONNX Runtime."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    from rmsnorm_deploy.decoder.kv_folders import open_kv_folder
+    from rmsnorm_deploy.decoder.perplexity import DEFAULT_CONTEXT, chunked, read_text, session_logits, text_ids
+
+    with open_kv_folder(folder, intra_op_threads=1) as model:
+        ids, bos = text_ids(model, read_text(text))
+        window = chunked(ids, DEFAULT_CONTEXT, bos)[0]
+        ours = session_logits(model, DEFAULT_CONTEXT)(window)
+    runtime = og.Model(str(folder))
+    params = og.GeneratorParams(runtime)
+    params.set_search_options(max_length=DEFAULT_CONTEXT + 1)
+    generator = og.Generator(runtime, params)
+    generator.append_tokens(window[None, :].astype(np.int32))
+    theirs = np.asarray(generator.get_output("logits"))[0]
+    return {"positions": int(theirs.shape[0]), "max_abs_difference": float(np.abs(theirs - ours).max()),
+            "largest_logit": float(np.abs(ours).max())}
+
+
+def write_markdown(rows: list[dict], source: str, runtime: dict | None = None) -> None:
     lines = ["| model (kind) | reference (kind) | scheme | perplexity | reference's | relative difference | KL mean "
              "| KL p99 | KL max | same top token | scored |", "|" + " --- |" * 11]
     for r in rows:
@@ -81,7 +104,12 @@ def write_markdown(rows: list[dict], source: str) -> None:
         f"the first {TEXT_BYTES} bytes of the shipped GNU GPL v3 (1,139 SmolLM2 tokens). genai: "
         "onnxruntime-genai 0.18's builder `-p fp32 -e cpu` (its own graph: GroupQueryAttention, fused norms); "
         "optimum: our folder in optimum's layout (our metadata and genai_config.json taken out). "
-        "Relative difference: |perplexity - reference's| / reference's.\n\n" + "\n".join(lines) + "\n")
+        "Relative difference: |perplexity - reference's| / reference's.\n\n" + "\n".join(lines) + "\n"
+        + ("" if runtime is None else
+           f"\nThe genai folder's first chunk through onnxruntime-genai's own `Generator` (`append_tokens`, "
+           f"`get_output(\"logits\")`, {runtime['positions']} positions) against what `perplexity` reads from it in "
+           f"plain ONNX Runtime: largest difference {runtime['max_abs_difference']:.3g} (largest logit "
+           f"{runtime['largest_logit']:.3g}).\n"))
 
 
 def main() -> int:
@@ -104,10 +132,12 @@ def main() -> int:
         rows.append({"model": model, "reference": reference, **{k: v for k, v in got.items()
                                                                  if k not in ("model", "reference", "text")}})
         print(json.dumps(rows[-1]), flush=True)
+    runtime = genai_runtime_check(made["genai"], text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "perplexity_folders.json").write_text(json.dumps({"hf": args.hf.name, "text_bytes": TEXT_BYTES,
-                                                                 "rows": rows}, indent=1) + "\n")
-    write_markdown(rows, args.hf.name)
+                                                                 "rows": rows, "genai_runtime_first_chunk": runtime},
+                                                                indent=1) + "\n")
+    write_markdown(rows, args.hf.name, runtime)
     return 0
 
 

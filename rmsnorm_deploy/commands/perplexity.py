@@ -21,7 +21,7 @@ import json
 import re
 from pathlib import Path
 
-from rmsnorm_deploy.errors import InputError
+from rmsnorm_deploy.errors import InputError, check_interrupted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,11 +128,16 @@ def run(args: argparse.Namespace) -> int:
         check_windows(windows, model.layout.vocab_size)
         bar = ProgressBar("perplexity", enabled=args.progress or sys.stderr.isatty())
         bar.update(0, len(windows))
+
+        def on_window(done: int, total: int) -> None:
+            check_interrupted()  # a Ctrl-C or SIGTERM ONNX Runtime swallowed stops the command here
+            bar.update(done, total)
+
         if reference is not None:
             result = divergence(logits_of, session_logits(reference, args.context), windows, text_tokens=len(ids),
-                                bos_token_id=bos, on_chunk=bar.update, stride=args.stride)
+                                bos_token_id=bos, on_chunk=on_window, stride=args.stride)
         else:
-            result = perplexity(model, ids, context=args.context, bos_token_id=bos, on_chunk=bar.update,
+            result = perplexity(model, ids, context=args.context, bos_token_id=bos, on_chunk=on_window,
                                 stride=args.stride)
     data = {"model": str(args.model), "model_kind": _kind(model), "reference": args.kl_divergence,
             "reference_kind": _kind(reference) if reference is not None else None, "text": str(source),

@@ -315,6 +315,7 @@ def test_on_a_terminal_the_bar_is_redrawn_in_place():
     ("filename_out", ["model.decoder.filename is '../decoder.onnx'", "a plain file name"]),
     ("filename_missing", ["model.decoder.filename names gone.onnx, which is not in"]),
     ("extra_input", ["the graph takes inputs perplexity cannot feed: ['use_cache_branch']"]),
+    ("data_out", ["external data '../outside.data' points outside the model's folder", "refusing to read it"]),
     ("layers", ["num_hidden_layers is 3, the graph has 2 layers of past"]),
     ("stride", ["stride must be an integer from 1 to the context minus 1 (15), got 16"]),
 ])
@@ -323,7 +324,7 @@ def test_foreign_folders_are_refused_in_one_line(capsys, foreign, token_file, tm
 
     path, _ = token_file
     bad = tmp_path / "bad"
-    kind = "optimum" if damage in ("no_model", "extra_input") else "genai"
+    kind = "optimum" if damage in ("no_model", "extra_input", "data_out") else "genai"
     shutil.copytree(foreign[kind], bad)
     extra: list[str] = []
     config = json.loads((bad / "genai_config.json").read_text()) if kind == "genai" else None
@@ -332,6 +333,17 @@ def test_foreign_folders_are_refused_in_one_line(capsys, foreign, token_file, tm
     elif damage == "extra_input":
         model = onnx.load(str(bad / "model.onnx"))
         model.graph.input.append(onnx.helper.make_tensor_value_info("use_cache_branch", onnx.TensorProto.BOOL, [1]))
+        onnx.save(model, str(bad / "model.onnx"))
+    elif damage == "data_out":
+        from onnx import external_data_helper
+
+        (tmp_path / "outside.data").write_bytes(b"\0" * 4096)
+        model = onnx.load(str(bad / "model.onnx"))
+        tensor = max(model.graph.initializer, key=lambda t: len(t.raw_data))
+        external_data_helper.set_external_data(tensor, location="../outside.data", offset=0,
+                                               length=len(tensor.raw_data))
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.ClearField("raw_data")
         onnx.save(model, str(bad / "model.onnx"))
     elif damage == "filename_out":
         config["model"]["decoder"]["filename"] = "../decoder.onnx"
