@@ -47,9 +47,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export", "export a pre-norm model (preset or Hugging Face folder) to ONNX, every RMSNorm exact; check parity"),
     "generate": ("generate", "generate tokens with a KV-cache model (export --kv-cache) in ONNX Runtime: greedy or "
                  "sampled, past/present bound with IOBinding; prints prefill ms, decode ms/token, tokens/s"),
-    "perplexity": ("perplexity", "perplexity of a KV-cache model over a text in llama-perplexity's scheme (chunks of "
-                   "256, second half scored); --kl-divergence REF_DIR: KL divergence and top-1 agreement with a "
-                   "reference export"),
+    "perplexity": ("perplexity", "perplexity of a KV-cache model (ours, onnxruntime-genai's or optimum's folder) over "
+                   "a text in llama-perplexity's scheme (chunks of 256, second half scored; --stride N: sliding "
+                   "windows); --kl-divergence REF_DIR: KL divergence and top-1 agreement with a reference model"),
     "env": ("env", "print the environment: versions, GPU, ONNX Runtime providers, TensorRT, plugin"),
     "build": ("build", "build a strongly typed TensorRT engine from an ONNX model and check where its norms run"),
     "check-trt": ("check_trt", "check without TensorRT whether a TensorRT version's ONNX parser imports a model"),

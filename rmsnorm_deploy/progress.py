@@ -1,4 +1,4 @@
-"""Progress of long commands on stderr: one line per stage with its time.
+"""Progress of long commands on stderr: one line per stage with its time, or a bar of steps.
 
 On a terminal the running stage shows a ticking clock (a large export spends minutes in
 ``torch.onnx.export``); in a log file each stage is one line when it starts and one when it
@@ -87,3 +87,48 @@ class Progress:
                 end = f"\r{head} ... {status} in {stage.seconds:.1f}s{extra}\x1b[K\n" if self._live() else \
                     f"{head}: {status} in {stage.seconds:.1f}s{extra}\n"
                 self._write(end)
+
+
+class ProgressBar:
+    """A bar of ``done / total`` steps on stderr: redrawn in place on a terminal (at most every
+    ``redraw_seconds``), in a log file one line per tenth of the steps and one at the end. Shown only
+    when ``enabled`` (a command decides: a terminal, or asked for); stdout is never touched."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, *, stream: IO[str] | None = None, enabled: bool = True,
+                 redraw_seconds: float = 0.2):
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.redraw_seconds = redraw_seconds
+        self.start = time.perf_counter()
+        self._last = float("-inf")
+        self._tenth = -1
+        isatty = getattr(self.stream, "isatty", None)
+        self.live = bool(isatty and isatty())
+
+    def line(self, done: int, total: int) -> str:
+        """``label [#####.....] done/total (pct), elapsed, ETA``."""
+        elapsed = time.perf_counter() - self.start
+        filled = self.WIDTH * done // max(total, 1)
+        eta = f", ETA {elapsed / done * (total - done):.0f}s" if 0 < done < total else ""
+        return (f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{total} "
+                f"({100 * done // max(total, 1)}%), {elapsed:.0f}s{eta}")
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.live:
+            now = time.perf_counter()
+            if done < total and now - self._last < self.redraw_seconds:
+                return
+            self._last = now
+            self.stream.write(f"\r{self.line(done, total)}\x1b[K" + ("\n" if done >= total else ""))
+        else:
+            tenth = 10 * done // max(total, 1)
+            if tenth == self._tenth:
+                return
+            self._tenth = tenth
+            self.stream.write(self.line(done, total) + "\n")
+        self.stream.flush()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: the scripts a user runs here (the GPU machine's gpu_check.py and gpu_kernel.py: tests/kernels)
-SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py")) + ["real_checkpoints.py", "speculative.py"]
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py")) + ["real_checkpoints.py", "speculative.py",
+                                                                  "perplexity_folders.py"]
 
 
 def test_every_benchmark_script_starts():

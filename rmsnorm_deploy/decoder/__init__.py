@@ -53,7 +53,10 @@ generate            ``KVCacheModel`` and ``generate``/``stream``: greedy or seed
                     exported folder, prompts checked against the model, special tokens from its folder,
                     ``SpeculationOptions`` (``generate --speculative``)
 perplexity          ``perplexity``: llama-perplexity's scheme (chunks from an empty cache, second half
-                    scored, float64 log-softmax) over token ids, on any KV-cache export
+                    scored, float64 log-softmax) or sliding windows (``--stride``) over token ids, on
+                    any KV-cache folder
+kv_folders          the KV-cache folders ``perplexity`` reads, told apart by their files: ours
+                    (``KVCacheModel``), onnxruntime-genai's builder's and optimum's (``ForeignKVModel``)
 divergence          ``divergence``: KL divergence, top-1 agreement and both perplexities of a model
                     against a reference (another export, or transformers) at perplexity's positions;
                     what ``export --quantize`` reports quantization cost on text

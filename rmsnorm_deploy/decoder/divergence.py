@@ -2,7 +2,8 @@
 top-1 agreement and both perplexities, as llama.cpp's ``llama-perplexity --kl-divergence`` reports them.
 
 The positions are perplexity's (``decoder.perplexity``: chunks of ``context`` tokens from an empty
-cache, the second half scored); both models read the same token ids. At each scored position, with
+cache, the second half scored; with a ``stride``, sliding windows, each scoring its last ``stride``
+tokens); both models read the same token ids. At each scored position, with
 ``P`` the reference's distribution and ``Q`` the model's (log-softmax of the logits in float64):
 
 * ``KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))`` in nats; reported as its mean over the
@@ -75,6 +76,7 @@ class Divergence:
     text_tokens: int
     bos_token_id: int | None
     seconds: float
+    stride: int | None = None  # sliding windows (``perplexity.sliding``); None: llama-perplexity's chunks
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "seconds": round(self.seconds, 3)}
@@ -94,13 +96,13 @@ class _Chunk:
     same_top: np.ndarray  # whether the two argmax tokens agree, per scored position
 
 
-def _chunk(logits: np.ndarray, reference: np.ndarray, window: np.ndarray) -> _Chunk:
+def _chunk(logits: np.ndarray, reference: np.ndarray, window: np.ndarray, stride: int | None = None) -> _Chunk:
     """One window's scored positions, :data:`_ROWS` at a time, each model's log-softmax computed once.
     The negative log-likelihoods are ``perplexity.scored_nll``'s: the same values summed in one array."""
     if logits.shape != reference.shape:
         raise InputError(f"the model's logits are {list(logits.shape)} and the reference's {list(reference.shape)}; "
                          "compare two models with the same vocabulary")
-    rows = scored_positions(len(window))
+    rows = scored_positions(len(window), stride)
     targets = np.asarray(window[rows.start + 1:], dtype=np.int64)
     picked: tuple[list[np.ndarray], list[np.ndarray]] = ([], [])
     kl, same = [], []
@@ -117,13 +119,15 @@ def _chunk(logits: np.ndarray, reference: np.ndarray, window: np.ndarray) -> _Ch
 
 
 def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray, *, text_tokens: int,
-               bos_token_id: int | None = None, on_chunk: OnChunk | None = None) -> Divergence:
+               bos_token_id: int | None = None, on_chunk: OnChunk | None = None,
+               stride: int | None = None) -> Divergence:
     """The model's distributions (``logits_of``) against the reference's (``reference_of``) over
-    ``windows`` (``perplexity.chunked``), at perplexity's scored positions (module docstring)."""
+    ``windows`` (``perplexity.chunked``, or ``perplexity.sliding`` with the same ``stride``), at
+    perplexity's scored positions (module docstring)."""
     start = time.perf_counter()
     chunks = []
     for done, window in enumerate(windows, 1):
-        chunks.append(_chunk(logits_of(window), reference_of(window), window))
+        chunks.append(_chunk(logits_of(window), reference_of(window), window, stride))
         if on_chunk is not None:
             on_chunk(done, len(windows))
     total = total_ref = 0.0
@@ -136,7 +140,7 @@ def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray,
                       kl_mean=float(kl.mean()), kl_median=float(np.median(kl)), kl_p99=float(np.percentile(kl, 99)),
                       kl_max=float(kl.max()), same_top=float(np.concatenate([c.same_top for c in chunks]).mean()),
                       scored_tokens=count, chunks=len(windows), context=len(windows[0]), text_tokens=text_tokens,
-                      bos_token_id=bos_token_id, seconds=time.perf_counter() - start)
+                      bos_token_id=bos_token_id, seconds=time.perf_counter() - start, stride=stride)
 
 
 def torch_logits(lm: Any) -> LogitsOf:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import importlib.util
 import json
 import re
 import shutil
@@ -183,7 +184,8 @@ def _one_line_error(capsys, code: int, *fragments: str) -> None:
     ([], ["has no tokenizer.json to read the text with; give token ids with --tokens FILE"]),
     (["--tokens", "{ids}", "--kl-divergence", "{missing}"], ["no such file or folder"]),
     (["--tokens", "{ids}", "--kl-divergence", "{plain_onnx}"],
-     ["not a KV-cache model", "optimum or onnxruntime-genai"]),
+     ["not a KV-cache model folder perplexity reads (it holds model.onnx)", "genai_config.json beside",
+      "optimum's ORTModelForCausalLM"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, folders, tmp_path, argv, fragments):
     from rmsnorm_deploy import RMSNormSpec, rmsnorm_model
@@ -203,3 +205,196 @@ def test_bad_input_is_one_line_and_exit_2(capsys, folders, tmp_path, argv, fragm
         save_onnx(rmsnorm_model(RMSNormSpec.llama(), dtype="float32", shape=(2, 8)), paths["plain_onnx"])
     argv = [a.format(**{k: str(v) for k, v in paths.items()}) if "{" in a else a for a in argv]
     _one_line_error(capsys, main(["perplexity", str(folder["bare"]), *argv]), *fragments)
+
+
+# -- folders of optimum and onnxruntime-genai ---------------------------------------------------------
+def _foreign_copy(source: Path, target: Path, *, kind: str) -> Path:
+    """``source`` (our float32 folder) as the other writers lay it out: our metadata gone; optimum's
+    without genai_config.json; genai's without config.json, its graph in ``decoder.onnx`` with the
+    token input named ``tokens`` and genai_config.json naming both."""
+    import onnx
+
+    from rmsnorm_deploy.graph.metadata import PREFIX
+
+    shutil.copytree(source, target)
+    model = onnx.load(str(target / "model.onnx"))
+    kept = [p for p in model.metadata_props if not p.key.startswith(PREFIX)]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    (target / "model.onnx").unlink()
+    if kind == "optimum":
+        (target / "genai_config.json").unlink()
+        onnx.save(model, str(target / "model.onnx"))
+        return target
+    (target / "config.json").unlink()
+    for value in model.graph.input:
+        if value.name == "input_ids":
+            value.name = "tokens"
+    for node in model.graph.node:
+        node.input[:] = ["tokens" if name == "input_ids" else name for name in node.input]
+    onnx.save(model, str(target / "decoder.onnx"))
+    config = json.loads((target / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "decoder.onnx"
+    config["model"]["decoder"]["inputs"]["input_ids"] = "tokens"
+    (target / "genai_config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.fixture(scope="module")
+def foreign(folders, tmp_path_factory):
+    """``{"optimum" | "genai": folder}``: our float32 folder as optimum and onnxruntime-genai lay it out."""
+    _, folder = folders
+    root = tmp_path_factory.mktemp("foreign")
+    return {kind: _foreign_copy(folder["float32"], root / kind, kind=kind) for kind in ("optimum", "genai")}
+
+
+def test_folders_of_optimum_and_genai_give_our_numbers(capsys, folders, foreign, token_file, tmp_path):
+    """The same graph in the three layouts: the same perplexity, KL 0 on either side, chunks or strides."""
+    _, folder = folders
+    path, _ = token_file
+    base = ["--tokens", str(path), "--context", str(CONTEXT)]
+    ours = _json(capsys, [str(folder["float32"]), *base])
+    got = _json(capsys, [str(foreign["optimum"]), *base, "--kl-divergence", str(foreign["genai"])])
+    assert (got["model_kind"], got["reference_kind"]) == ("optimum", "onnxruntime-genai")
+    assert got["perplexity"] == got["reference_perplexity"] == ours["perplexity"]
+    assert got["kl_max"] == 0.0 and got["same_top"] == 1.0 and got["scored_tokens"] == ours["scored_tokens"]
+    strided = _json(capsys, [str(foreign["genai"]), *base, "--stride", "5", "--kl-divergence", str(folder["int4"])])
+    alone = _json(capsys, [str(folder["float32"]), *base, "--stride", "5"])
+    assert strided["reference_perplexity"] != strided["perplexity"] == alone["perplexity"]
+    assert (strided["stride"], strided["scored_tokens"]) == (5, alone["scored_tokens"])
+    text = tmp_path / "text.txt"  # read with the genai folder's own tokenizer and BOS
+    text.write_text("the program is free software " * 8, encoding="utf-8")
+    on_text = [_json(capsys, [str(f), "--text", str(text), "--context", str(CONTEXT)])
+               for f in (foreign["genai"], folder["float32"])]
+    assert on_text[0]["bos_token_id"] == BOS and on_text[0]["perplexity"] == on_text[1]["perplexity"]
+
+
+def test_threads_are_the_sessions(folders, foreign):
+    from rmsnorm_deploy.decoder.kv_folders import open_kv_folder
+
+    _, folder = folders
+    for path in (folder["float32"], foreign["optimum"], foreign["genai"]):
+        with open_kv_folder(path, intra_op_threads=1) as model:
+            assert model.session.get_session_options().intra_op_num_threads == 1
+
+
+def test_the_progress_bar_is_on_stderr_only_when_asked(capsys, folders, token_file):
+    _, folder = folders
+    path, _ = token_file
+    argv = ["perplexity", str(folder["float32"]), "--tokens", str(path), "--context", str(CONTEXT), "--json"]
+    assert main(argv) == 0
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and json.loads(quiet.out)["chunks"] == 3  # stderr is not a terminal here
+    assert main([*argv, "--progress"]) == 0
+    shown = capsys.readouterr()
+    assert json.loads(shown.out) == {**json.loads(quiet.out), "seconds": json.loads(shown.out)["seconds"]}
+    lines = shown.err.splitlines()
+    assert lines[0].startswith("perplexity [....") and " 0/3 (0%)" in lines[0]
+    assert lines[-1].startswith("perplexity [####") and " 3/3 (100%)" in lines[-1] and len(lines) == 4
+
+
+def test_on_a_terminal_the_bar_is_redrawn_in_place():
+    import io
+
+    from rmsnorm_deploy.progress import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    bar = ProgressBar("perplexity", stream=stream, redraw_seconds=3600.0)
+    for done in range(5):
+        bar.update(done, 4)  # the first drawn, the next ones within the redraw time skipped, the last drawn
+    assert stream.getvalue().count("\r") == 2 and stream.getvalue().endswith("4/4 (100%), 0s\x1b[K\n")
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    ("no_model", ["not a KV-cache model folder perplexity reads (it holds config.json, model.onnx.data, tokenizer.json)",
+                  "expected model.onnx with rmsnorm-deploy's KV-cache metadata"]),
+    ("filename_out", ["model.decoder.filename is '../decoder.onnx'", "a plain file name"]),
+    ("filename_missing", ["model.decoder.filename names gone.onnx, which is not in"]),
+    ("extra_input", ["the graph takes inputs perplexity cannot feed: ['use_cache_branch']"]),
+    ("data_out", ["external data '../outside.data' points outside the model's folder", "refusing to read it"]),
+    ("layers", ["num_hidden_layers is 3, the graph has 2 layers of past"]),
+    ("stride", ["stride must be an integer from 1 to the context minus 1 (15), got 16"]),
+])
+def test_foreign_folders_are_refused_in_one_line(capsys, foreign, token_file, tmp_path, damage, fragments):
+    import onnx
+
+    path, _ = token_file
+    bad = tmp_path / "bad"
+    kind = "optimum" if damage in ("no_model", "extra_input", "data_out") else "genai"
+    shutil.copytree(foreign[kind], bad)
+    extra: list[str] = []
+    config = json.loads((bad / "genai_config.json").read_text()) if kind == "genai" else None
+    if damage == "no_model":
+        (bad / "model.onnx").unlink()
+    elif damage == "extra_input":
+        model = onnx.load(str(bad / "model.onnx"))
+        model.graph.input.append(onnx.helper.make_tensor_value_info("use_cache_branch", onnx.TensorProto.BOOL, [1]))
+        onnx.save(model, str(bad / "model.onnx"))
+    elif damage == "data_out":
+        from onnx import external_data_helper
+
+        (tmp_path / "outside.data").write_bytes(b"\0" * 4096)
+        model = onnx.load(str(bad / "model.onnx"))
+        tensor = max(model.graph.initializer, key=lambda t: len(t.raw_data))
+        external_data_helper.set_external_data(tensor, location="../outside.data", offset=0,
+                                               length=len(tensor.raw_data))
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.ClearField("raw_data")
+        onnx.save(model, str(bad / "model.onnx"))
+    elif damage == "filename_out":
+        config["model"]["decoder"]["filename"] = "../decoder.onnx"
+    elif damage == "filename_missing":
+        config["model"]["decoder"]["filename"] = "gone.onnx"
+    elif damage == "layers":
+        config["model"]["decoder"]["num_hidden_layers"] = 3
+    elif damage == "stride":
+        extra = ["--stride", "16"]
+    if config is not None:
+        (bad / "genai_config.json").write_text(json.dumps(config))
+    code = main(["perplexity", str(bad), "--tokens", str(path), "--context", str(CONTEXT), *extra])
+    _one_line_error(capsys, code, *fragments)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None,
+                    reason="needs onnxruntime-genai (pip install onnxruntime-genai) for its model builder")
+def test_a_folder_of_genai_builder_gives_transformers_perplexity(capsys, monkeypatch, tmp_path, token_file):
+    """onnxruntime-genai's own builder (in this process, float32 for CPU) on a tiny random Llama: the
+    command reads its folder and gives transformers' loss on the same chunks. The intermediate size
+    differs from the vocabulary: the builder takes any Linear as wide as the vocabulary for the LM head;
+    GroupQueryAttention on CPU wants a head size that is a multiple of 16."""
+    import contextlib
+    import io
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    source, out = tmp_path / "hf", tmp_path / "genai"
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=BOS,
+                         eos_token_id=2)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(config).eval()
+    lm.save_pretrained(source)
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(256)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(source)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from onnxruntime_genai.models import builder
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        extra = builder.parse_extra_options(None, str(source), str(out), "fp32", "cpu", str(tmp_path / "cache"), {})
+        builder.create_model(None, str(source), str(out), "fp32", "cpu", str(tmp_path / "cache"), **extra)
+    path, ids = token_file
+    got = _json(capsys, [str(out), "--tokens", str(path), "--context", str(CONTEXT)])
+    assert got["model_kind"] == "onnxruntime-genai" and got["chunks"] == 3
+    windows = torch.from_numpy(np.asarray(ids[: 3 * CONTEXT]).reshape(3, CONTEXT))
+    labels = windows.clone()
+    labels[:, : CONTEXT // 2 + 1] = -100
+    with torch.no_grad():
+        loss = lm(input_ids=windows, labels=labels).loss.item()
+    assert got["mean_nll"] == pytest.approx(loss, rel=1e-5)

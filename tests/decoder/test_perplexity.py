@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from rmsnorm_deploy.decoder.perplexity import chunked, perplexity, scored_nll
+from rmsnorm_deploy.decoder.perplexity import chunked, perplexity, scored_nll, scored_positions, sliding
 from rmsnorm_deploy.errors import InputError
 
 CONTEXT = 16
@@ -92,3 +92,38 @@ def test_nan_logits_fail_and_a_context_past_the_model_is_refused(tiny_ort):
         too_long = model.layout.max_length + 1
         with pytest.raises(InputError, match=f"a context of {too_long} tokens exceeds the model's maximum"):
             perplexity(model, [3] * (2 * too_long), context=too_long)
+
+
+def test_sliding_windows_score_each_token_once_with_its_history():
+    ids = np.arange(100, 100 + 37)
+    windows = sliding(ids, CONTEXT, 5, bos_token_id=1)
+    assert windows.shape == (5, CONTEXT) and windows[:, 0].tolist() == [1] * 5  # starts 0, 5, … 20; 36 - 20 < 5 left
+    scored = [int(w[p + 1]) - 100 for w in windows for p in scored_positions(CONTEXT, 5)]
+    assert scored == list(range(CONTEXT - 5, 20 + CONTEXT))  # each once, in order, the tail of the text dropped
+    with pytest.raises(InputError, match="stride must be an integer from 1 to the context minus 1 \\(15\\), got 0"):
+        sliding(ids, CONTEXT, 0)
+    with pytest.raises(InputError, match="the text has 15 tokens; perplexity with a context of 16 needs at least 16"):
+        sliding(ids[:15], CONTEXT, 4)
+
+
+def test_strided_perplexity_matches_transformers_own_loss_window_by_window(tiny_ort):
+    """Direct: each window's loss in transformers with all but its last ``stride`` labels masked."""
+    import torch
+
+    from rmsnorm_deploy.decoder.generate import KVCacheModel
+
+    lm, folder = tiny_ort
+    stride = 5
+    ids = np.random.default_rng(8).integers(3, lm.config.vocab_size, size=2 * CONTEXT + 3)
+    with KVCacheModel(folder) as model:
+        got = perplexity(model, ids, context=CONTEXT, bos_token_id=1, stride=stride)
+    starts = range(0, len(ids) - CONTEXT + 1, stride)
+    windows = torch.from_numpy(np.stack([ids[start: start + CONTEXT] for start in starts]))
+    windows[:, 0] = 1
+    labels = windows.clone()
+    labels[:, : CONTEXT - stride] = -100  # transformers shifts: label j is predicted at position j - 1
+    with torch.no_grad():
+        loss = lm(input_ids=windows, labels=labels).loss.item()  # the mean over every unmasked label
+    count = stride * len(starts)
+    assert (got.chunks, got.scored_tokens, got.stride) == (4, count, stride) and count == 20
+    assert got.mean_nll == pytest.approx(loss, rel=1e-5)
