@@ -59,8 +59,11 @@ def test_port_out_of_range_is_refused(tmp_path, capsys):
     (["serve", "{fixed}", "--max-batch", "4"], "needs a leading dynamic batch dim"),
     # past/present pairs but no kv_cache metadata: no generation model can be built from it
     (["serve", "{kv}"], "is not a KV-cache model (its metadata records no kv_cache)"),
+    (["serve", "{model}", "--speculative-k", "3"], "--speculative-k needs --speculative ngram|DRAFT_DIR"),
+    (["serve", "{model}", "--speculative", "ngram"], "--speculative needs a KV-cache model (export --kv-cache)"),
 ], ids=["missing", "empty-folder", "not-onnx", "unknown-provider", "provider-not-in-build", "same-port",
-        "bad-host", "bad-name", "name-with-newline", "negative-batch", "unbatchable", "kv-cache-without-metadata"])
+        "bad-host", "bad-name", "name-with-newline", "negative-batch", "unbatchable", "kv-cache-without-metadata",
+        "speculative-k-alone", "speculative-plain-graph"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
     (tmp_path / "empty").mkdir()
