@@ -93,10 +93,12 @@ class AdaptiveK:
     with the most expected tokens per unit of run time, ``sum(a^i, i <= k) / (1 + RUN_COST * k)``
     (a run over ``k + 1`` tokens costs about ``1 + RUN_COST * k`` runs over one). When no k >= 1
     beats one token per run, proposals pause for 1, 3, 7, ... runs (at most :data:`MAX_PAUSE`),
-    then one probe with k = 1 updates ``a``."""
+    then one probe with k = 1 updates ``a``. ``fixed_cost``: what any run over several tokens costs
+    beyond that, as a share of a one-token run (the serving engine's one-slot check against its
+    pre-bound decode step)."""
 
-    def __init__(self, max_k: int):
-        self.max_k, self.pause, self.misses = max_k, 0, 0
+    def __init__(self, max_k: int, fixed_cost: float = 0.0):
+        self.max_k, self.pause, self.misses, self.fixed_cost = max_k, 0, 0, fixed_cost
         self.kept, self.trials = PRIOR_KEPT, PRIOR_TRIALS
 
     @property
@@ -107,7 +109,7 @@ class AdaptiveK:
         """0 when proposing does not pay at the current rate."""
         a, best, value = self.rate, 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = sum(a ** i for i in range(k + 1)) / (1 + RUN_COST * k)
+            gain = sum(a ** i for i in range(k + 1)) / (1 + self.fixed_cost + RUN_COST * k)
             if gain > value:
                 best, value = k, gain
         return best

@@ -34,10 +34,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.generate import DEFAULT_SPECULATIVE_K, KVCacheModel, SpeculationOptions
 from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
 from rmsnorm_deploy.serving.engine.engine import Engine
+from rmsnorm_deploy.serving.engine.speculation import SPECULATE_UP_TO
 from rmsnorm_deploy.serving.kserve.front import Front, FrontPorts
 from rmsnorm_deploy.serving.kserve.generation import (
     GENERATION_INPUTS,
@@ -111,8 +113,6 @@ class Server:
     def _speculation(self) -> Any:
         """``--speculative``'s ``SpeculationOptions`` (``None``: off); the draft model opened, its
         refusals (int8 compute, LongRoPE, another tokenizer) raised when the engine is made."""
-        from rmsnorm_deploy.decoder.generate import DEFAULT_SPECULATIVE_K, KVCacheModel, SpeculationOptions
-
         o = self.options
         if o.speculative is None:
             if o.speculative_k is not None:
@@ -252,8 +252,8 @@ class Server:
                         f"response per new token ({GENERATION_OUTPUT} int64[1], {STREAM_INDEX} int64[1]); both "
                         f"models share the engine")
             if self.speculation is not None:
-                when = ("while one stream decodes, alone in its slot" if self.engine.refusal is None
-                        else "in every stream's turn")
+                when = (f"while at most {SPECULATE_UP_TO} stream(s) decode, each in a one-slot run"
+                        if self.engine.refusal is None else "in every stream's turn")
                 batching += (f"\n  speculative decoding ({self.speculation.name}, k <= {self.speculation.k}) {when}; "
                              "requests with logit_bias, penalties, min_p, a grammar or logprobs decode without it")
         else:

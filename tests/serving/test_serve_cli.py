@@ -59,11 +59,8 @@ def test_port_out_of_range_is_refused(tmp_path, capsys):
     (["serve", "{fixed}", "--max-batch", "4"], "needs a leading dynamic batch dim"),
     # past/present pairs but no kv_cache metadata: no generation model can be built from it
     (["serve", "{kv}"], "is not a KV-cache model (its metadata records no kv_cache)"),
-    (["serve", "{model}", "--speculative-k", "3"], "--speculative-k needs --speculative ngram|DRAFT_DIR"),
-    (["serve", "{model}", "--speculative", "ngram"], "--speculative needs a KV-cache model (export --kv-cache)"),
 ], ids=["missing", "empty-folder", "not-onnx", "unknown-provider", "provider-not-in-build", "same-port",
-        "bad-host", "bad-name", "name-with-newline", "negative-batch", "unbatchable", "kv-cache-without-metadata",
-        "speculative-k-alone", "speculative-plain-graph"])
+        "bad-host", "bad-name", "name-with-newline", "negative-batch", "unbatchable", "kv-cache-without-metadata"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
     (tmp_path / "empty").mkdir()
@@ -72,6 +69,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
              "model": external_data_model(tmp_path / "m"), "fixed": fixed_shape_model(tmp_path / "fixed.onnx"),
              "kv": kv_cache_model(tmp_path / "kv.onnx", layers=1)}
     assert main([a.format(**paths) for a in argv]) == 2
+    assert message in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--speculative-k", "3"], "--speculative-k needs --speculative ngram|DRAFT_DIR"),
+    (["--speculative", "ngram"], "--speculative needs a KV-cache model (export --kv-cache)"),
+])
+def test_speculation_on_a_plain_graph_is_one_line_and_exit_2(tiny_export, capsys, argv, message):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
+    http, grpc, metrics = free_ports(3)
+    assert main(["serve", str(tiny_export), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+                 str(metrics), *argv]) == 2
     assert message in _one_line_error(capsys)
 
 

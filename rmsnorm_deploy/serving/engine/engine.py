@@ -336,8 +336,7 @@ class Engine:
         """``serve --speculative``: proposed and accepted tokens, runs of the model per stream after
         the prefill and tokens per run (``SpeculationStats``), streams that could not speculate;
         ``None`` without speculation."""
-        with self._cond:
-            return None if self.speculation is None else self.speculation.totals()
+        return None if self.speculation is None else self.speculation.totals()
 
     def _token_out(self, first: float | None, gap: float | None) -> None:
         self.generated += 1
