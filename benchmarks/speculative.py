@@ -28,7 +28,7 @@ first ``--model`` (a ``--target onnxruntime`` folder: continuous batching), with
 its last token), then ``--users`` concurrent users (the prompts in turn, all submitted at once;
 total tokens/s from the first submission to the last token), speculating while at most 1 stream
 decodes (the engine's rule) and, to show why it backs off, while up to every stream decodes.
-Results in ``results/<out>_serve.{md,json}``.
+Results in ``results/<out>_serve.json``; the table printed is ``results/<out>.md``'s "serve" section.
 
     python benchmarks/speculative.py --serve --model fp32=DIR [--rounds 3] [--users 16]
 """
@@ -327,8 +327,7 @@ def main() -> int:
                  "a round, medians shown; same tokens: greedy streams compared with none's."]
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.out}_serve.json").write_text(json.dumps({"rows": rows, "notes": notes}, indent=1))
-        (RESULTS / f"{args.out}_serve.md").write_text(markdown(rows, notes))
-        print(markdown(rows, notes))
+        print(markdown(rows, notes))  # the table of results/<out>.md's "serve" section
         return 0
     rows: list[dict] = []
     first = Path(args.model[0].split("=", 1)[1])
