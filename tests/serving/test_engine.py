@@ -461,3 +461,18 @@ def test_speculation_refuses_a_draft_of_another_vocabulary_in_one_line(engine_ex
     with KVCacheModel(engine_exports("ort")) as model, KVCacheModel(text_exports("ort")) as draft:
         with pytest.raises(InputError, match="vocabulary of 292 tokens, the model 256; give a draft with the model"):
             Engine(model, EngineOptions(max_batch=1), speculation=SpeculationOptions(draft, 4))
+
+
+def test_a_draft_model_speculates_in_the_engine_with_the_same_tokens(engine_exports):
+    """The model as its own draft: every proposal is right, and the tokens stay ``generate``'s."""
+    from rmsnorm_deploy.decoder.generate import SpeculationOptions
+
+    with KVCacheModel(engine_exports("ort")) as model, KVCacheModel(engine_exports("ort")) as draft:
+        requests = _grounded_requests(3, seed=9)
+        want = [generate(model, [p], max_new_tokens=n).tokens[0] for p, n in requests]
+        engine = Engine(model, EngineOptions(max_batch=2), speculation=SpeculationOptions(draft, 3)).start()
+        got = [engine.submit(p, max_new_tokens=n).result(TIMEOUT_S) for p, n in requests]
+        stats = engine.speculation_stats()
+        engine.drain(10)
+    assert got == [w[:len(g)] for g, w in zip(got, want)]
+    assert stats["proposer"].startswith("draft:") and stats["accepted"] == stats["proposed"] > 0, stats

@@ -63,7 +63,7 @@ def plain_sampling(sampling: Sampling | None, pick: Callable | None) -> Sampling
 class _Stream:
     """One speculating stream in ``SlotBatch``: its proposer, k, generator and text so far."""
 
-    proposer: Any
+    proposer: Any  # None until the stream first proposes
     adapt: AdaptiveK
     rng: np.random.Generator
     sampling: Sampling
@@ -153,9 +153,7 @@ class EngineSpeculation:
             ones = np.ones((1, capacity), np.int64)
             ctx = Context(tokens, ones, np.arange(capacity, dtype=np.int64)[None], np.zeros(1, np.int64),
                           np.ones(1, bool))
-            proposer = self.options.proposer_for()
-            proposer.start(1, stream.sampling)
-            state = self._slots[stream] = _Stream(proposer, AdaptiveK(self.options.k, CHECK_RUN_COST),
+            state = self._slots[stream] = _Stream(None, AdaptiveK(self.options.k, CHECK_RUN_COST),
                                                   np.random.default_rng(stream.sampling.seed + 2), stream.sampling, ctx,
                                                   len(stream.prompt))
         else:
@@ -168,6 +166,9 @@ class EngineSpeculation:
         k = min(state.adapt.next_k(), stream.max_new_tokens - made - 1)
         if k <= 0:
             return np.zeros(0, np.int64), None
+        if state.proposer is None:  # made when first asked: a draft's cache is allocated per stream
+            state.proposer = self.options.proposer_for()
+            state.proposer.start(1, stream.sampling)
         ctx = state.ctx
         ctx.tokens[0, state.prompt:state.prompt + made] = stream.tokens
         ctx.length = state.prompt + made
