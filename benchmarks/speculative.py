@@ -36,6 +36,7 @@ Results in ``results/<out>_serve.json``; the table printed is ``results/<out>.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -118,10 +119,13 @@ def run_model(name: str, folder: Path, draft_dir: Path, args) -> list[dict]:
 
     if args.draft_for and name not in args.draft_for.split(","):
         args = argparse.Namespace(**{**vars(args), "modes": [m for m in args.modes if m != "draft"]})
-    prompts = {p: chat_ids(folder, text) for p, (_, text) in PROMPTS.items() if p in args.prompts}
+    if args.ids:  # a folder without a tokenizer (the random-weight 1B shape): one prompt of token ids
+        prompts = {"ids": [int(t) for t in args.ids.split(",")]}
+    else:
+        prompts = {p: chat_ids(folder, text) for p, (_, text) in PROMPTS.items() if p in args.prompts}
     runs: dict[tuple[str, str], list[dict]] = {}
     with KVCacheModel(folder, intra_op_threads=args.threads) as model, \
-            KVCacheModel(draft_dir, intra_op_threads=args.threads) as draft:
+            (KVCacheModel(draft_dir, intra_op_threads=args.threads) if draft_dir else contextlib.nullcontext()) as draft:
         for p, ids in prompts.items():  # warm-up: every mode once, not counted
             for mode in args.modes:
                 one_run(model, ids, mode, draft, argparse.Namespace(**{**vars(args), "new_tokens": 8}))
@@ -138,7 +142,7 @@ def run_model(name: str, folder: Path, draft_dir: Path, args) -> list[dict]:
             got = runs[(p, mode)]
             ratios = [g["tps"] / b["tps"] for g, b in zip(got, base) if b["tps"]]
             spec = got[-1]["spec"] or {}
-            rows.append({"model": name, "prompt": p, "kind": PROMPTS[p][0], "mode": mode,
+            rows.append({"model": name, "prompt": p, "kind": PROMPTS.get(p, ("grounded",))[0], "mode": mode,
                          "new_tokens": len(got[-1]["tokens"]), "tokens_per_s": statistics.median(g["tps"] for g in got),
                          "ratio": statistics.median(ratios) if ratios else None,
                          "identical": all(g["tokens"] == b["tokens"] for g, b in zip(got, base)),
@@ -313,6 +317,8 @@ def main() -> int:
     parser.add_argument("--serve", action="store_true", help="through serve's generation engine (see above)")
     parser.add_argument("--users", type=int, default=16, help="--serve: concurrent users (the engine's slots)")
     parser.add_argument("--slot-tokens", type=int, default=512, help="--serve: KV tokens per slot")
+    parser.add_argument("--ids", help="one prompt of comma-separated token ids instead of the chat prompts (a folder "
+                        "without a tokenizer); with --modes none,ngram")
     parser.add_argument("--serve-modes", default="none,ngram,ngram-all", help="--serve: the engines compared")
     args = parser.parse_args()
     args.prompts, args.modes = args.prompts.split(","), args.modes.split(",")
@@ -331,7 +337,7 @@ def main() -> int:
         return 0
     rows: list[dict] = []
     first = Path(args.model[0].split("=", 1)[1])
-    draft_dir = write_draft(first, args.draft_dir)
+    draft_dir = write_draft(first, args.draft_dir) if "draft" in args.modes else None
     for spec in args.model:
         name, folder = spec.split("=", 1)
         rows += run_model(name, Path(folder), draft_dir, args)
