@@ -20,11 +20,23 @@ llama.cpp's ``llama-server`` (``--spec-type ngram-simple``) beside it when ``--l
 without speculation) asked in turn; its ``timings`` give the decode tokens/s and draft acceptance.
 
     python benchmarks/speculative.py --model int4=DIR --model fp32=DIR [--rounds 3] [--new-tokens 160]
+
+``--serve``: the same through ``serve``'s generation engine (``serving.engine``, in this process:
+the code every front of ``serve`` submits to; HTTP would add the same cost to both sides) on the
+first ``--model`` (a ``--target onnxruntime`` folder: continuous batching), with and without
+``--speculative ngram``: one user alone on each prompt (decode tokens/s from the stream's first to
+its last token), then ``--users`` concurrent users (the prompts in turn, all submitted at once;
+total tokens/s from the first submission to the last token), speculating while at most 1 stream
+decodes (the engine's rule) and, to show why it backs off, while up to every stream decodes.
+Results in ``results/<out>_serve.json``; the table printed is ``results/<out>.md``'s "serve" section.
+
+    python benchmarks/speculative.py --serve --model fp32=DIR [--rounds 3] [--users 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -107,10 +119,13 @@ def run_model(name: str, folder: Path, draft_dir: Path, args) -> list[dict]:
 
     if args.draft_for and name not in args.draft_for.split(","):
         args = argparse.Namespace(**{**vars(args), "modes": [m for m in args.modes if m != "draft"]})
-    prompts = {p: chat_ids(folder, text) for p, (_, text) in PROMPTS.items() if p in args.prompts}
+    if args.ids:  # a folder without a tokenizer (the random-weight 1B shape): one prompt of token ids
+        prompts = {"ids": [int(t) for t in args.ids.split(",")]}
+    else:
+        prompts = {p: chat_ids(folder, text) for p, (_, text) in PROMPTS.items() if p in args.prompts}
     runs: dict[tuple[str, str], list[dict]] = {}
     with KVCacheModel(folder, intra_op_threads=args.threads) as model, \
-            KVCacheModel(draft_dir, intra_op_threads=args.threads) as draft:
+            (KVCacheModel(draft_dir, intra_op_threads=args.threads) if draft_dir else contextlib.nullcontext()) as draft:
         for p, ids in prompts.items():  # warm-up: every mode once, not counted
             for mode in args.modes:
                 one_run(model, ids, mode, draft, argparse.Namespace(**{**vars(args), "new_tokens": 8}))
@@ -127,7 +142,7 @@ def run_model(name: str, folder: Path, draft_dir: Path, args) -> list[dict]:
             got = runs[(p, mode)]
             ratios = [g["tps"] / b["tps"] for g, b in zip(got, base) if b["tps"]]
             spec = got[-1]["spec"] or {}
-            rows.append({"model": name, "prompt": p, "kind": PROMPTS[p][0], "mode": mode,
+            rows.append({"model": name, "prompt": p, "kind": PROMPTS.get(p, ("grounded",))[0], "mode": mode,
                          "new_tokens": len(got[-1]["tokens"]), "tokens_per_s": statistics.median(g["tps"] for g in got),
                          "ratio": statistics.median(ratios) if ratios else None,
                          "identical": all(g["tokens"] == b["tokens"] for g, b in zip(got, base)),
@@ -196,6 +211,79 @@ def llama_rows(args) -> tuple[list[dict], str]:
             proc.wait(timeout=30)
 
 
+def serve_engines(model, args) -> dict:
+    """One engine per mode on ``model``: ``none`` and ``ngram`` (speculating while at most
+    ``up_to`` streams decode; ``ngram-all``: while any do)."""
+    from rmsnorm_deploy.decoder.generate import SpeculationOptions
+    from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions
+
+    options = EngineOptions(max_batch=args.users, max_tokens_in_flight=args.users * args.slot_tokens)
+    return {mode: Engine(model, options, speculation=None if mode == "none" else SpeculationOptions("ngram", args.k))
+            .start() for mode in args.serve_modes}
+
+
+def serve_one(engine, mode: str, prompts: list[list[int]], args) -> dict:
+    """``prompts`` submitted at once: each stream's tokens, the decode tokens/s of the first (alone),
+    the total tokens/s and the engine's speculation stats over the run."""
+    from rmsnorm_deploy.serving.engine import speculation
+
+    speculation.SPECULATE_UP_TO = args.users if mode == "ngram-all" else 1
+    before = engine.speculation_stats()
+    started = time.perf_counter()
+    streams = [engine.submit(p, max_new_tokens=args.new_tokens) for p in prompts]
+    tokens = [s.result(1200) for s in streams]
+    ended = max(s.last_token_at for s in streams)
+    first = streams[0]
+    alone = (len(first.tokens) - 1) / (first.last_token_at - first.first_token_at) if len(first.tokens) > 1 else 0.0
+    stats = engine.speculation_stats()
+    delta = None
+    if stats is not None:
+        delta = {k: stats[k] - before[k] for k in ("proposed", "accepted", "target_passes", "tokens")}
+    return {"tokens": tokens, "alone_tps": alone, "total_tps": sum(map(len, tokens)) / (ended - started), "spec": delta}
+
+
+def serve_rows(args) -> list[dict]:
+    from rmsnorm_deploy.decoder.generate import KVCacheModel
+
+    name, folder = args.model[0].split("=", 1)
+    ids = {p: chat_ids(Path(folder), text) for p, (_, text) in PROMPTS.items() if p in args.prompts}
+    crowd = [ids[p] for p in (list(ids) * args.users)[:args.users]]
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with KVCacheModel(folder, intra_op_threads=args.threads) as model:
+        engines = serve_engines(model, args)
+        try:
+            for mode, engine in engines.items():  # warm-up: not counted
+                serve_one(engine, mode, [ids[args.prompts[0]]], argparse.Namespace(**{**vars(args), "new_tokens": 8}))
+            for r in range(args.rounds):
+                for p, prompt in ids.items():
+                    for mode in ("none", "ngram"):
+                        runs.setdefault((p, mode), []).append(serve_one(engines[mode], mode, [prompt], args))
+                        print(f"[serve round {r}] {p:8s} {mode:9s} {runs[(p, mode)][-1]['alone_tps']:.1f} tok/s",
+                              file=sys.stderr, flush=True)
+                for mode, engine in engines.items():
+                    runs.setdefault((f"{args.users} users", mode), []).append(serve_one(engine, mode, crowd, args))
+                    print(f"[serve round {r}] {args.users} users {mode:9s} "
+                          f"{runs[(f'{args.users} users', mode)][-1]['total_tps']:.1f} tok/s", file=sys.stderr,
+                          flush=True)
+        finally:
+            for engine in engines.values():
+                engine.drain(0)
+    rows = []
+    for (what, mode), got in runs.items():
+        base = runs[(what, "none")]
+        key = "alone_tps" if what in ids else "total_tps"
+        spec = {k: sum(g["spec"][k] for g in got) for k in got[0]["spec"]} if got[0]["spec"] else None
+        rows.append({"model": name, "prompt": what, "kind": PROMPTS[what][0] if what in ids else "concurrent",
+                     "mode": mode, "new_tokens": sum(map(len, got[-1]["tokens"])),
+                     "tokens_per_s": statistics.median(g[key] for g in got),
+                     "ratio": statistics.median(g[key] / b[key] for g, b in zip(got, base)),
+                     "identical": all(g["tokens"] == b["tokens"] for g, b in zip(got, base)),
+                     "acceptance": spec["accepted"] / spec["proposed"] if spec and spec["proposed"] else None,
+                     "tokens_per_pass": spec["tokens"] / spec["target_passes"] if spec and spec["target_passes"]
+                     else None})
+    return rows
+
+
 def markdown(rows: list[dict], notes: list[str]) -> str:
     lines = ["# Speculative decoding: decode tokens/s with and without it (SmolLM2-135M-Instruct, batch 1, greedy)",
              "", *notes, "",
@@ -226,11 +314,30 @@ def main() -> int:
     parser.add_argument("--llama-server", help="llama-server binary (llama.cpp's speculation beside ours)")
     parser.add_argument("--gguf", help="the GGUF file for llama-server")
     parser.add_argument("--out", default="speculative", help="results/<out>.{md,json}")
+    parser.add_argument("--serve", action="store_true", help="through serve's generation engine (see above)")
+    parser.add_argument("--users", type=int, default=16, help="--serve: concurrent users (the engine's slots)")
+    parser.add_argument("--slot-tokens", type=int, default=512, help="--serve: KV tokens per slot")
+    parser.add_argument("--ids", help="one prompt of comma-separated token ids instead of the chat prompts (a folder "
+                        "without a tokenizer); with --modes none,ngram")
+    parser.add_argument("--serve-modes", default="none,ngram,ngram-all", help="--serve: the engines compared")
     args = parser.parse_args()
     args.prompts, args.modes = args.prompts.split(","), args.modes.split(",")
+    if args.serve:
+        args.serve_modes = args.serve_modes.split(",")
+        rows = serve_rows(args)
+        notes = [f"serve's generation engine in this process, {args.rounds} interleaved rounds, up to "
+                 f"{args.new_tokens} new tokens a stream, k <= {args.k}, {args.threads} threads, {args.users} slots "
+                 f"of {args.slot_tokens} tokens; one user: decode tokens/s of the stream; {args.users} users: total "
+                 "tokens/s from the first submission to the last token. ngram: the engine's rule (speculate while "
+                 "one stream decodes); ngram-all: while any number do (each in its own one-slot run). Ratios within "
+                 "a round, medians shown; same tokens: greedy streams compared with none's."]
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{args.out}_serve.json").write_text(json.dumps({"rows": rows, "notes": notes}, indent=1))
+        print(markdown(rows, notes))  # the table of results/<out>.md's "serve" section
+        return 0
     rows: list[dict] = []
     first = Path(args.model[0].split("=", 1)[1])
-    draft_dir = write_draft(first, args.draft_dir)
+    draft_dir = write_draft(first, args.draft_dir) if "draft" in args.modes else None
     for spec in args.model:
         name, folder = spec.split("=", 1)
         rows += run_model(name, Path(folder), draft_dir, args)

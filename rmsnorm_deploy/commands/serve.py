@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt KV kept across requests beside what the slots keep themselves (a prompt that "
                         "starts with tokens computed before prefills only the rest; least recently used first out; "
                         "0: the slots' own only; default 256)")
+    engine.add_argument("--speculative", metavar="ngram|DRAFT_DIR",
+                        help="speculative decoding: propose tokens by prompt lookup (ngram) or with a draft model "
+                        "(a folder written by `export --kv-cache` with the same tokenizer) and check several in one "
+                        "run; greedy streams keep their tokens, sampled ones the model's distribution; requests with "
+                        "logit_bias, penalties, min_p, a grammar or logprobs decode without it; under continuous "
+                        "batching only while one stream decodes (default: off)")
+    engine.add_argument("--speculative-k", type=int, metavar="K",
+                        help="--speculative: at most K tokens proposed a run, fewer while they fail (default 5)")
     engine.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, seconds the generations in flight may take to finish before they are "
                         "cancelled (default 30); no new request is admitted meanwhile")
@@ -73,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                            metrics_port=args.metrics_port, providers=providers or ("",),
                            model_name=args.model_name, max_batch=args.max_batch, max_queue=args.max_queue,
                            max_tokens_in_flight=args.max_tokens_in_flight, prefill_chunk=args.prefill_chunk,
-                           prefix_cache_mb=args.prefix_cache_mb,
+                           prefix_cache_mb=args.prefix_cache_mb, speculative=args.speculative,
+                           speculative_k=args.speculative_k,
                            drain_timeout_s=args.drain_timeout, openai=not args.no_openai,
                            openai_port=args.openai_port,
                            max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None

@@ -35,7 +35,8 @@ from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
 from rmsnorm_deploy.decoder.genai_config import folder_tokens
 from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
-from rmsnorm_deploy.decoder.speculative import DraftModel, PromptLookup, Speculator, check_draft
+from rmsnorm_deploy.decoder.speculative import (SPECULATION_LONGROPE, DraftModel, PromptLookup, Speculator,
+                                                check_draft)
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.exporter.hf_files import side_file
 from rmsnorm_deploy.graph.metadata import ModelMetadata
@@ -254,25 +255,45 @@ class SpeculationOptions:
     proposer: Any = "ngram"
     k: int = DEFAULT_SPECULATIVE_K
 
-    def speculator(self, model: KVCacheModel, longest: int, sampling: Sampling | None) -> Speculator:
-        """A fresh :class:`~rmsnorm_deploy.decoder.speculative.Speculator` for one generation.
+    def check(self, model: KVCacheModel, longest: int) -> None:
+        """Refuse (``InputError``) what speculation cannot run exactly on ``model`` (``serve`` checks
+        it at start, ``generate`` per generation; ``longest``: prompt + new tokens):
 
-        Refused on a graph computing in int8 (``--accuracy-level 4``): a run over several tokens rounds
-        the activations per block differently from a run over one (measured on SmolLM2 int4: up to 0.6
-        logits after 30 layers, greedy tokens changed on 4 of 6 prompts), so its tokens would not be
-        the graph's own."""
+        - a graph computing in int8 (``--accuracy-level 4``): a run over several tokens rounds the
+          activations per block differently from a run over one (measured on SmolLM2 int4: up to 0.6
+          logits after 30 layers, greedy tokens changed on 4 of 6 prompts), so its tokens would not be
+          the graph's own;
+        - a model that recomputes its cache (Phi-3's LongRoPE switch);
+        - a draft model of another vocabulary or tokenizer, or shorter than ``longest``."""
         entry = model.metadata.quantization if model.metadata is not None else None
         if isinstance(entry, dict) and entry.get("compute") == "int8":
             raise InputError(f"{model.folder}: speculation would change this graph's tokens: it computes in int8 "
                              "(--accuracy-level 4), which rounds a run of several tokens differently from one; "
                              "export it with --accuracy-level 1 to speculate, or run without --speculative")
+        if model.layout.recompute_past is not None:
+            raise InputError(SPECULATION_LONGROPE.format(past=model.layout.recompute_past))
         if self.proposer == "ngram":
-            return Speculator(PromptLookup(), self.k, sampling)
+            return
         if not isinstance(self.proposer, KVCacheModel):
             raise UserError(f"--speculative takes ngram or a draft model folder, got {self.proposer!r}")
         check_draft(model, self.proposer, longest)
-        return Speculator(DraftModel(self.proposer.stepper, name=f"draft:{self.proposer.folder.name}"), self.k,
-                          sampling)
+
+    @property
+    def name(self) -> str:
+        """The proposer's name in the stats: ``ngram`` or ``draft:FOLDER``."""
+        return "ngram" if self.proposer == "ngram" else f"draft:{self.proposer.folder.name}"
+
+    def proposer_for(self) -> PromptLookup | DraftModel:
+        """A fresh proposer for one generation (a draft keeps its own cache per generation)."""
+        if self.proposer == "ngram":
+            return PromptLookup()
+        return DraftModel(self.proposer.stepper, name=self.name)
+
+    def speculator(self, model: KVCacheModel, longest: int, sampling: Sampling | None) -> Speculator:
+        """A fresh :class:`~rmsnorm_deploy.decoder.speculative.Speculator` for one generation
+        (checked first: :meth:`check`)."""
+        self.check(model, longest)
+        return Speculator(self.proposer_for(), self.k, sampling)
 
 
 def _tokenizer(folder: Path) -> Any:

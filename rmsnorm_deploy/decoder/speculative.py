@@ -36,12 +36,15 @@ from rmsnorm_deploy.decoder.convention import position_ids_for
 from rmsnorm_deploy.decoder.loop import DecodeClock, Sampling, Step, sampling_probabilities
 from rmsnorm_deploy.errors import InputError, UserError
 
-__all__ = ["AdaptiveK", "DraftModel", "PromptLookup", "SpeculationStats", "Speculator", "check_draft",
+__all__ = ["AdaptiveK", "Context", "DraftModel", "PromptLookup", "SpeculationStats", "Speculator", "check_draft",
            "verify_greedy", "verify_sampled"]
 
 #: Why speculation refuses a batch on a GroupQueryAttention graph.
 SPECULATION_ONE_ROW = ("speculation checks one prompt at a time on a --target onnxruntime graph (ONNX Runtime's "
                        "GroupQueryAttention takes several new tokens after a past only for one row); give one prompt")
+#: Why speculation refuses a model that recomputes its cache (``{past}``: the length it switches at).
+SPECULATION_LONGROPE = ("speculation cannot run this model: it recomputes its cache once past {past} tokens "
+                        "(Phi-3's LongRoPE switch); run without --speculative")
 #: Longest pause (in runs without proposals) after proposals that keep failing.
 MAX_PAUSE = 16
 #: The extra share of a run each more fed token costs (measured on 2 CPU threads, SmolLM2-135M:
@@ -72,10 +75,16 @@ class SpeculationStats:
     def tokens_per_pass(self) -> float:
         return self.tokens / self.passes if self.passes else 0.0
 
+    def add(self, other: SpeculationStats) -> None:
+        """Count ``other``'s runs and tokens in these (the serving engine's totals over its streams)."""
+        for name in ("passes", "verifications", "proposed", "accepted", "tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
     def to_dict(self) -> dict[str, Any]:
         return {"proposer": self.proposer, "max_k": self.max_k, "target_passes": self.passes,
                 "verifications": self.verifications, "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": round(self.acceptance_rate, 4), "tokens_per_pass": round(self.tokens_per_pass, 3)}
+                "tokens": self.tokens, "acceptance_rate": round(self.acceptance_rate, 4),
+                "tokens_per_pass": round(self.tokens_per_pass, 3)}
 
 
 class AdaptiveK:
@@ -84,10 +93,12 @@ class AdaptiveK:
     with the most expected tokens per unit of run time, ``sum(a^i, i <= k) / (1 + RUN_COST * k)``
     (a run over ``k + 1`` tokens costs about ``1 + RUN_COST * k`` runs over one). When no k >= 1
     beats one token per run, proposals pause for 1, 3, 7, ... runs (at most :data:`MAX_PAUSE`),
-    then one probe with k = 1 updates ``a``."""
+    then one probe with k = 1 updates ``a``. ``fixed_cost``: what any run over several tokens costs
+    beyond that, as a share of a one-token run (the serving engine's one-slot check against its
+    pre-bound decode step)."""
 
-    def __init__(self, max_k: int):
-        self.max_k, self.pause, self.misses = max_k, 0, 0
+    def __init__(self, max_k: int, fixed_cost: float = 0.0):
+        self.max_k, self.pause, self.misses, self.fixed_cost = max_k, 0, 0, fixed_cost
         self.kept, self.trials = PRIOR_KEPT, PRIOR_TRIALS
 
     @property
@@ -98,7 +109,7 @@ class AdaptiveK:
         """0 when proposing does not pay at the current rate."""
         a, best, value = self.rate, 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = sum(a ** i for i in range(k + 1)) / (1 + RUN_COST * k)
+            gain = sum(a ** i for i in range(k + 1)) / (1 + self.fixed_cost + RUN_COST * k)
             if gain > value:
                 best, value = k, gain
         return best
@@ -276,13 +287,16 @@ def verify_sampled(proposal: np.ndarray, q: np.ndarray | None, p: np.ndarray,
 class Speculator:
     """Speculation for ``decode_steps(..., speculation=)``: ``proposer`` (:class:`PromptLookup` or
     :class:`DraftModel`), at most ``k`` proposed tokens a run, ``sampling`` the generation's (its
-    picker is the ``pick`` the loop is given). ``stats`` describes the last generation."""
+    picker is the ``pick`` the loop is given). ``stats`` describes the last generation; ``pending``
+    is how many tokens of the last run are made but not yet handed out (a caller taking turns
+    hands them all out at once)."""
 
     def __init__(self, proposer: Any, k: int, sampling: Sampling | None = None):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise UserError(f"--speculative-k must be an integer >= 1, got {k!r}")
         self.proposer, self.k, self.sampling = proposer, k, sampling or Sampling()
         self.stats = SpeculationStats(proposer.name, k)
+        self.pending = 0
 
     def steps(self, step: Step, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int,
               pick: Callable[[np.ndarray], np.ndarray], eos_token_ids: Iterable[int], pad_token_id: int,
@@ -292,8 +306,7 @@ class Speculator:
                              "run without speculation")
         for each in (step, getattr(self.proposer, "step", None)):
             if getattr(each, "recompute_past", None) is not None:
-                raise InputError("speculation cannot run this model: it recomputes its cache once past "
-                                 f"{each.recompute_past} tokens (Phi-3's LongRoPE switch); run without --speculative")
+                raise InputError(SPECULATION_LONGROPE.format(past=each.recompute_past))
             layout = getattr(each, "layout", None)
             if ids.shape[0] > 1 and getattr(layout, "grouped_query_attention", False):
                 raise InputError(f"{SPECULATION_ONE_ROW} ({ids.shape[0]} prompts)")
@@ -334,6 +347,7 @@ class Speculator:
                     clock.steps += 1
                     clock.step_s.append(share)
                     self.stats.tokens += 1
+                self.pending = out.shape[1] - j - 1
                 yield token, all_logits[:, j]
                 if made == max_new_tokens or not ctx.live.any():
                     return

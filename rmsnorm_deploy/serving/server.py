@@ -34,10 +34,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from rmsnorm_deploy.decoder.generate import DEFAULT_SPECULATIVE_K, KVCacheModel, SpeculationOptions
 from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner, set_onnxruntime_log_level
 from rmsnorm_deploy.serving.engine.engine import Engine
+from rmsnorm_deploy.serving.engine.speculation import SPECULATE_UP_TO
 from rmsnorm_deploy.serving.kserve.front import Front, FrontPorts
 from rmsnorm_deploy.serving.kserve.generation import (
     GENERATION_INPUTS,
@@ -94,6 +96,8 @@ class Server:
         self.openai_place, self.openai_note = openai_placement(self.generator, enabled=options.openai,
                                                                port=options.openai_port)
         check_options(options)
+        self.draft: Any = None  # --speculative DRAFT_DIR's KVCacheModel
+        self.speculation = self._speculation()
         self.models = served_models(self.signature, options.model_name, generation=self.generator is not None)
         self.front: Any = None
         self.workspace: Path | None = None
@@ -105,6 +109,23 @@ class Server:
         self.log_dir: str | None = None
         self.log_path = Path("tritonserver.log")
         self._stop = threading.Event()
+
+    def _speculation(self) -> Any:
+        """``--speculative``'s ``SpeculationOptions`` (``None``: off); the draft model opened, its
+        refusals (int8 compute, LongRoPE, another tokenizer) raised when the engine is made."""
+        o = self.options
+        if o.speculative is None:
+            if o.speculative_k is not None:
+                raise UserError("--speculative-k needs --speculative ngram|DRAFT_DIR")
+            return None
+        if self.generator is None:
+            raise UserError(f"--speculative needs a KV-cache model (export --kv-cache); {self.path} is a plain graph")
+        k = DEFAULT_SPECULATIVE_K if o.speculative_k is None else o.speculative_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise UserError(f"--speculative-k must be an integer >= 1, got {k!r}")
+        if o.speculative != "ngram":
+            self.draft = KVCacheModel(o.speculative, o.providers)
+        return SpeculationOptions(self.draft or "ngram", k)
 
     def start(self) -> None:
 
@@ -118,8 +139,10 @@ class Server:
         self.runner.activate()
         if self.generator is not None:
 
+            if self.draft is not None:
+                self.draft.runner.activate()
             # Warm before Triton loads the models: a model Triton reports ready answers at once.
-            self.engine = Engine(self.generator, o.engine_options()).start()
+            self.engine = Engine(self.generator, o.engine_options(), speculation=self.speculation).start()
         prepare_process(answer_later=[o.model_name, o.model_name + STREAM_SUFFIX] if self.engine else ())
         logging.getLogger("pytriton").setLevel(logging.ERROR)
         from pytriton.model_config import DynamicBatcher, ModelConfig
@@ -228,6 +251,11 @@ class Server:
                         f"engine): the same inputs, one "
                         f"response per new token ({GENERATION_OUTPUT} int64[1], {STREAM_INDEX} int64[1]); both "
                         f"models share the engine")
+            if self.speculation is not None:
+                when = (f"while at most {SPECULATE_UP_TO} stream(s) decode, each in a one-slot run"
+                        if self.engine.refusal is None else "in every stream's turn")
+                batching += (f"\n  speculative decoding ({self.speculation.name}, k <= {self.speculation.k}) {when}; "
+                             "requests with logit_bias, penalties, min_p, a grammar or logprobs decode without it")
         else:
             what = "model"
             ins, outs = _describe(sig.inputs), _describe(sig.outputs)
@@ -304,6 +332,8 @@ class Server:
             self.workspace = None
         if self.runner is not None:
             self.runner.deactivate()
+        if self.draft is not None:
+            self.draft.runner.deactivate()
         if self.log_dir is not None and keep_log:
             self.say(f"the server's log is kept in {self.log_path}")
         elif self.log_dir is not None:

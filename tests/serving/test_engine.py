@@ -400,3 +400,79 @@ def test_the_default_kv_budget_is_sized_to_the_model_and_the_machine(engine_expo
         engine = Engine(model, EngineOptions(max_batch=16, prefix_cache_mb=0))
         assert engine.slot_length == 31 and "slots of 31 tokens (KV cache 496 tokens" in engine.batching
         assert "default; the largest request: 31 tokens" in engine.batching and "--prefix-cache-mb 0" in engine.batching
+
+
+def _grounded_requests(count: int, seed: int) -> list[tuple[list[int], int]]:
+    """Prompts that repeat a short passage: prompt lookup then proposes tokens the tiny model
+    sometimes keeps and sometimes rejects (both paths of the check run)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(3, VOCAB, int(rng.integers(3, 9))).tolist() * 4, int(rng.integers(2, 30)))
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_speculation_keeps_every_greedy_stream_token_for_token(served_model, max_batch):
+    """One slot (every stream alone: each checks its proposals in a one-slot run) and three (streams
+    speculate only while one decodes, the others ride in the batched run), or turns (portable)."""
+    from rmsnorm_deploy.decoder.generate import SpeculationOptions
+
+    _, model = served_model
+    requests = _grounded_requests(8, seed=max_batch)
+    want = [generate(model, [p], max_new_tokens=n).tokens[0] for p, n in requests]
+    engine = Engine(model, EngineOptions(max_batch=max_batch, prefill_chunk=16),
+                    speculation=SpeculationOptions("ngram", 4)).start()
+    streams = [engine.submit(p, max_new_tokens=n) for p, n in requests]
+    got = [s.result(TIMEOUT_S) for s in streams]
+    stats = engine.speculation_stats()
+    engine.drain(10)
+    assert got == [w[:len(g)] for g, w in zip(got, want)] and all(
+        len(g) == len(w) or g[-1] == EOS for g, w in zip(got, want))
+    assert stats["verifications"] > 0 and 0 < stats["accepted"] <= stats["proposed"], stats
+    assert stats["tokens"] == sum(len(g) - 1 for g in got) and stats["streams_without_speculation"] == 0, stats
+    assert stats["tokens_per_pass"] > 1, stats
+
+
+def test_speculation_samples_with_the_streams_own_distribution_and_skips_pickers_it_cannot_follow(engine_exports):
+    """A temperature so low that the model's distribution is its argmax: the rejection rule must keep
+    the greedy tokens (the target's probabilities read at the right positions); a request with
+    logit_bias decodes without speculation, counted."""
+    from rmsnorm_deploy.decoder.generate import SpeculationOptions
+    from rmsnorm_deploy.serving.engine.sampling import Chooser, SamplingFields
+
+    with KVCacheModel(engine_exports("ort")) as model:
+        requests = _grounded_requests(3, seed=5)
+        want = [generate(model, [p], max_new_tokens=n, eos_token_id=None).tokens[0] for p, n in requests]
+        engine = Engine(model, EngineOptions(max_batch=1), speculation=SpeculationOptions("ngram", 4)).start()
+        cold = Sampling(do_sample=True, seed=3, temperature=1e-6)
+        got = [engine.submit(p, max_new_tokens=n, sampling=cold, eos_token_id=None).result(TIMEOUT_S)
+               for p, n in requests]
+        stats = engine.speculation_stats()
+        biased = Chooser(SamplingFields(logit_bias={7: 1.0}))
+        engine.submit(requests[0][0], max_new_tokens=3, pick=biased).result(TIMEOUT_S)
+        after = engine.speculation_stats()
+        engine.drain(10)
+    assert got == want and stats["verifications"] > 0 and stats["accepted"] > 0, stats
+    assert after["streams_without_speculation"] == 1 and after["proposed"] == stats["proposed"], after
+
+
+def test_speculation_refuses_a_draft_of_another_vocabulary_in_one_line(engine_exports, text_exports):
+    from rmsnorm_deploy.decoder.generate import SpeculationOptions
+
+    with KVCacheModel(engine_exports("ort")) as model, KVCacheModel(text_exports("ort")) as draft:
+        with pytest.raises(InputError, match="vocabulary of 292 tokens, the model 256; give a draft with the model"):
+            Engine(model, EngineOptions(max_batch=1), speculation=SpeculationOptions(draft, 4))
+
+
+def test_a_draft_model_speculates_in_the_engine_with_the_same_tokens(engine_exports):
+    """The model as its own draft: every proposal is right, and the tokens stay ``generate``'s."""
+    from rmsnorm_deploy.decoder.generate import SpeculationOptions
+
+    with KVCacheModel(engine_exports("ort")) as model, KVCacheModel(engine_exports("ort")) as draft:
+        requests = _grounded_requests(3, seed=9)
+        want = [generate(model, [p], max_new_tokens=n).tokens[0] for p, n in requests]
+        engine = Engine(model, EngineOptions(max_batch=2), speculation=SpeculationOptions(draft, 3)).start()
+        got = [engine.submit(p, max_new_tokens=n).result(TIMEOUT_S) for p, n in requests]
+        stats = engine.speculation_stats()
+        engine.drain(10)
+    assert got == [w[:len(g)] for g, w in zip(got, want)]
+    assert stats["proposer"].startswith("draft:") and stats["accepted"] == stats["proposed"] > 0, stats

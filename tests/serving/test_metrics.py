@@ -64,3 +64,22 @@ def test_a_scrape_counts_requests_tokens_latencies_and_prefix_hits(text_exports)
     assert value("rmsnorm_deploy_time_to_first_token_seconds_bucket", le="+Inf") == 3
     assert value("rmsnorm_deploy_inter_token_seconds_count") == stats["generated_tokens"] - 3
     assert value("rmsnorm_deploy_time_to_first_token_seconds_sum") > 0
+
+
+def test_speculation_counters_are_the_engines_speculation_stats(engine_exports):
+    """``serve --speculative``: proposed and accepted tokens, runs of the model and their tokens."""
+    from rmsnorm_deploy.decoder.generate import KVCacheModel, SpeculationOptions
+    from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions
+    from rmsnorm_deploy.serving.engine.metrics import engine_metrics
+
+    with KVCacheModel(engine_exports("ort")) as model:
+        engine = Engine(model, EngineOptions(max_batch=1), speculation=SpeculationOptions("ngram", 3)).start()
+        engine.submit([9, 8, 7, 6] * 6, max_new_tokens=20, eos_token_id=None).result(60)
+        body, _ = engine_metrics(engine).exposition()
+        stats = engine.speculation_stats()
+        engine.drain(10)
+    got = {s.name: s.value for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    assert stats["proposed"] > 0 and stats["tokens"] == 19, stats
+    for name, key in (("proposed_tokens", "proposed"), ("accepted_tokens", "accepted"),
+                      ("target_passes", "target_passes"), ("tokens", "tokens")):
+        assert got[f"rmsnorm_deploy_speculative_{name}_total"] == stats[key], (name, got)

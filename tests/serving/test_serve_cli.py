@@ -72,6 +72,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert message in _one_line_error(capsys)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--speculative-k", "3"], "--speculative-k needs --speculative ngram|DRAFT_DIR"),
+    (["--speculative", "ngram"], "--speculative needs a KV-cache model (export --kv-cache)"),
+])
+def test_speculation_on_a_plain_graph_is_one_line_and_exit_2(tiny_export, capsys, argv, message):
+    pytest.importorskip("pytriton", reason="serve needs nvidia-pytriton")
+    http, grpc, metrics = free_ports(3)
+    assert main(["serve", str(tiny_export), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
+                 str(metrics), *argv]) == 2
+    assert message in _one_line_error(capsys)
+
+
 def test_signature_reads_the_batch_dim_and_the_metadata_range(tiny_export, tmp_path):
     sig = read_signature(tiny_export)
     assert sig.batch_dim == "batch" and sig.max_batch == 8 and not sig.is_kv_cache

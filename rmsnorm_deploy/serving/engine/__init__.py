@@ -9,6 +9,9 @@ slots       how the engine runs its streams: ``SlotBatch``, continuous batching 
             own positions in one run, chunked prefill); ``TurnBatch``, batch-1 turns
 prefix_cache  prompt KV kept across requests: ``PrefixStore`` (an LRU of copied prefixes within
             ``--prefix-cache-mb``) beside the slots' own, ``common_prefix``
+speculation  ``serve --speculative``: which streams speculate and when (``EngineSpeculation``:
+            a one-slot check run while one stream decodes under continuous batching, a
+            ``Speculator`` per stream taking turns), the engine's acceptance and tokens per run
 metrics     the engine's Prometheus metrics (``rmsnorm_deploy_*``) and the ``/metrics`` route
             both HTTP fronts mount; prometheus-client imported when the route is made
 submit      ``submit_generation``: a front's request into the engine, a ``Stream`` or a

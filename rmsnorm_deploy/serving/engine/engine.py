@@ -23,6 +23,10 @@ Each stream picks its tokens with its own picker (``token_picker``: greedy, or i
 seeded as ``generate`` seeds it) and ends as ``generate`` ends a batch-1 row: after an
 end-of-sequence token (included) or ``max_new_tokens`` tokens.
 
+With ``speculation`` (``serve --speculative ngram|DRAFT_DIR``) a stream whose picker is plain
+``Sampling`` proposes tokens and has several checked in one run (``serving.engine.speculation``:
+greedy tokens unchanged, sampled ones from the model's distribution); :meth:`Engine.speculation_stats`.
+
 Backpressure and faults: at most ``max_batch`` streams run and ``max_queue`` wait; beyond that
 :meth:`Engine.submit` raises :class:`EngineBusy` at once. Before warm-up and while draining it
 raises :class:`EngineUnavailable`. A run that fails fails the streams in it (``StreamFailed``, one
@@ -47,6 +51,7 @@ from rmsnorm_deploy.decoder.loop import Sampling, token_picker
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.resources import check_memory, memory_budget
 from rmsnorm_deploy.serving.engine.slots import SlotBatch, TurnBatch, slots_refusal
+from rmsnorm_deploy.serving.engine.speculation import EngineSpeculation, plain_sampling
 
 __all__ = ["Engine", "EngineBusy", "EngineOptions", "EngineUnavailable", "Stream", "StreamCancelled", "StreamFailed",
            "default_tokens_in_flight"]
@@ -135,6 +140,7 @@ class Stream:
         self._cond = threading.Condition()
         self._wakers: list[Callable[[], None]] = []
         self.cancel_requested = False
+        self.sampling: Sampling | None = None  # set by the engine: speculation's (None: none)
 
     @property
     def done(self) -> bool:
@@ -248,7 +254,8 @@ class Stream:
 class Engine:
     """The generation engine over an open ``KVCacheModel`` (see the module docstring)."""
 
-    def __init__(self, model: Any, options: EngineOptions | None = None, *, batching: str = "auto"):
+    def __init__(self, model: Any, options: EngineOptions | None = None, *, batching: str = "auto",
+                 speculation: Any = None):
         self.model = model
         self.options = options = options or EngineOptions()
         options.check()
@@ -268,6 +275,11 @@ class Engine:
         else:
             self.slot_length = lay.max_length
             self.batch = TurnBatch(model, slots=options.max_batch)
+        #: ``serve --speculative``: a ``decoder.generate.SpeculationOptions``, checked here (``InputError``)
+        self.speculation = None
+        if speculation is not None:
+            speculation.check(model, self.slot_length)
+            self.speculation = self.batch.speculation = EngineSpeculation(speculation)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Stream] = collections.deque()
         self._running: set[Stream] = set()
@@ -320,6 +332,12 @@ class Engine:
                     "prefix_store_entries": len(store.entries) if store else 0,
                     "prefix_store_bytes": store.nbytes if store else 0}
 
+    def speculation_stats(self) -> dict[str, Any] | None:
+        """``serve --speculative``: proposed and accepted tokens, runs of the model per stream after
+        the prefill and tokens per run (``SpeculationStats``), streams that could not speculate;
+        ``None`` without speculation."""
+        return None if self.speculation is None else self.speculation.totals()
+
     def _token_out(self, first: float | None, gap: float | None) -> None:
         self.generated += 1
         if self.observer is not None:
@@ -342,6 +360,8 @@ class Engine:
             self.counts.clear()  # the warm-up is not a request
             self.batch.counts.clear()
             self.generated = 0
+            if self.speculation is not None:
+                self.speculation.reset()
             self._state = "ready"
         return self
 
@@ -399,13 +419,15 @@ class Engine:
                 o = self.options
                 raise EngineBusy(f"the server is busy: its {o.max_batch} streams and its queue of {o.max_queue} are "
                                  f"full (--max-batch {o.max_batch}, --max-queue {o.max_queue}); retry later")
-        return self._enqueue(row, max_new_tokens, pick or token_picker(sampling), eos)
+        return self._enqueue(row, max_new_tokens, pick or token_picker(sampling), eos, plain_sampling(sampling, pick))
 
     def batch_free(self) -> int:
         return self.options.max_batch - len(self._running)
 
-    def _enqueue(self, prompt: list[int], max_new_tokens: int, pick: Callable, eos: frozenset[int]) -> Stream:
+    def _enqueue(self, prompt: list[int], max_new_tokens: int, pick: Callable, eos: frozenset[int],
+                 sampling: Sampling | None = None) -> Stream:
         stream = Stream(self, next(self._numbers), prompt, max_new_tokens, pick, eos)
+        stream.sampling = sampling  # what speculation checks proposals with (None: it must not)
         with self._cond:
             self._waiting.append(stream)
             self._cond.notify_all()
@@ -458,6 +480,8 @@ class Engine:
     def _retire(self, stream: Stream, reason: str, error: BaseException | None) -> None:
         """Free the stream's slot, count it, then end it (whoever waits on it sees the counts)."""
         self.batch.release(stream)
+        if self.speculation is not None:
+            self.speculation.release(stream)
         with self._cond:
             if stream in self._running:  # (a drain that ran out of time counted it already)
                 self._running.discard(stream)

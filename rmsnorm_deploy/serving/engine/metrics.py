@@ -16,6 +16,13 @@ the engine's ``observer``. One registry per engine, so two engines in a process 
 ``rmsnorm_deploy_prefix_cache_tokens_saved_total``  prompt tokens those requests did not prefill
 ``rmsnorm_deploy_prefix_cache_bytes``               bytes held by the prefix store
 ``rmsnorm_deploy_kv_cache_tokens``                  the KV cache's budget in tokens (all slots)
+``rmsnorm_deploy_speculative_proposed_tokens_total``  ``serve --speculative``: proposed tokens checked
+``rmsnorm_deploy_speculative_accepted_tokens_total``  of those, tokens accepted (the acceptance rate:
+                                                    accepted over proposed)
+``rmsnorm_deploy_speculative_target_passes_total``  runs of the model per speculating stream after its
+                                                    prefill (tokens per pass: those streams' tokens
+                                                    over passes)
+``rmsnorm_deploy_speculative_tokens_total``         tokens those passes made
 ``rmsnorm_deploy_time_to_first_token_seconds``      histogram: from submit to the first token
 ``rmsnorm_deploy_inter_token_seconds``              histogram: between a stream's tokens
 =================================================  ======================================================
@@ -81,6 +88,14 @@ class EngineMetrics:
                                      value=tokens["prefix_store_bytes"])
         yield core.GaugeMetricFamily("rmsnorm_deploy_kv_cache_tokens", "The KV cache's budget in tokens",
                                      value=self.engine.options.max_batch * self.engine.slot_length)
+        speculation = self.engine.speculation_stats()
+        if speculation is not None:
+            for name, key, text in (
+                    ("proposed_tokens", "proposed", "Proposed tokens checked by speculative decoding"),
+                    ("accepted_tokens", "accepted", "Proposed tokens accepted"),
+                    ("target_passes", "target_passes", "Runs of the model per speculating stream after its prefill"),
+                    ("tokens", "tokens", "Tokens made by those runs")):
+                yield core.CounterMetricFamily(f"rmsnorm_deploy_speculative_{name}", text, value=speculation[key])
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format and its content type."""

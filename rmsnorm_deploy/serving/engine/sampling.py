@@ -79,8 +79,23 @@ class Chooser:
         self._seen: np.ndarray | None = None  # tokens of the prompt or the output (repetition_penalty)
         self._sample = None
         if fields.temperature > 0:
-            self._sample = token_picker(Sampling(do_sample=True, seed=fields.seed, temperature=fields.temperature,
-                                                 top_k=max(0, fields.top_k), top_p=fields.top_p))
+            self._sample = token_picker(self._sampling())
+
+    def _sampling(self) -> Sampling:
+        f = self.fields
+        if f.temperature <= 0:
+            return Sampling()
+        return Sampling(do_sample=True, seed=f.seed, temperature=f.temperature, top_k=max(0, f.top_k), top_p=f.top_p)
+
+    def plain_sampling(self) -> Sampling | None:
+        """``generate``'s ``Sampling`` when this picker is no more than it, so speculation's
+        acceptance rule (``serve --speculative``) keeps the stream's distribution; ``None`` when
+        ``logit_bias``, penalties, ``min_p``, a grammar or logprobs change or record each pick (the
+        stream then decodes without speculation)."""
+        f = self.fields
+        if f.logit_bias or f.penalized or f.min_p > 0 or f.logprobs or self.constraint is not None:
+            return None
+        return self._sampling()
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         scores = np.array(logits[0], dtype=np.float64)  # our own copy: the engine reuses its buffer

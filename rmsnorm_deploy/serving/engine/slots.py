@@ -107,6 +107,7 @@ class SlotBatch:
         self._decode_bindings: dict[int, Any] = {}  # per batch size: caches and logits bound once
         self._prefill_bindings: dict[int, Any] = {}
         self.takes_positions = POSITION_IDS in {i.name for i in self.session.get_inputs()}
+        self.speculation: Any = None  # serving.engine.speculation.EngineSpeculation, set by the engine
 
     @staticmethod
     def cache_bytes(layout: Any, slots: int, slot_length: int) -> int:
@@ -225,6 +226,8 @@ class SlotBatch:
     def _decode(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
         decoding = {row.slot: (stream, row) for stream, row in self.rows.items()
                     if not row.prefilling(stream) and not stream.done}
+        if self.speculation is not None:  # streams checking proposals run alone first
+            decoding = yield from self.speculation.verify(self, decoding)
         if not decoding:
             return
         k = max(decoding) + 1
@@ -267,13 +270,15 @@ class TurnBatch:
         self.loops: dict[Any, Iterator[tuple[np.ndarray, np.ndarray]]] = {}
         self.store = None  # each stream prefills its whole prompt: its cache lives in its own loop
         self.counts: collections.Counter = collections.Counter()
+        self.speculation: Any = None  # serving.engine.speculation.EngineSpeculation, set by the engine
 
     def admit(self, stream: Any) -> None:
         self.counts["prefill_tokens"] += len(stream.prompt)
         ids = np.asarray([stream.prompt], dtype=np.int64)
         # eos handled by the engine: the loop only has to run up to max_new_tokens steps
+        speculator = self.speculation.speculator(stream) if self.speculation is not None else None
         self.loops[stream] = decode_steps(self.model.stepper, ids, max_new_tokens=stream.max_new_tokens,
-                                          pick=stream.pick)
+                                          pick=stream.pick, speculation=speculator)
 
     def release(self, stream: Any) -> None:
         self.loops.pop(stream, None)
@@ -290,3 +295,6 @@ class TurnBatch:
                 yield [stream], None, one_line(exc)
                 continue
             yield [stream], int(token[0]), None
+            while self.speculation is not None and self.speculation.pending(stream) and not stream.done:
+                token, _ = next(loop)  # the rest of a speculative run's tokens: made already
+                yield [stream], int(token[0]), None

@@ -49,6 +49,9 @@ class ServeOptions:
     prefill_chunk: int = 32
     prefix_cache_mb: int = EngineOptions.prefix_cache_mb
     drain_timeout_s: float = 30.0
+    #: ``--speculative ngram|DRAFT_DIR`` and ``--speculative-k`` (``serving.engine.speculation``)
+    speculative: str | None = None
+    speculative_k: int | None = None
     #: the OpenAI-compatible API of a KV-cache export with a tokenizer (``serving.openai.serve``)
     openai: bool = True
     openai_port: int | None = None
