@@ -109,7 +109,11 @@ def test_completion_logprobs_in_the_legacy_shape(server, torch_model):
 
 def test_n_choices_share_the_request_and_choice_i_samples_with_seed_plus_i(server):
     client = server.client()
+    before = server.engine.token_stats()
     many = client.completions.create(model="model", prompt="hello", max_tokens=8, temperature=1.0, seed=7, n=3)
+    after = server.engine.token_stats()  # one prefill: the other two choices copied it
+    assert after["shared_prefills"] - before["shared_prefills"] == 2
+    assert after["prefill_tokens"] - before["prefill_tokens"] <= len(server.engine.model.encode("hello"))
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     texts = {c.index: c.text for c in many.choices}
     for index in range(3):

@@ -25,6 +25,10 @@ at index ``n_r`` of its row, rotary position ``n_r``).
   its prompt (else the lowest free slot, whose tokens are first copied into the ``PrefixStore``
   when there are enough of them), or has a longer prefix copied back from the store, and
   prefills only the rest.
+- Streams of one prompt (OpenAI's ``n``: ``stream.follows``) prefill it once: a follower waits in
+  its slot for its leader's prefill, then has the prompt's KV copied row to row and picks its first
+  token from the leader's last prompt logits (kept in the leader's row). A follower whose leader is
+  gone before its prefill ends prefills alone.
 
 Measured on the 125M Llama (hidden 768 x 12 layers): a row's logits are bit-identical alone and in
 a batch of 2 to 16, and a prompt's last logits bit-identical prefilled whole or in chunks of 16,
