@@ -146,10 +146,6 @@ class CallStream:
         self.calls: dict[int, dict[str, Any]] = {}  # per call started (keyed by where it starts): index, id, sent
         self.mode = "named" if reading.startswith("named:") else None  # then "hermes" or "json"
 
-    @property
-    def called(self) -> bool:
-        return bool(self.calls)
-
     def push(self, piece: str) -> list[dict[str, Any]]:
         self.text += piece
         return self._deltas(final=False)
