@@ -221,7 +221,8 @@ def served(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "chat_serving_served.json").write_text(json.dumps(result, indent=1) + "\n")
     ours_name, llama_name = ports
-    md = ["# Tokens/s as served: `serve` with its defaults against llama-server (`bench_chat_serving.py --llama-server`)",
+    md = ["# Tokens/s as served: `serve` with its defaults against llama-server "
+          "(`bench_chat_serving.py --llama-server`)",
           "", f"{env['cpus']} CPUs (shared: 1-minute load {result['setup']['load_average_before_after'][0]} before, "
           f"{result['setup']['load_average_before_after'][1]} after), onnxruntime {env['onnxruntime']}; "
           f"{args.rounds} interleaved rounds, medians (every round's ratio in brackets). Ours: "

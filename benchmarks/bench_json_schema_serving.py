@@ -136,8 +136,10 @@ def main() -> int:
     result = {"setup": {"model": str(args.model), "requests": args.requests, "concurrency": args.concurrency,
                         "max_tokens": MAX_TOKENS, "schema": SCHEMA, "load_average_before_after": load},
               "environment": env, "valid": valid, "parsed": sum(r["parses"] for r in rows),
-              "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows) for k in {r["finish_reason"] for r in rows}},
-              "wall_s": round(wall, 1), "tokens": tokens, "ms_per_token": {k: [round(x, 2) for x in v] for k, v in costs.items()},
+              "finish_reasons": {k: sum(r["finish_reason"] == k for r in rows)
+                                 for k in {r["finish_reason"] for r in rows}},
+              "wall_s": round(wall, 1), "tokens": tokens,
+              "ms_per_token": {k: [round(x, 2) for x in v] for k, v in costs.items()},
               "answers": rows}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "json_schema_serving.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -150,7 +152,8 @@ def main() -> int:
           f"`json_schema` (5 required fields: a string of 2-24 characters, an integer 0-120, an enum, an array of "
           f"1-3 short strings, a boolean; `additionalProperties: false`), `temperature` 0.7, a seed each, "
           f"`max_tokens` {MAX_TOKENS}, {args.concurrency} at once.", "",
-          "| requests | parse | validate (jsonschema) | finish reasons | new tokens (min / median / max) | wall s | tok/s |",
+          "| requests | parse | validate (jsonschema) | finish reasons | new tokens (min / median / max) | wall s "
+          "| tok/s |",
           "|---|---|---|---|---|---|---|",
           f"| {args.requests} | {result['parsed']} | **{valid}** | "
           f"{', '.join(f'{k} {v}' for k, v in sorted(result['finish_reasons'].items()))} | "

@@ -226,14 +226,16 @@ def _assembled(chunks) -> tuple[str | None, list[tuple[str, str]], str]:
             state.current_completion_snapshot.choices[0].finish_reason)
 
 
-@pytest.mark.parametrize("text", [
-    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>'
-    '\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET \\"x\\" }"}}</tool_call>',
-    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
-    '{"name": "other", "parameters": {}}',
-    "No tools needed: it is < 5 degrees.",
+@pytest.mark.parametrize("text,fragments", [
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>'
+     '\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET \\"x\\" }"}}</tool_call>', True),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+     True),
+    ('{"name": "other", "parameters": {}}', False),
+    ('<tool_call>{"name": "get_time", "zone": 1, "arguments": {"a": 1}}</tool_call>', False),  # sent whole at the end
+    ("No tools needed: it is < 5 degrees.", False),
 ])
-def test_tool_calls_streamed_piece_by_piece_assemble_to_the_whole_answers(text):
+def test_tool_calls_streamed_piece_by_piece_assemble_to_the_whole_answers(text, fragments):
     """Every character its own piece: the openai client's accumulation of the deltas equals read_calls."""
     names = {"get_weather", "get_time"}
     reader = CallStream("parse", names)
@@ -243,7 +245,7 @@ def test_tool_calls_streamed_piece_by_piece_assemble_to_the_whole_answers(text):
     content, calls = read_calls(text, "parse", names)
     chunks.append(api.chunk("x", "m", chat=True, finish_reason="tool_calls" if calls else "stop"))
     assert _assembled(chunks)[:2] == (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
-    if calls:  # the arguments came in many fragments, the name in the first delta of its call
+    if fragments:  # the arguments came in many fragments, the name in the first delta of its call
         assert sum(1 for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]) > 5
 
 

@@ -179,7 +179,14 @@ class CallStream:
             content = text[:opened] if opened >= 0 else text[:len(text) - _could_open(text)]
             content = content.rstrip()
         if final:
-            content = read_calls(text, "parse", self.names)[0] or "" if self.mode == "hermes" else content
+            whole_content, whole = read_calls(text, "parse", self.names)
+            content = whole_content or "" if self.mode == "hermes" else content
+            if len(whole) == len(self.calls):  # arguments not written right after the name: sent whole now
+                for entry, call in zip(sorted(self.calls.values(), key=lambda e: e["index"]), whole):
+                    if not entry["sent"] and call["function"]["arguments"]:
+                        entry["sent"] = len(call["function"]["arguments"])
+                        out.append({"tool_calls": [{"index": entry["index"],
+                                                    "function": {"arguments": call["function"]["arguments"]}}]})
         if content.startswith(self.content_sent) and len(content) > len(self.content_sent):
             out.insert(0, {"content": content[len(self.content_sent):]})
             self.content_sent = content
