@@ -12,17 +12,31 @@ against ``generate`` on its prompt alone.
 
 Writes ``benchmarks/results/chat_serving.{json,md}``.
 
+With ``--llama-server GGUF`` it measures instead what a user of either server sees (written to
+``chat_serving_served.{json,md}``): ``rmsnorm-deploy serve DIR --openai-port P`` with its defaults
+beside ``llama-server -m GGUF -np 16`` (the same weights as a float32 GGUF; otherwise its defaults: the
+model's context, unified KV, prompt cache on, its default threads), both in child processes on
+loopback, both through ``POST /v1/completions``: 1, 4 and 16 clients at once, each one request of a
+32-token prompt (token ids, different in every round so that no server reuses a prompt) for 64 new
+tokens (``ignore_eos``, greedy); tokens/s = all new tokens over the wall time of the batch. Rounds
+interleave the two servers in a shuffled order; every answer's token count is checked.
+
     python benchmarks/bench_chat_serving.py --model DIR [--rounds 3] [--new-tokens 48]
+    python benchmarks/bench_chat_serving.py --model DIR --llama-server F32.gguf [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import http.client
 import json
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +48,7 @@ from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.resources import package_version  # noqa: E402
 from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions  # noqa: E402
 from rmsnorm_deploy.serving.openai.text import ChatTemplate  # noqa: E402
+from rmsnorm_deploy.serving.triton.process import free_ports, start_serve_process  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SYSTEM = (
@@ -111,6 +126,119 @@ def throughput(model: KVCacheModel, engine: Engine, clients: int, prompts: list[
     return clients * new_tokens / elapsed
 
 
+LLAMA_BIN = Path("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
+SERVED_PROMPT, SERVED_NEW = 32, 64
+
+
+_MODEL_NAMES: dict[int, str] = {}
+
+
+def _complete(port: int, prompt: list[int], new_tokens: int) -> int:
+    """One greedy ``/v1/completions`` request; the new tokens the server reports."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    if port not in _MODEL_NAMES:
+        connection.request("GET", "/v1/models")
+        _MODEL_NAMES[port] = json.loads(connection.getresponse().read())["data"][0]["id"]
+    body = json.dumps({"model": _MODEL_NAMES[port], "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                       "ignore_eos": True})
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    if response.status != 200:
+        raise SystemExit(f"port {port} answered {response.status}: {answer}")
+    return answer["usage"]["completion_tokens"]
+
+
+def _served_rate(port: int, prompts: list[list[int]]) -> float:
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        counts = list(pool.map(lambda p: _complete(port, p, SERVED_NEW), prompts))
+    elapsed = time.perf_counter() - started
+    if counts != [SERVED_NEW] * len(prompts):
+        raise SystemExit(f"port {port}: new tokens {counts}, expected {SERVED_NEW} each")
+    return sum(counts) / elapsed
+
+
+def _start_llama(gguf: Path) -> tuple[subprocess.Popen, int, list[str]]:
+    (port,) = free_ports(1)
+    command = [str(LLAMA_BIN), "-m", str(gguf), "-np", "16", "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return process, port, command
+        except OSError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"llama-server exited with {process.returncode}")
+        time.sleep(0.5)
+    process.kill()
+    raise SystemExit("llama-server was not ready within 120 s")
+
+
+def served(args: argparse.Namespace) -> int:
+    """``serve`` with its defaults against ``llama-server -np 16`` over HTTP (see the module docstring)."""
+    if not LLAMA_BIN.exists() and shutil.which("llama-server") is None:
+        raise SystemExit(f"llama-server not found at {LLAMA_BIN}")
+    load_before, shuffler = os.getloadavg(), random.Random(0)
+    with KVCacheModel(args.model) as model:
+        vocab = model.layout.vocab_size
+    rng = random.Random(1)
+    (openai_port,) = free_ports(1)
+    ours = start_serve_process(args.model, timeout_s=300, args=["--openai-port", str(openai_port)])
+    llama, llama_port, llama_command = _start_llama(args.llama_server)
+    ports = {"serve (defaults)": openai_port, "llama-server -np 16": llama_port}
+    rates: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in ports}
+    try:
+        summary = "".join(ours.log)
+        for port in ports.values():  # warm both (first runs allocate)
+            _served_rate(port, [[rng.randrange(1000, vocab) for _ in range(SERVED_PROMPT)]])
+        for round_ in range(args.rounds):
+            for clients in CONCURRENCY:
+                for name in shuffler.sample(list(ports), len(ports)):
+                    prompts = [[rng.randrange(1000, vocab) for _ in range(SERVED_PROMPT)] for _ in range(clients)]
+                    rates[name][clients].append(_served_rate(ports[name], prompts))
+            print(f"round {round_ + 1} done: " + json.dumps({k: {c: round(v[-1], 1) for c, v in d.items()}
+                                                            for k, d in rates.items()}), file=sys.stderr, flush=True)
+    finally:
+        ours.stop()
+        llama.terminate()
+        llama.wait(timeout=30)
+    med = statistics.median
+    env = {"python": platform.python_version(), "cpus": os.cpu_count(), "onnxruntime": package_version("onnxruntime")}
+    budget = next((line.strip() for line in summary.splitlines() if "continuous batching" in line), "")
+    result = {"setup": {"model": str(args.model), "gguf": str(args.llama_server), "rounds": args.rounds,
+                        "prompt_tokens": SERVED_PROMPT, "new_tokens": SERVED_NEW,
+                        "ours": f"rmsnorm-deploy serve {args.model.name} --openai-port P", "ours_budget": budget,
+                        "llama_server": " ".join(Path(c).name if i == 0 else c for i, c in enumerate(llama_command)),
+                        "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
+              "environment": env,
+              "tokens_per_s": {k: {str(c): [round(x, 2) for x in v] for c, v in d.items()} for k, d in rates.items()}}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "chat_serving_served.json").write_text(json.dumps(result, indent=1) + "\n")
+    ours_name, llama_name = ports
+    md = ["# Tokens/s as served: `serve` with its defaults against llama-server "
+          "(`bench_chat_serving.py --llama-server`)",
+          "", f"{env['cpus']} CPUs (shared: 1-minute load {result['setup']['load_average_before_after'][0]} before, "
+          f"{result['setup']['load_average_before_after'][1]} after), onnxruntime {env['onnxruntime']}; "
+          f"{args.rounds} interleaved rounds, medians (every round's ratio in brackets). Ours: "
+          f"`{result['setup']['ours']}` ({budget}). llama-server: `{result['setup']['llama_server']}`. "
+          f"{SERVED_PROMPT}-token prompts (token ids, new in every round), {SERVED_NEW} new tokens "
+          "(`ignore_eos`, greedy), `POST /v1/completions`, all clients at once.", "",
+          "| clients | llama-server tok/s | ours tok/s | ours / llama-server |", "|---|---|---|---|"]
+    for c in CONCURRENCY:
+        theirs, mine = med(rates[llama_name][c]), med(rates[ours_name][c])
+        each = ", ".join(f"{a / b:.2f}" for a, b in zip(rates[ours_name][c], rates[llama_name][c]))
+        md.append(f"| {c} | {theirs:.1f} | {mine:.1f} | {mine / theirs:.2f}x ({each}) |")
+    (args.out_dir / "chat_serving_served.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True)
@@ -119,7 +247,11 @@ def main() -> int:
     parser.add_argument("--stream-tokens", type=int, default=64, help="new tokens of each throughput stream")
     parser.add_argument("--skip", default="", help="chat or throughput: leave that part out")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="a GGUF of the same weights: measure serve against llama-server over HTTP instead")
     args = parser.parse_args()
+    if args.llama_server is not None:
+        return served(args)
     load_before, shuffler = os.getloadavg(), random.Random(0)
     ttft: dict[str, list[list[float]]] = {"cold": [[] for _ in TURNS], "prefix cache": [[] for _ in TURNS]}
     rates: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in (OLD_DEFAULT, NEW_DEFAULT, LLAMA_SPLIT)}

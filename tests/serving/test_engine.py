@@ -356,8 +356,8 @@ def test_bad_options_are_refused_in_one_line(options, message):
     ([1, 256], 2, "token id 256 is outside the model's vocabulary [0, 256)"),
     ([1, 2], 0, "max_new_tokens must be an integer >= 1, got 0"),
     ("hello", 2, "the prompt must be token ids (a sequence of integers), not text"),
-    ([1] * 40, 30, "40 prompt tokens + 30 new tokens exceed this server's 64 tokens per stream "
-                   "(--max-tokens-in-flight over --max-batch); lower max_new_tokens to at most 24"),
+    ([1] * 64, 3, "the prompt has 64 tokens; this server's streams hold 64 tokens (--max-tokens-in-flight over "
+                  "--max-batch), so at most 63 prompt tokens"),
     ([1] * 10, 17000, "10 prompt tokens + 17000 new tokens exceed the model's maximum of 16384; lower "
                       "max_new_tokens to at most 16374"),
 ])

@@ -18,7 +18,8 @@ pytest.importorskip("uvicorn", reason="the API is served by uvicorn")
 
 from rmsnorm_deploy.contract.tolerances import tolerance_for  # noqa: E402
 from rmsnorm_deploy.serving.engine.sampling import Chooser, SamplingFields, log_softmax  # noqa: E402
-from rmsnorm_deploy.serving.openai.tools import read_calls  # noqa: E402
+from rmsnorm_deploy.serving.openai import protocol as api  # noqa: E402
+from rmsnorm_deploy.serving.openai.tools import CallStream, read_calls  # noqa: E402
 from tests.serving._openai import openai_server  # noqa: E402
 from tests.serving.conftest import TEXT_LLAMA, TEXT_VOCAB  # noqa: E402
 
@@ -108,7 +109,11 @@ def test_completion_logprobs_in_the_legacy_shape(server, torch_model):
 
 def test_n_choices_share_the_request_and_choice_i_samples_with_seed_plus_i(server):
     client = server.client()
+    before = server.engine.token_stats()
     many = client.completions.create(model="model", prompt="hello", max_tokens=8, temperature=1.0, seed=7, n=3)
+    after = server.engine.token_stats()  # one prefill: the other two choices copied it
+    assert after["shared_prefills"] - before["shared_prefills"] == 2
+    assert after["prefill_tokens"] - before["prefill_tokens"] <= len(server.engine.model.encode("hello"))
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     texts = {c.index: c.text for c in many.choices}
     for index in range(3):
@@ -190,15 +195,58 @@ def test_a_named_or_required_tool_choice_gives_tool_calls(server):
         "type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
         "additionalProperties": False}}}
     client = server.client()
-    messages = [{"role": "user", "content": "paint it"}]
+    messages, named = [{"role": "user", "content": "paint it"}], None
     for choice in ({"type": "function", "function": {"name": "paint"}}, "required"):
         answer = client.chat.completions.create(model="model", messages=messages, tools=[tool], tool_choice=choice,
                                                 max_tokens=60, temperature=0)
         call = answer.choices[0].message.tool_calls[0]
         assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "paint"
         assert json.loads(call.function.arguments)["colour"] in ("red", "blue")
+        named = call if isinstance(choice, dict) else named
+    streamed = client.chat.completions.create(model="model", messages=messages, tools=[tool], max_tokens=60,
+                                              tool_choice={"type": "function", "function": {"name": "paint"}},
+                                              temperature=0, stream=True)
+    chunks = [chunk.model_dump(exclude_unset=True) for chunk in streamed]
+    assert _assembled(chunks) == (None, [("paint", named.function.arguments)], "tool_calls")
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("tool_calls")) > 3
     with pytest.raises(openai.BadRequestError, match="chat template does not take tools"):
         client.chat.completions.create(model="model", messages=messages, tools=[tool])
+
+
+def _assembled(chunks) -> tuple[str | None, list[tuple[str, str]], str]:
+    """What the openai client's own stream accumulation makes of chat chunks: content, (name, arguments)."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    state = ChatCompletionStreamState()
+    for data in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(data))
+    message = state.current_completion_snapshot.choices[0].message
+    return (message.content or None, [(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+            state.current_completion_snapshot.choices[0].finish_reason)
+
+
+@pytest.mark.parametrize("text,fragments", [
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>'
+     '\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET \\"x\\" }"}}</tool_call>', True),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "get_time", "parameters": {}}',
+     True),
+    ('{"name": "other", "parameters": {}}', False),
+    ('<tool_call>{"name": "get_time", "zone": 1, "arguments": {"a": 1}}</tool_call>', False),  # sent whole at the end
+    ("No tools needed: it is < 5 degrees.", False),
+])
+def test_tool_calls_streamed_piece_by_piece_assemble_to_the_whole_answers(text, fragments):
+    """Every character its own piece: the openai client's accumulation of the deltas equals read_calls."""
+    names = {"get_weather", "get_time"}
+    reader = CallStream("parse", names)
+    deltas = [d for c in text for d in reader.push(c)] + reader.finish()
+    chunks = [api.chunk("x", "m", chat=True, role=True)]
+    chunks += [api.chunk("x", "m", chat=True, text=d.get("content"), tool_calls=d.get("tool_calls")) for d in deltas]
+    content, calls = read_calls(text, "parse", names)
+    chunks.append(api.chunk("x", "m", chat=True, finish_reason="tool_calls" if calls else "stop"))
+    assert _assembled(chunks)[:2] == (content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+    if fragments:  # the arguments came in many fragments, the name in the first delta of its call
+        assert sum(1 for d in deltas if "tool_calls" in d and "id" not in d["tool_calls"][0]) > 5
 
 
 def test_tool_calls_are_read_in_the_hermes_and_llama3_conventions():

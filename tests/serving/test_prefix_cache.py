@@ -1,7 +1,8 @@
 """Prompt KV kept across requests (``serving.engine.prefix_cache``): a request that starts with tokens the
 engine computed before prefills only the rest and still gets exactly the tokens of a cold run
 (``generate`` on its prompt alone), whether the prefix stayed in a slot or came back from the store,
-under continuous batching, and for a prompt equal to a cached prefix; the store keeps to its budget."""
+under continuous batching, and for a prompt equal to a cached prefix; the store keeps to its budget.
+Streams of one prompt (OpenAI's ``n``) prefill it once; a stream that outgrows its slot ends with ``length``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 pytest.importorskip("onnxruntime", reason="the engine runs ONNX Runtime")
 
-from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
+from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate  # noqa: E402
 from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions  # noqa: E402
 from rmsnorm_deploy.serving.engine.prefix_cache import PrefixStore, common_prefix  # noqa: E402
 
@@ -124,3 +125,34 @@ def test_the_store_keeps_to_its_budget_least_recently_used_out():
     store.copy_into(key, 5, [target])
     assert np.array_equal(target[:, :5], rows[0][:, :5]) and not target[:, 5:].any()
     assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0 and common_prefix([2], [1]) == 0
+
+
+@pytest.mark.parametrize("max_batch", [4, 2])
+def test_streams_of_one_prompt_prefill_it_once_and_each_get_their_tokens_alone(model, max_batch):
+    """``follow``: the followers copy the leader's prompt KV and first logits (with 2 slots the third
+    waits for a slot, its leader may be gone: it then reuses the prompt as any request would)."""
+    prompt = _tokens(np.random.default_rng(5), 40)  # two prefill chunks of 32
+    samplings = [Sampling(do_sample=True, seed=3 + i, temperature=0.9) for i in range(3)]
+    want = [generate(model, [prompt], max_new_tokens=8, sampling=s, eos_token_id=None).tokens[0] for s in samplings]
+    engine = Engine(model, EngineOptions(max_batch=max_batch, prefix_cache_mb=0)).start()
+    streams = [engine.submit(prompt, max_new_tokens=8, sampling=samplings[0], eos_token_id=None)]
+    streams += [engine.submit(prompt, max_new_tokens=8, sampling=s, eos_token_id=None, follow=streams[0])
+                for s in samplings[1:]]
+    assert [s.result(TIMEOUT_S) for s in streams] == want and len(set(map(tuple, want))) == 3
+    stats = engine.token_stats()
+    if max_batch == 4:
+        assert stats["prefill_tokens"] == 40 and stats["shared_prefills"] == 2
+    else:  # the third reused the leader's slot (its prompt but the last token)
+        assert stats["prefill_tokens"] <= 41 and stats["shared_prefills"] >= 1
+    engine.drain(10)
+
+
+def test_a_stream_that_outgrows_its_slot_ends_with_length_and_the_others_go_on(model):
+    engine = Engine(model, EngineOptions(max_batch=2, max_tokens_in_flight=64)).start()  # 32 tokens a slot
+    prompt, other = _tokens(np.random.default_rng(6), 20), _tokens(np.random.default_rng(7), 5)
+    long, short = (engine.submit(prompt, max_new_tokens=30, eos_token_id=None),
+                   engine.submit(other, max_new_tokens=20, eos_token_id=None))
+    assert long.result(TIMEOUT_S) == _cold(model, prompt, 12) and long.finish_reason == "length"
+    assert short.result(TIMEOUT_S) == _cold(model, other, 20) and short.finish_reason == "length"
+    assert engine.stats().get("error", 0) == 0
+    engine.drain(10)

@@ -15,9 +15,10 @@ graph, or a non-CPU provider); :attr:`Engine.batching` says which and why.
 
 The KV cache is one budget of ``max_tokens_in_flight`` tokens split evenly across the slots (as
 llama-server splits ``-c`` across ``-np``): its default is sized to the model and the machine
-(:func:`default_tokens_in_flight`), never a model-length slot per stream, and a request longer than
-a slot is refused in one line naming the largest context. Prompt KV is kept across requests
-(``serving.engine.prefix_cache``): a prompt that starts with tokens computed before prefills only the rest.
+(:func:`default_tokens_in_flight`), never a model-length slot per stream. A prompt longer than a
+slot is refused in one line naming the largest; a stream whose new tokens would outgrow its slot
+ends when the slot is full, with finish reason ``length`` (a slot is one contiguous row of the cache, so it
+cannot borrow another's room). Prompt KV is kept across requests (``serving.engine.prefix_cache``).
 
 Each stream picks its tokens with its own picker (``token_picker``: greedy, or its own generator
 seeded as ``generate`` seeds it) and ends as ``generate`` ends a batch-1 row: after an
@@ -141,6 +142,7 @@ class Stream:
         self._wakers: list[Callable[[], None]] = []
         self.cancel_requested = False
         self.sampling: Sampling | None = None  # set by the engine: speculation's (None: none)
+        self.follows: Stream | None = None  # the stream of the same prompt whose prefill this one shares
 
     @property
     def done(self) -> bool:
@@ -322,13 +324,14 @@ class Engine:
 
     def token_stats(self) -> dict[str, int]:
         """Tokens prefilled (run through the model) and generated, requests that reused a cached
-        prompt prefix (``prefix_hits``) and the prompt tokens they did not prefill, the prefix
-        store's entries and bytes."""
+        prompt prefix (``prefix_hits``) and the prompt tokens they did not prefill (with those of
+        streams that copied another's prefill: ``shared_prefills``), the prefix store's entries and bytes."""
         store = self.batch.store
         with self._cond:
             counts = self.batch.counts
             return {"prefill_tokens": counts["prefill_tokens"], "generated_tokens": self.generated,
                     "prefix_hits": counts["prefix_hits"], "prefix_tokens_saved": counts["prefix_tokens_saved"],
+                    "shared_prefills": counts["forked_prefills"],
                     "prefix_store_entries": len(store.entries) if store else 0,
                     "prefix_store_bytes": store.nbytes if store else 0}
 
@@ -392,19 +395,24 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | str | None = FROM_FOLDER,
-               name: str = "max_new_tokens", pick: Callable[[np.ndarray], np.ndarray] | None = None) -> Stream:
+               name: str = "max_new_tokens", pick: Callable[[np.ndarray], np.ndarray] | None = None,
+               follow: Stream | None = None) -> Stream:
         """Queue one prompt; checked here (``InputError``), refused at once when full
         (:class:`EngineBusy`) or not serving (:class:`EngineUnavailable`). ``pick``: the stream's
-        own picker (``serving.engine.sampling.Chooser``), instead of ``sampling``'s."""
+        own picker (``serving.engine.sampling.Chooser``), instead of ``sampling``'s. ``follow``: a
+        stream of the same prompt submitted just before (OpenAI's ``n``): this one starts from a copy
+        of its prompt KV and its last prompt logits instead of prefilling the prompt again."""
         check_max_new_tokens(max_new_tokens, name=name)
         if isinstance(prompt, (str, bytes)):
             raise InputError("the prompt must be token ids (a sequence of integers), not text")
         self.model.check_prompts([list(prompt)], max_new_tokens, name=name)
         row = [int(t) for t in prompt]
-        if len(row) + max_new_tokens > self.slot_length:
-            raise InputError(f"{len(row)} prompt tokens + {max_new_tokens} new tokens exceed this server's "
-                             f"{self.slot_length} tokens per stream (--max-tokens-in-flight over --max-batch); "
-                             f"lower {name} to at most {self.slot_length - len(row)}")
+        if len(row) >= self.slot_length:
+            raise InputError(f"the prompt has {len(row)} tokens; this server's streams hold {self.slot_length} "
+                             f"tokens (--max-tokens-in-flight over --max-batch), so at most "
+                             f"{self.slot_length - 1} prompt tokens")
+        # a stream that would outgrow its slot ends there, with finish_reason "length" (as llama-server's do)
+        max_new_tokens = min(max_new_tokens, self.slot_length - len(row))
         if eos_token_id == FROM_FOLDER:
             eos_token_id = self.model.special.get("eos_token_id")
         eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
@@ -419,15 +427,17 @@ class Engine:
                 o = self.options
                 raise EngineBusy(f"the server is busy: its {o.max_batch} streams and its queue of {o.max_queue} are "
                                  f"full (--max-batch {o.max_batch}, --max-queue {o.max_queue}); retry later")
-        return self._enqueue(row, max_new_tokens, pick or token_picker(sampling), eos, plain_sampling(sampling, pick))
+        return self._enqueue(row, max_new_tokens, pick or token_picker(sampling), eos, plain_sampling(sampling, pick),
+                             follow if follow is not None and follow.prompt == row else None)
 
     def batch_free(self) -> int:
         return self.options.max_batch - len(self._running)
 
     def _enqueue(self, prompt: list[int], max_new_tokens: int, pick: Callable, eos: frozenset[int],
-                 sampling: Sampling | None = None) -> Stream:
+                 sampling: Sampling | None = None, follow: Stream | None = None) -> Stream:
         stream = Stream(self, next(self._numbers), prompt, max_new_tokens, pick, eos)
         stream.sampling = sampling  # what speculation checks proposals with (None: it must not)
+        stream.follows = follow
         with self._cond:
             self._waiting.append(stream)
             self._cond.notify_all()

@@ -25,6 +25,10 @@ at index ``n_r`` of its row, rotary position ``n_r``).
   its prompt (else the lowest free slot, whose tokens are first copied into the ``PrefixStore``
   when there are enough of them), or has a longer prefix copied back from the store, and
   prefills only the rest.
+- Streams of one prompt (OpenAI's ``n``: ``stream.follows``) prefill it once: a follower waits in
+  its slot for its leader's prefill, then has the prompt's KV copied row to row and picks its first
+  token from the leader's last prompt logits (kept in the leader's row). A follower whose leader is
+  gone before its prefill ends prefills alone.
 
 Measured on the 125M Llama (hidden 768 x 12 layers): a row's logits are bit-identical alone and in
 a batch of 2 to 16, and a prompt's last logits bit-identical prefilled whole or in chunks of 16,
@@ -78,6 +82,8 @@ class _Row:
     last: int = -1  # the last token handed out (the next decode step's input)
     fed: list[int] = dataclasses.field(default_factory=list)  # the tokens whose KV the slot holds (filled of them)
     failed: bool = False  # a run this row was in failed: its slot keeps nothing
+    waits: Any = None  # the stream of the same prompt whose prefill this row copies (OpenAI's n)
+    first_logits: np.ndarray | None = None  # the last prompt token's logits, for the streams that copy them
 
     def prefilling(self, stream: Any) -> bool:
         return self.filled < len(stream.prompt)
@@ -118,7 +124,16 @@ class SlotBatch:
     # -- slots --------------------------------------------------------------------------------------
     def admit(self, stream: Any) -> None:
         """Give ``stream`` a free slot with as much of its prompt's KV as the slots or the store hold
-        (all of the prompt but its last token at most: its logits pick the first new token)."""
+        (all of the prompt but its last token at most: its logits pick the first new token). A stream
+        that follows another of the same prompt still in its slot waits for that prefill instead."""
+        leader = getattr(stream, "follows", None)
+        if leader in self.rows and not self.rows[leader].failed:
+            self.free.sort()
+            slot = self.free.pop(0)
+            self._keep(slot, 0)
+            self.kept[slot] = []
+            self.rows[stream] = _Row(slot, waits=leader)
+            return
         prompt, limit = stream.prompt, (len(stream.prompt) - 1 if self.reuse_prefixes else 0)
         self.free.sort()
         slot, reused = self.free[0], 0
@@ -198,6 +213,14 @@ class SlotBatch:
     def _prefill(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
         budget = self.prefill_chunk
         for stream, row in sorted(self.rows.items(), key=lambda item: item[0].number):
+            if row.waits is not None:
+                lead = self.rows.get(row.waits)
+                if lead is not None and not lead.failed and lead.first_logits is not None:
+                    yield self._fork(stream, row, lead)
+                    continue
+                if lead is not None and not lead.failed:
+                    continue  # its leader's prefill is still running
+                row.waits = None  # the leader is gone before its prefill ended: prefill alone
             if not row.prefilling(stream):
                 continue
             end = min(len(stream.prompt), row.filled + self.prefill_chunk)
@@ -218,10 +241,23 @@ class SlotBatch:
             row.fed.extend(stream.prompt[row.filled:end])
             row.filled = end
             if not row.prefilling(stream):
-                row.last = int(stream.pick(np.asarray(binding.get_outputs()[0].numpy()[:, -1, :]))[0])
+                row.first_logits = np.array(binding.get_outputs()[0].numpy()[:, -1, :])
+                row.last = int(stream.pick(row.first_logits.copy())[0])
                 yield [stream], row.last, None
             if budget <= 0:
                 break
+
+    def _fork(self, stream: Any, row: _Row, lead: _Row) -> tuple[list[Any], int | None, str | None]:
+        """Start ``stream`` from its leader's prefill: the prompt's KV copied row to row (exact: the
+        same keys a prefill of its own would write) and its first token picked from the same logits."""
+        n = len(stream.prompt)
+        for array in self.cache:
+            array[row.slot, :, :n, :] = array[lead.slot, :, :n, :]
+        row.filled, row.fed, row.waits = n, list(stream.prompt), None
+        self.counts["forked_prefills"] += 1
+        self.counts["prefix_tokens_saved"] += n
+        row.last = int(stream.pick(lead.first_logits.copy())[0])
+        return [stream], row.last, None
 
     def _decode(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
         decoding = {row.slot: (stream, row) for stream, row in self.rows.items()

@@ -40,12 +40,12 @@ class Refusal:
 
 
 def submit_generation(engine: Any, prompt: Sequence[int], max_new_tokens: int, *, sampling: Any = None,
-                      name: str = "max_new_tokens", pick: Any = None) -> Stream | Refusal:
+                      name: str = "max_new_tokens", pick: Any = None, **more: Any) -> Stream | Refusal:
     """The request's :class:`Stream` in ``engine``, or the :class:`Refusal` to answer it with
     (``name``: how the front calls ``max_new_tokens`` in its messages; ``pick``: the stream's own
-    picker, ``Engine.submit``'s)."""
+    picker, ``Engine.submit``'s; ``more``: ``Engine.submit``'s other keywords)."""
     try:
-        return engine.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, name=name, pick=pick)
+        return engine.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, name=name, pick=pick, **more)
     except EngineBusy as exc:
         return Refusal("busy", str(exc))
     except EngineUnavailable as exc:

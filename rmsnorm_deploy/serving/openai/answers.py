@@ -3,8 +3,10 @@
 logprobs where asked and tool calls read out of the text (``serving.openai.tools``).
 
 A streamed answer whose text is read for tool calls (``tools`` given, ``tool_choice`` not
-``none``) sends each choice's content or calls in one chunk once the choice has ended: a call is
-known only once its JSON is whole.
+``none``) sends them piece by piece as OpenAI and vLLM do (``serving.openai.tools.CallStream``):
+content as it comes (held back where it may begin a call), then per call a delta with its
+``index``, ``id``, ``type`` and ``function.name``, then ``function.arguments`` fragments as the
+model writes them. ``tool_choice: "required"`` (a JSON array) is sent in one chunk at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from rmsnorm_deploy.serving.engine.submit import Refusal, ending
 from rmsnorm_deploy.serving.openai import protocol as api
 from rmsnorm_deploy.serving.openai.choices import Choice
 from rmsnorm_deploy.serving.openai.text import TextStream
-from rmsnorm_deploy.serving.openai.tools import read_calls
+from rmsnorm_deploy.serving.openai.tools import CallStream, read_calls
 
 #: the engine's outcome (``serving.engine.submit``) -> OpenAI's HTTP status, error type and code
 OPENAI_ERRORS = {"invalid": (400, "invalid_request_error", None),
@@ -153,6 +155,16 @@ class Answers:
                                 logprobs=self._logprobs(choice, final=False, offset=offset))
                 offset += len(piece)
             content, calls, reason = None, [], finish_reason(choice.stream, choice.text)
+        elif self.plan.reading != "array":
+            reader = CallStream(self.plan.reading, set(self.plan.names))
+            async for piece in pieces(choice.stream, choice.text):
+                for delta in reader.push(piece):
+                    yield api.chunk(self.ident, self.name, chat=chat, index=index, text=delta.get("content"),
+                                    tool_calls=delta.get("tool_calls"))
+            for delta in reader.finish():
+                yield api.chunk(self.ident, self.name, chat=chat, index=index, text=delta.get("content"),
+                                tool_calls=delta.get("tool_calls"))
+            content, calls, reason = None, [], self._ending(choice, reader.text)[2]
         else:
             text = "".join([piece async for piece in pieces(choice.stream, choice.text)])
             content, calls, reason = self._ending(choice, text)

@@ -20,7 +20,7 @@ engine samples with ``temperature`` (default 1) and ``top_p`` from ``seed`` (a r
 none is given), drawing as ``generate --sample --seed S --temperature T --top-p P`` does. Beside
 them (``serving.engine.sampling``): ``logprobs`` / ``top_logprobs``, ``n`` choices (up to 8),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, vLLM's ``top_k``, ``min_p``,
-``repetition_penalty``; ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``repetition_penalty``, ``ignore_eos``; ``response_format`` (``json_object``, ``json_schema``) and vLLM's
 ``regex`` / ``grammar`` through constrained decoding (``serving.engine.constraints``); ``tools``
 and ``tool_choice`` through the chat template (``serving.openai.tools``). The answers are built in
 ``serving.openai.answers``.
@@ -176,7 +176,9 @@ class OpenAIEndpoints:
         for index in range(req.n):
             fields = sampling_fields(req, index, seed, bias, logprobs=plan.logprobs, top_logprobs=plan.top)
             chooser = Chooser(fields, prompt=ids, constraint=constraints[index] if constraints else None)
-            stream = submit_generation(self.engine, ids, max_tokens, name="max_tokens", pick=chooser)
+            stream = submit_generation(self.engine, ids, max_tokens, name="max_tokens", pick=chooser,
+                                       follow=choices[0].stream if choices else None,
+                                       **({"eos_token_id": None} if req.ignore_eos else {}))
             if isinstance(stream, Refusal):
                 for choice in choices:  # all or nothing: a request is never answered in part
                     choice.stream.cancel()

@@ -1,8 +1,9 @@
 """A request's choices: the sampling fields of each (``serving.engine.sampling``), its engine stream,
 its text as it comes, and its tokens' logprobs in OpenAI's two shapes.
 
-``n`` choices are ``n`` engine streams of the same prompt, decoded together in the engine's batch
-(each prefills the prompt itself unless the engine's prefix cache holds it). Choice ``i`` of a
+``n`` choices are ``n`` engine streams of the same prompt, decoded together in the engine's batch:
+the first prefills the prompt, the others start from copies of its prompt KV and its last prompt
+logits (``Engine.submit(follow=...)``), so the prompt is prefilled once. Choice ``i`` of a
 request with a ``seed`` samples with ``seed + i``, so the choices differ and a request repeated
 with its seed answers the same.
 

@@ -71,6 +71,7 @@ class _Request(BaseModel):
     response_format: ResponseFormat | None = None
     regex: str | None = Field(None, min_length=1)
     grammar: str | None = Field(None, min_length=1)
+    ignore_eos: bool = False  # vLLM's and llama-server's: the end-of-sequence token does not end the answer
 
     @model_validator(mode="before")
     @classmethod
