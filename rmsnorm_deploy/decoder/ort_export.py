@@ -153,6 +153,7 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
              progress: Progress) -> tuple[Quantization, LoadedModel]:
     """A measured recipe's widths (``quant_sensitivity``): the model run whole on the calibration text
     (loaded from its folder when streamed, if it fits); returns the quantization and the model run."""
+    windows = quant_sensitivity.calibration_windows(loaded.folder)
     reference = loaded
     if _is_streamed(loaded):
         why = reference_fits(loaded)
@@ -165,8 +166,7 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
     with progress.stage(f"measuring each projection's 4-bit error on {quant_sensitivity.CALIBRATION_TEXT.name} "
                         f"({quant_sensitivity.CALIBRATION_CHUNKS} x {quant_sensitivity.CALIBRATION_CONTEXT} "
                         "tokens)") as st:
-        result = quant_sensitivity.measured(quantization, causal_lm(reference),
-                                            quant_sensitivity.calibration_windows(loaded.folder))
+        result = quant_sensitivity.measured(quantization, causal_lm(reference), windows)
         st.note(f"{len(result.upgrades)} units in 8 bits: "
                 + ", ".join(f"{unit}.{layer}" for unit, layer in result.upgrades))
     return result, reference

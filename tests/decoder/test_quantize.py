@@ -354,6 +354,20 @@ def test_cli_refuses_quantize_options_in_one_line(hf_folder, tmp_path, capsys, a
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_int4_auto_without_a_tokenizer_is_one_line(hf_folder, tmp_path, capsys):
+    """int4-auto measures on the calibration text, read with the folder's tokenizer: a folder without
+    one is refused before anything is loaded or written, in one line (after the export's progress)."""
+    from rmsnorm_deploy.cli import main
+
+    args = ["--kv-cache", "--target", "onnxruntime", "--quantize", "int4-auto", "-o", str(tmp_path / "out")]
+    assert main(["export", str(hf_folder), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines()[-1].endswith("--quantize int4-auto measures the weights on the shipped calibration text "
+                                         "and needs the model folder's tokenizer; this model has none (choose "
+                                         "--quantize int4-mixed)")
+    assert "Traceback" not in err and "Loading weights" not in err and not (tmp_path / "out").exists()
+
+
 def test_cli_export_audit_and_generate(hf_folder, tmp_path, capsys):
     """The folder streamed to an int8 graph (block 16, float32 compute, head quantized): its report
     names the reference and the tolerance row; ``audit`` shows the MatMuls with their bits, block size
