@@ -133,11 +133,12 @@ def measure_units(lm: torch.nn.Module, moments: dict[str, torch.Tensor], quantiz
 
 def choose(units: list[Unit], four: Width, eight: Width, block_size: int, budget_bytes: float) -> None:
     """Mark upgraded the units with the most relative error removed per byte added, while they fit
-    the budget (greedy, best ratio first; a unit too large for what is left is skipped)."""
+    the budget (greedy, best ratio first; a unit too large for what is left is skipped; a unit 8
+    bits would not improve, none: a checkpoint whose weights are already on a 4-bit grid gets none)."""
     extra = (bits_per_weight(eight, block_size) - bits_per_weight(four, block_size)) / 8
     left = budget_bytes
     for unit in sorted(units, key=lambda u: -(u.relative4 - u.relative8) / max(u.params * extra, 1.0)):
-        if unit.params * extra <= left:
+        if unit.relative4 > unit.relative8 and unit.params * extra <= left:
             unit.upgraded, left = True, left - unit.params * extra
 
 

@@ -176,6 +176,9 @@ def test_int4_auto_upgrades_the_measured_units_within_q4_k_m_bytes(llama):
     assert min(gain(u) for u in units if u["bits"] == 8) >= max(gain(u) for u in units if u["bits"] == 4) or \
         len(q.upgrades) < len(units)
     assert all(u["relative_error_4"] > u["relative_error_8"] > 0 for u in units)
+    on_grid = [sens.Unit("o", 0, params=64, error4=0.0, error8=1e-6, energy=1.0)]  # 4 bits exact, 8 bits not
+    sens.choose(on_grid, Width(4, False, "fit"), Width(8), 32, budget_bytes=1e9)
+    assert not on_grid[0].upgraded
     dec = build_decoder(llama, quantization=q, max_length=32)
     entry = ModelMetadata.read(dec.model).quantization
     assert entry["measured"]["units"] == units and entry["scheme"] == "int4-auto"
