@@ -48,13 +48,13 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path("~/.cache/rmsnorm-deploy/gguf").expanduser()
 #: name -> (folder, what its weights are, chunks of the text scored: Gemma's 262k vocabulary makes its
-#: float32 reference logits 268 MB a chunk, held in memory)
+#: float32 reference logits 268 MB a chunk, held in memory, and each chunk costs several times SmolLM2's)
 CHECKPOINTS = {
     "SmolLM2-135M-Instruct": (CACHE / "b179c9523d0e6a0f-SmolLM2-135M-Instruct.Q4_1",
                               "dequantized from a Q4_1 GGUF (every projection Q4_1, the tied embedding Q8_0)", 12),
     "Gemma 3 270M": (CACHE / "a5fd3b62230aa5ec-gemma-3-270m-q4_k_m",
                      "dequantized from a Q4_K_M GGUF (by weights: embedding and attn_v Q8_0, Q/K/gate/up Q5_0, "
-                     "attn_output Q4_K, ffn_down Q6_K)", 8),
+                     "attn_output Q4_K, ffn_down Q6_K)", 5),
 }
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT, PROMPT, STEPS = 256, 128, 32
@@ -257,6 +257,9 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
         files = llama_files(Path(args.llama_cpp), folder, work)
         if len(llama_rows) < len(LLAMA_TYPES):
             llama_rows = llama_quality(Path(args.llama_cpp), files, work, chunks)
+    if args.retime:
+        for row in (*rows.values(), *llama_rows.values()):
+            row.pop("decode_ms", None)
     prompt = np.asarray(ids[:PROMPT], np.int64)[None, :]
     timed = [r for r in args.recipes if r in args.timed and "decode_ms" not in rows[r]]
     timed += [t for t in ("Q8_0", "Q4_K_M") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
@@ -291,8 +294,10 @@ def markdown(results: dict[str, Any]) -> str:
     for name, r in results["checkpoints"].items():
         base = r["ours"].get("float32", {}).get("perplexity")
         lbase = r["llama.cpp"].get("llama.cpp F32", {}).get("perplexity")
+        apart = (f" Over these chunks llama.cpp's F32 scores {lbase:.3f} and our float32 {base:.3f} "
+                 "(each side is compared with its own)." if base and lbase else "")
         lines += [f"## {name}", "", f"The checkpoint: {r['source']}. {r['chunks']} chunks, "
-                  f"{r['ours'].get('float32', {}).get('scored', '?')} positions scored.", "",
+                  f"{r['ours'].get('float32', {}).get('scored', '?')} positions scored.{apart}", "",
                   "| weights | perplexity | vs its float32 | KL mean | KL p99 | same top | MB | decode ms/tok | "
                   "parity vs dequantized | exact (proj / head) | widths |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, row, ref in ([(f"ours {k}", v, base) for k, v in r["ours"].items()]
@@ -332,15 +337,21 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/quant_quality", help="where the exports and GGUFs are written")
     parser.add_argument("--checkpoints", nargs="*", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
-    parser.add_argument("--timed", nargs="*", default=["float32", "int8", "int4-mixed", "int4-fit", "int4-auto",
-                                                        "int4-auto block 64"],
+    parser.add_argument("--timed", nargs="*", default=["float32", "int8", "int8 block 16", "int4-mixed", "int4-fit",
+                                                        "int4-fit-mixed", "int4-auto", "int4-auto block 64"],
                         help="the recipes whose decode is timed")
     parser.add_argument("--chunks", type=int, default=0, help="chunks of the text scored (default: CHECKPOINTS')")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved decode rounds")
+    parser.add_argument("--retime", action="store_true", help="time every --timed row again, in new interleaved "
+                                                              "rounds (default: only rows not timed yet)")
     parser.add_argument("--fresh", action="store_true", help="measure every row again (default: rows in the "
                                                              "results file on the same chunks are kept)")
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree with build/bin")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the .md from the .json; measure nothing")
     args = parser.parse_args()
+    if args.table_only:
+        RESULTS.joinpath("quant_quality.md").write_text(markdown(json.loads((RESULTS / "quant_quality.json").read_text())))
+        return 0
     if "float32" not in args.recipes:
         args.recipes.insert(0, "float32")
     out = RESULTS / "quant_quality.json"
