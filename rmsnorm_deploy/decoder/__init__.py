@@ -31,6 +31,8 @@ weights             tensor sources the builder reads: the modules, or a checkpoi
                     (sharded, memory-mapped, block by block)
 quant_recipes       ``--quantize`` recipes: each weight's width (bits, zero points, quantizer) by its
                     role and layer (int8, int4, int4-mixed: llama.cpp Q4_K_M's layout, ...)
+quant_sensitivity   ``--quantize int4-auto``: each projection's 4-bit output error measured on a
+                    calibration text, and the 8-bit units chosen within a size budget
 quantize            ``--quantize``: ONNX Runtime's weight-only quantizers per tensor, what MatMulNBits
                     computes (dequantized weights, int8 activations) and the reference built from it
 streaming           a Hugging Face folder opened without its weights (parameters on the meta device,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
+from rmsnorm_deploy.decoder import quant_sensitivity
 from rmsnorm_deploy.decoder.convention import KVCacheLayout
 from rmsnorm_deploy.decoder.divergence import QUANTIZATION_TEXT_CHUNKS, quantization_text_cost, text_cost_line
 from rmsnorm_deploy.decoder.genai_config import write_serving_files
@@ -94,6 +95,9 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
     progress = progress or Progress(enabled=False)
     if dtype_name(loaded.dtype) != options.dtype:
         raise UserError(f"the model was loaded in {loaded.dtype} but the export asks for {options.dtype}")
+    measured_reference = None
+    if quantization is not None and quantization.recipe.measured and quantization.measurement is None:
+        quantization, measured_reference = _measure(loaded, quantization, options.dtype, progress)
     what = quantization.describe() if quantization is not None else f"{options.dtype} weights"
     source = "streamed from the checkpoint" if tensors is not None else "from the model"
     with progress.stage(f"writing the ONNX Runtime decoder graph ({what}, {source})") as st:
@@ -114,7 +118,9 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
     reference = loaded
     if _is_streamed(loaded):
         result.layer_by_layer = reference_fits(loaded) or ""
-        if not result.layer_by_layer:
+        if not result.layer_by_layer and measured_reference is not None:
+            reference = measured_reference
+        elif not result.layer_by_layer:
             with progress.stage("loading the PyTorch model for the parity check"):
                 reference = hf.load_folder(loaded.folder, options.dtype)
     if result.layer_by_layer:
@@ -141,6 +147,29 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
         tmp.write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
     result.report_path = plan.report_path
     return result
+
+
+def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
+             progress: Progress) -> tuple[Quantization, LoadedModel]:
+    """A measured recipe's widths (``quant_sensitivity``): the model run whole on the calibration text
+    (loaded from its folder when streamed, if it fits); returns the quantization and the model run."""
+    windows = quant_sensitivity.calibration_windows(loaded.folder)
+    reference = loaded
+    if _is_streamed(loaded):
+        why = reference_fits(loaded)
+        if why or loaded.folder is None:
+            raise UserError(f"--quantize {quantization.scheme} runs the whole model on a calibration text to choose "
+                            f"its widths, and {why or 'this model has no folder to load it from'}; "
+                            "choose --quantize int4-mixed")
+        with progress.stage(f"loading the PyTorch model to measure its weights (--quantize {quantization.scheme})"):
+            reference = hf.load_folder(loaded.folder, dtype)
+    with progress.stage(f"measuring each projection's 4-bit error on {quant_sensitivity.CALIBRATION_TEXT.name} "
+                        f"({quant_sensitivity.CALIBRATION_CHUNKS} x {quant_sensitivity.CALIBRATION_CONTEXT} "
+                        "tokens)") as st:
+        result = quant_sensitivity.measured(quantization, causal_lm(reference), windows)
+        st.note(f"{len(result.upgrades)} units in 8 bits: "
+                + ", ".join(f"{unit}.{layer}" for unit, layer in result.upgrades))
+    return result, reference
 
 
 def _text_cost(result: OrtDecoderExport, reference: LoadedModel, progress: Progress) -> dict[str, Any]:

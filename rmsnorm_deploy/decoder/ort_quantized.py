@@ -65,7 +65,8 @@ class QuantizedWeights:
         shape = (n, blocks * blob) if flat else (n, blocks, blob)
         packed = self.w.blocks(f"{name}_Q{width.bits}", shape, np.uint8, packed_blocks())
         scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
-        zero = "" if width.symmetric else self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), np.uint8, zeros)
+        zero_type = self.w.np_dtype if width.float_zero_points else np.uint8
+        zero = "" if width.symmetric else self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), zero_type, zeros)
         return packed, scale, zero
 
     def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
@@ -82,22 +83,24 @@ class QuantizedWeights:
             packed = self.w.one("Reshape", [shared.packed, shape], f"{base}/packed_view")
             self.quantized.append(shared)
             inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
-            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
+            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(
+                              k, n, width.bits, float_zero_points=width.float_zero_points))
         packed, scale, zero = self._quantized_weight(name, names, sizes, k, width)
         self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
             (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero))
         return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out,
-                          **self.quantization.node_attributes(k, n, width.bits))
+                          **self.quantization.node_attributes(
+                              k, n, width.bits, float_zero_points=width.float_zero_points))
 
     def _tied_head_width(self, embed: torch.nn.Module) -> Width | None:
         """The head's width when the head is the embedding's weight and quantized, and the lookup
-        can read the head's packing (GatherBlockQuantized needs whole blocks along the hidden size);
-        else None: the embedding is written in the graph's dtype."""
+        can read the head's packing (GatherBlockQuantized needs whole blocks along the hidden size,
+        and uint8 zero points here: float ones are written for MatMulNBits only); else None: the embedding is written in the graph's dtype."""
         head = self.lm.get_output_embeddings()
         if self.quantization is None or getattr(head, "weight", None) is not embed.weight:
             return None
         width = self.quantization.width("head", self.dims.layers, self.dims.layers)
-        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size:
+        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size or width.float_zero_points:
             return None
         return width
 

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from rmsnorm_deploy.decoder.quant_recipes import RECIPES, Recipe, Width
+from rmsnorm_deploy.decoder.quant_recipes import RECIPES, UNIT_OF_ROLE, Recipe, Width
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.quantized import ACCURACY_COMPUTE
 from rmsnorm_deploy.optional import require
@@ -66,6 +66,10 @@ class Quantization:
     block_size: int = DEFAULT_BLOCK_SIZE
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
     lm_head: bool = False
+    #: a measured recipe's choice (``quant_sensitivity.measured``): the (unit, layer)s in 8 bits
+    upgrades: tuple[tuple[str, int], ...] = ()
+    #: and what was measured, recorded in the metadata
+    measurement: dict[str, Any] | None = dataclasses.field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.scheme not in RECIPES:
@@ -91,6 +95,12 @@ class Quantization:
         """The width of one weight (``quant_recipes.ROLES``); None: kept in the graph's dtype."""
         if role == "head" and not self.head:
             return None
+        if self.recipe.measured:
+            if self.measurement is None:
+                raise UserError(f"--quantize {self.scheme} chooses its widths by measuring the model; "
+                                "measure it first (quant_sensitivity.measured)")
+            if (UNIT_OF_ROLE.get(role), layer) in self.upgrades:
+                return self.recipe.upgrade
         return self.recipe.width(role, layer, layers)
 
     @property
@@ -109,10 +119,14 @@ class Quantization:
         return (f"{self.scheme} weights (block {self.block_size}, {what}), accuracy_level {self.accuracy_level} "
                 f"({self.compute} compute){head}")
 
-    def node_attributes(self, k: int, n: int, bits: int | None = None) -> dict[str, int]:
-        """MatMulNBits' attributes; ``accuracy_level`` 0 is left out, as ONNX Runtime's quantizer does."""
+    def node_attributes(self, k: int, n: int, bits: int | None = None, *, float_zero_points: bool = False
+                        ) -> dict[str, int]:
+        """MatMulNBits' attributes; ``accuracy_level`` 0 is left out, as ONNX Runtime's quantizer does,
+        and for float zero points, with which ONNX Runtime 1.32's CPU kernel computes in float32 at
+        every level (measured: an identity and random inputs give the float32 product at level 4):
+        the node then says what it computes."""
         attrs = {"K": int(k), "N": int(n), "bits": int(bits or self.bits), "block_size": self.block_size}
-        if self.accuracy_level:
+        if self.accuracy_level and not float_zero_points:
             attrs["accuracy_level"] = self.accuracy_level
         return attrs
 
@@ -146,6 +160,74 @@ def _kquant(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarr
             zero.astype(np.uint8).reshape(n, blocks))
 
 
+#: The fit's starting ranges: each block's min..max, then narrowed by these fractions of it at
+#: each end (a block's outliers may cost more steps than they save), each refined by
+#: :data:`FIT_ROUNDS` rounds of least squares; the best (squared error) per block is kept.
+FIT_SHRINK = (0.0, 0.05)
+FIT_ROUNDS = 3
+
+
+def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A float scale ``s`` and a float zero point ``z`` per block of ``block_size`` values of each
+    input column of ``weight_kn`` [K, N], chosen to minimize the block's squared error of
+    ``q * s - z * s`` (what MatMulNBits multiplies by with float zero points), q in 0..2^bits - 1:
+    alternate rounding q to the nearest level and the least-squares ``(s, offset)`` for that q, from
+    a few starting ranges (:data:`FIT_SHRINK`). Returns (q [N, blocks, block] uint8, s and z
+    [N, blocks] in ``weight_kn``'s dtype, each q the nearest level under those stored values);
+    K padded to whole blocks, the padding left out of every fit. A block whose values lie on any
+    16-level (2^bits) evenly spaced grid that spans it is found exactly from the min..max start."""
+    dtype = weight_kn.dtype
+    k, n = weight_kn.shape
+    blocks, levels = -(-k // block_size), float((1 << bits) - 1)
+    w = np.zeros((n, blocks * block_size), np.float64)
+    w[:, :k] = np.asarray(weight_kn, np.float64).T
+    valid = np.zeros((1, blocks * block_size), np.float64)
+    valid[:, :k] = 1.0
+    w, valid = w.reshape(n, blocks, block_size), valid.reshape(1, blocks, block_size)
+    count = valid.sum(-1)
+    lo = np.where(valid > 0, w, np.inf).min(-1)
+    hi = np.where(valid > 0, w, -np.inf).max(-1)
+    best = (np.full((n, blocks), np.inf), np.zeros((n, blocks)), np.zeros((n, blocks)))
+    for shrink in FIT_SHRINK:
+        scale = (hi - lo) * (1.0 - 2.0 * shrink) / levels
+        scale = np.where(scale > 0, scale, 1.0)
+        offset = lo + (hi - lo) * shrink
+        for _ in range(FIT_ROUNDS + 1):
+            error, scale_cast, zero_cast, _ = _fit_error(w, valid, scale, offset, levels, dtype)
+            better = error < best[0]
+            best = (np.where(better, error, best[0]), np.where(better, scale_cast, best[1]),
+                    np.where(better, zero_cast, best[2]))
+            q = np.clip(np.rint((w - offset[..., None]) / scale[..., None]), 0, levels) * valid
+            sq, sqq = q.sum(-1), (q * q).sum(-1)
+            sw, sqw = (w * valid).sum(-1), (q * w).sum(-1)
+            det = count * sqq - sq * sq
+            ok = det > 0
+            fitted = np.where(ok, (count * sqw - sq * sw) / np.where(ok, det, 1.0), scale)
+            ok &= fitted > 0
+            scale = np.where(ok, fitted, scale)
+            offset = np.where(ok, (sw - scale * sq) / count, offset)
+    scale, zero = best[1].astype(dtype), best[2].astype(dtype)
+    q = _nearest_levels(w, scale, zero, levels)
+    return q.astype(np.uint8), scale, zero
+
+
+def _nearest_levels(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, levels: float) -> np.ndarray:
+    """Each value's nearest level q of its block's grid ``q * s - z * s`` (s, z as stored)."""
+    s = scale.astype(np.float64)[..., None]
+    return np.clip(np.rint(w / s + zero.astype(np.float64)[..., None]), 0, levels)
+
+
+def _fit_error(w: np.ndarray, valid: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: float,
+               dtype: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The squared error per block of the grid ``scale``, ``offset`` once stored in ``dtype``."""
+    scale_cast = scale.astype(dtype)
+    zero_cast = (-offset / scale_cast.astype(np.float64)).astype(dtype)
+    q = _nearest_levels(w, scale_cast, zero_cast, levels)
+    s, z = scale_cast.astype(np.float32)[..., None], zero_cast.astype(np.float32)[..., None]
+    values = q.astype(np.float32) * s - z * s
+    return (((values - w) ** 2) * valid).sum(-1), scale_cast, zero_cast, q
+
+
 def pack_zero_points(zero: np.ndarray, bits: int) -> np.ndarray:
     """[N, blocks] zero points as MatMulNBits and GatherBlockQuantized read them: one byte each at
     8 bits; at 4 bits two a byte along the blocks, the low nibble first, an odd last one beside 8."""
@@ -158,10 +240,13 @@ def pack_zero_points(zero: np.ndarray, bits: int) -> np.ndarray:
 
 
 def zero_points_of(packed: np.ndarray | None, bits: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The [N, blocks] float32 zero points of packed ones (``2^(bits-1)`` each where there are none)."""
+    """The [N, blocks] float32 zero points of packed ones (``2^(bits-1)`` each where there are none;
+    float zero points as they are)."""
     n, blocks = shape
     if packed is None:
         return np.full((n, blocks), float(1 << (bits - 1)), np.float32)
+    if np.issubdtype(packed.dtype, np.floating):
+        return packed.reshape(n, blocks).astype(np.float32)
     if bits == 8:
         return packed.reshape(n, blocks).astype(np.float32)
     return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
@@ -177,6 +262,9 @@ class WeightQuantizer:
     def __call__(self, weight_kn: np.ndarray, width: Width) -> QuantizedWeight:
         """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype."""
         weight_kn = np.ascontiguousarray(weight_kn)
+        if width.method == "fit":
+            q, scales, zero = fit_blocks(weight_kn, width.bits, self.block_size)
+            return QuantizedWeight(np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4), np.uint8), scales, zero)
         if width.method == "kquant":
             q, scales, zero = _kquant(weight_kn, width.bits, self.block_size)
             if width.bits == 4:
@@ -192,7 +280,8 @@ class WeightQuantizer:
 def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *, bits: int,
                block_size: int, k: int) -> np.ndarray:
     """The [K, N] float32 weights MatMulNBits multiplies by: ``(q - zero_point) * scale`` (zero
-    point ``2^(bits-1)`` without ``zero_points``), the padding of the last block dropped. int4: two
+    point ``2^(bits-1)`` without ``zero_points``; with float zero points ``q * scale - zero_point *
+    scale``, each product rounded to float32, as the kernel computes it), the padding of the last block dropped. int4: two
     values per byte, the low nibble first. ``packed`` may be the 2-D [N, K * bits / 8] form
     GatherBlockQuantized reads (the same bytes)."""
     n, blocks = scales.shape[0], int(math.ceil(k / block_size))
@@ -205,8 +294,12 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray |
         q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks, block_size)
     else:
         q = packed.reshape(n, blocks, block_size)
-    zero = zero_points_of(zero_points, bits, (n, blocks))
-    w = (q.astype(np.float32) - zero.reshape(n, blocks, 1)) * scales.astype(np.float32).reshape(n, blocks, 1)
+    zero = zero_points_of(zero_points, bits, (n, blocks)).reshape(n, blocks, 1)
+    scale = scales.astype(np.float32).reshape(n, blocks, 1)
+    if zero_points is not None and np.issubdtype(zero_points.dtype, np.floating):
+        w = q.astype(np.float32) * scale - zero * scale  # the kernel's order with float zero points
+    else:
+        w = (q.astype(np.float32) - zero) * scale
     return np.ascontiguousarray(w.reshape(n, blocks * block_size)[:, :k].T)
 
 
@@ -298,7 +391,8 @@ def metadata_entry(q: Quantization, linears: list[QuantizedLinear],
             "symmetric": all(lin.width.symmetric for lin in linears), "lm_head": q.head,
             "quantizer": f"onnxruntime {package_version('onnxruntime')} "
                          + " and ".join(QUANTIZERS[m] for m in methods),
-            "linears": [lin.to_dict() for lin in linears], "experts": [e.to_dict() for e in experts]}
+            "linears": [lin.to_dict() for lin in linears], "experts": [e.to_dict() for e in experts],
+            **({"measured": q.measurement} if q.measurement is not None else {})}
 
 
 def quantized_experts_of(entry: Any) -> list[QuantizedExperts]:
@@ -323,7 +417,8 @@ def widths_summary(linears: list[QuantizedLinear]) -> str:
 
 
 #: What each method is, in ONNX Runtime.
-QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant"}
+QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant",
+              "fit": "rmsnorm_deploy's least-squares float scale and zero point per block (quantize.fit_blocks)"}
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
@@ -472,7 +567,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                           lin.width, q.block_size)
                 stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
                 start += rows
-                if q.compute == "int8":
+                if q.compute == "int8" and not lin.width.float_zero_points:  # those compute in float32
                     stack.callback(module.register_forward_pre_hook(
                         lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])).remove)
             if lin.embedding:  # the lookup reads the same packed weight: the dequantized rows, exactly

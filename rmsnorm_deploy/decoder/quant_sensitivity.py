@@ -1,0 +1,186 @@
+"""``--quantize int4-auto``: which weights get 8 bits, chosen by measuring each one on text.
+
+A recipe like llama.cpp's Q4_K_M widens a fixed set of tensors (``quant_recipes.use_more_bits``);
+which tensors a given model needs widened is a property of its weights and activations. This
+measures it, cheaply, as llama.cpp's importance matrix does:
+
+1. run the model in PyTorch over :data:`CALIBRATION_TEXT` (the Apache License 2.0, shipped verbatim:
+   never the text quality is measured on), :data:`CALIBRATION_CHUNKS` windows of
+   :data:`CALIBRATION_CONTEXT` tokens, and gather each Linear's mean squared input per input
+   feature, ``E[x_k^2]``;
+2. quantize each weight at the recipe's 4 bits and at 8, and take the expected squared output error
+   under that diagonal input (``sum_k E[x_k^2] * sum_n (W - Q(W))_nk^2``) relative to the output's
+   own (``sum_k E[x_k^2] * sum_n W_nk^2``), per unit a MatMulNBits holds (``UNITS``: Q/K/V, the
+   output projection, gate and up, down; per layer);
+3. upgrade to 8 bits the units with the most error removed per byte added, until the bytes added
+   reach the budget: what Q4_K_M's layout adds (``int4-mixed``'s 8-bit projections), so
+   ``int4-auto`` and ``int4-fit-mixed`` are the same size and differ only in which tensors are
+   widened (measured on Gemma 3 270M: KL 0.061 against 0.088, ``benchmarks/results/quant_quality.md``).
+   A unit 8 bits would not improve is never widened (a checkpoint already on a 4-bit grid).
+
+The measurement, the proxy's values and the choice are recorded in the model's metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from rmsnorm_deploy.decoder.quant_recipes import UNIT_OF_ROLE, Width, use_more_bits
+from rmsnorm_deploy.decoder.quantize import WeightQuantizer, dequantize
+from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.optional import require
+
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "texts" / "Apache-2.0"
+CALIBRATION_CHUNKS, CALIBRATION_CONTEXT = 4, 256
+#: The Linear modules a unit holds, by their attribute name (fused or not, the same unit).
+UNIT_OF_MODULE = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "o_proj": "o",
+                  "gate_proj": "gate_up", "up_proj": "gate_up", "gate_up_proj": "gate_up", "down_proj": "down"}
+__all__ = ["UNIT_OF_ROLE", "measured"]
+#: The units Q4_K_M's layout widens in ``use_more_bits`` layers (``quant_recipes._mixed``): the default budget.
+Q4_K_M_UNITS = ("qkv", "o", "down")
+
+
+def bits_per_weight(width: Width, block_size: int, scale_bytes: int = 4) -> float:
+    """Stored bits per weight: the values, one scale per block, and a zero point per block (uint8
+    at 8 bits, a nibble at 4; float zero points as wide as the scale)."""
+    zero = 0.0 if width.symmetric else (8 * scale_bytes if width.float_zero_points else width.bits)
+    return width.bits + (8 * scale_bytes + zero) / block_size
+
+
+@dataclasses.dataclass
+class Unit:
+    """One unit of one layer: its weights' count, and the proxy's relative output error at 4 and 8 bits."""
+
+    unit: str
+    layer: int
+    params: int = 0
+    error4: float = 0.0
+    error8: float = 0.0
+    energy: float = 0.0
+    upgraded: bool = False
+
+    @property
+    def relative4(self) -> float:
+        return self.error4 / self.energy if self.energy > 0 else 0.0
+
+    @property
+    def relative8(self) -> float:
+        return self.error8 / self.energy if self.energy > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "layer": self.layer, "params": self.params, "relative_error_4": self.relative4,
+                "relative_error_8": self.relative8, "bits": 8 if self.upgraded else 4}
+
+
+def unit_of(path: str) -> tuple[str, int] | None:
+    """``(unit, layer)`` of a Linear's module path, or None for one no unit holds (the head)."""
+    unit = UNIT_OF_MODULE.get(path.rsplit(".", 1)[-1])
+    layer = re.search(r"(?:^|\.)layers\.(\d+)\.", path)
+    return (unit, int(layer.group(1))) if unit and layer else None
+
+
+def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+    """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows)."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+
+    def hook(path: str) -> Any:
+        def gather(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach().double().reshape(-1, args[0].shape[-1])
+            sums[path] = sums.get(path, 0) + (x * x).sum(0)
+            counts[path] = counts.get(path, 0) + x.shape[0]
+        return gather
+
+    for path, module in lm.named_modules():
+        if isinstance(module, torch.nn.Linear) and unit_of(path) is not None:
+            hooks.append(module.register_forward_pre_hook(hook(path)))
+    try:
+        with torch.inference_mode():
+            for window in windows:
+                lm(input_ids=torch.tensor([list(window)], dtype=torch.long), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {path: sums[path] / counts[path] for path in sums}
+
+
+def measure_units(lm: torch.nn.Module, moments: dict[str, torch.Tensor], quantizer: Any, four: Width,
+                  eight: Width) -> list[Unit]:
+    """The proxy's errors of every unit (module docstring, step 2)."""
+    units: dict[tuple[str, int], Unit] = {}
+    for path, module in lm.named_modules():
+        key = unit_of(path)
+        if key is None or path not in moments or not isinstance(module, torch.nn.Linear):
+            continue
+        weight_kn = np.ascontiguousarray(module.weight.detach().float().numpy().T)
+        importance = moments[path].float().numpy()[:, None]
+        unit = units.setdefault(key, Unit(*key))
+        unit.params += weight_kn.size
+        unit.energy += float((importance * weight_kn.astype(np.float64) ** 2).sum())
+        for width, attr in ((four, "error4"), (eight, "error8")):
+            got = quantizer(weight_kn, width)
+            deq = dequantize(got.packed, got.scales, got.zero_points, bits=width.bits, block_size=quantizer.block_size,
+                             k=weight_kn.shape[0])
+            setattr(unit, attr, getattr(unit, attr) + float((importance * (deq - weight_kn).astype(np.float64) ** 2)
+                                                            .sum()))
+    return sorted(units.values(), key=lambda u: (u.layer, u.unit))
+
+
+def choose(units: list[Unit], four: Width, eight: Width, block_size: int, budget_bytes: float) -> None:
+    """Mark upgraded the units with the most relative error removed per byte added, while they fit
+    the budget (greedy, best ratio first; a unit too large for what is left is skipped; a unit 8
+    bits would not improve, none: a checkpoint whose weights are already on a 4-bit grid gets none)."""
+    extra = (bits_per_weight(eight, block_size) - bits_per_weight(four, block_size)) / 8
+    left = budget_bytes
+    for unit in sorted(units, key=lambda u: -(u.relative4 - u.relative8) / max(u.params * extra, 1.0)):
+        if unit.relative4 > unit.relative8 and unit.params * extra <= left:
+            unit.upgraded, left = True, left - unit.params * extra
+
+
+def q4_k_m_budget(units: list[Unit], four: Width, eight: Width, block_size: int) -> float:
+    """The bytes Q4_K_M's layout adds over all-4-bit: ``Q4_K_M_UNITS`` at 8 bits in ``use_more_bits`` layers."""
+    layers = max((u.layer for u in units), default=-1) + 1
+    extra = (bits_per_weight(eight, block_size) - bits_per_weight(four, block_size)) / 8
+    return sum(u.params * extra for u in units if u.unit in Q4_K_M_UNITS and use_more_bits(u.layer, layers))
+
+
+def calibration_windows(tokenizer_folder: Any) -> list[list[int]]:
+    """:data:`CALIBRATION_CHUNKS` windows of the calibration text, tokenized by the model's tokenizer."""
+    transformers = require("transformers", "reading the calibration text (--quantize int4-auto)")
+    if tokenizer_folder is None or not any(Path(tokenizer_folder, f).is_file()
+                                           for f in ("tokenizer.json", "tokenizer.model")):
+        raise UserError("--quantize int4-auto measures the weights on the shipped calibration text and needs the "
+                        "model folder's tokenizer; this model has none (choose --quantize int4-mixed)")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    ids = [int(t) for t in tokenizer(CALIBRATION_TEXT.read_text(encoding="utf-8"))["input_ids"]]
+    windows = [ids[i:i + CALIBRATION_CONTEXT] for i in range(0, len(ids) - CALIBRATION_CONTEXT + 1,
+                                                             CALIBRATION_CONTEXT)][:CALIBRATION_CHUNKS]
+    if not windows:
+        raise UserError(f"the calibration text is {len(ids)} tokens, shorter than one window of "
+                        f"{CALIBRATION_CONTEXT}")
+    return windows
+
+
+def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[int]], *,
+             source: str = "the shipped Apache License 2.0 (decoder/texts/Apache-2.0)") -> Any:
+    """``quantization`` (a measured recipe's) with its 8-bit units chosen on ``windows`` and the
+    measurement recorded: what the export writes."""
+    recipe = quantization.recipe
+    four, eight = recipe.width("o", 0, 1), recipe.upgrade
+    quantizer = WeightQuantizer(quantization.block_size)
+    units = measure_units(lm, input_moments(lm, windows), quantizer, four, eight)
+    budget = q4_k_m_budget(units, four, eight, quantization.block_size)
+    choose(units, four, eight, quantization.block_size, budget)
+    record = {"calibration": source, "tokens": sum(len(w) for w in windows),
+              "proxy": "relative expected output error under the mean squared input per feature",
+              "budget": "the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)",
+              "budget_bytes": round(budget), "units": [u.to_dict() for u in units]}
+    upgrades = tuple((u.unit, u.layer) for u in units if u.upgraded)
+    return dataclasses.replace(quantization, upgrades=upgrades, measurement=record)
