@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -189,7 +190,8 @@ def served(args: argparse.Namespace) -> int:
         vocab = model.layout.vocab_size
     rng = random.Random(1)
     (openai_port,) = free_ports(1)
-    ours = start_serve_process(args.model, timeout_s=300, args=["--openai-port", str(openai_port)])
+    extra = shlex.split(args.serve_args)
+    ours = start_serve_process(args.model, timeout_s=300, args=["--openai-port", str(openai_port), *extra])
     llama, llama_port, llama_command = _start_llama(args.llama_server)
     ports = {"serve (defaults)": openai_port, "llama-server -np 16": llama_port}
     rates: dict[str, dict[int, list[float]]] = {k: {c: [] for c in CONCURRENCY} for k in ports}
@@ -213,7 +215,7 @@ def served(args: argparse.Namespace) -> int:
     budget = next((line.strip() for line in summary.splitlines() if "continuous batching" in line), "")
     result = {"setup": {"model": str(args.model), "gguf": str(args.llama_server), "rounds": args.rounds,
                         "prompt_tokens": SERVED_PROMPT, "new_tokens": SERVED_NEW,
-                        "ours": f"rmsnorm-deploy serve {args.model.name} --openai-port P", "ours_budget": budget,
+                        "ours": " ".join(["rmsnorm-deploy serve", args.model.name, "--openai-port P", *extra]), "ours_budget": budget,
                         "llama_server": " ".join(Path(c).name if i == 0 else c for i, c in enumerate(llama_command)),
                         "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
               "environment": env,
@@ -247,6 +249,8 @@ def main() -> int:
     parser.add_argument("--stream-tokens", type=int, default=64, help="new tokens of each throughput stream")
     parser.add_argument("--skip", default="", help="chat or throughput: leave that part out")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--serve-args", default="",
+                        help="with --llama-server: options for our serve beyond its defaults (e.g. '--max-batch 4')")
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="a GGUF of the same weights: measure serve against llama-server over HTTP instead")
     args = parser.parse_args()

@@ -348,8 +348,7 @@ class Engine:
 
     # -- life cycle ----------------------------------------------------------------------------------
     def start(self, *, warm: bool = True, timeout_s: float = 600) -> Engine:
-        """Start the engine thread; with ``warm``, run one short request through it before it
-        admits requests (the first runs of a session allocate its memory)."""
+        X
         with self._cond:
             if self._state != "new":
                 raise RuntimeError(f"the engine was already started ({self._state})")
@@ -357,8 +356,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self._thread.start()
         if warm:
-            stream = self._enqueue([self.model.special.get("bos_token_id") or 0], 2, token_picker(), frozenset())
-            stream.result(timeout_s)
+            bos = [self.model.special.get("bos_token_id") or 0]
+            for stream in [self._enqueue(bos, 2, token_picker(), frozenset()) for _ in range(self.options.max_batch)]:
+                stream.result(timeout_s)
         with self._cond:
             self.counts.clear()  # the warm-up is not a request
             self.batch.counts.clear()

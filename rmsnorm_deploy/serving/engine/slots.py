@@ -101,7 +101,8 @@ class SlotBatch:
         self.dtype = np.dtype(model.layout.dtype)
         self.pad = int(model.special.get("pad_token_id") or 0)
         shape = (slots, self.layout.kv_heads, slot_length, self.layout.head_dim)
-        self.cache = [np.zeros(shape, self.dtype) for _ in self.layout.pairs()]
+        # written, not only reserved: the pages are the OS's now, not at the first long stream's steps
+        self.cache = [np.full(shape, 0, self.dtype) for _ in self.layout.pairs()]
         self.logits = np.empty((slots, 1, model.layout.vocab_size), self.dtype)
         self.rows: dict[Any, _Row] = {}
         self.free = list(range(slots))
