@@ -348,7 +348,7 @@ class Engine:
 
     # -- life cycle ----------------------------------------------------------------------------------
     def start(self, *, warm: bool = True, timeout_s: float = 600) -> Engine:
-        X
+        """Start the engine thread; ``warm``: first a short request in every slot at once (widest batch's memory)."""
         with self._cond:
             if self._state != "new":
                 raise RuntimeError(f"the engine was already started ({self._state})")
