@@ -198,6 +198,18 @@ class SlotBatch:
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
             raise RuntimeError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
 
+    def run_row(self, row: _Row, tokens: Any) -> Any:
+        """One run of ``row``'s slot alone over ``tokens``, fed after the ``row.filled`` keys it holds
+        (a prefill chunk, or speculation's check): the logits [1, len(tokens), vocab] (an OrtValue).
+        RuntimeError (one line) when the run fails."""
+        n = len(tokens)
+        binding = self._binding(self._prefill_bindings, row.slot, row.slot, row.slot + 1)
+        self._feed(binding, np.asarray([tokens], dtype=np.int64), np.ones((1, row.filled + n), np.int64),
+                   np.arange(row.filled, row.filled + n, dtype=np.int64)[None])
+        binding.bind_output(LOGITS, "cpu")  # again: a bound output keeps the shape of its first run
+        self._run(binding)
+        return binding.get_outputs()[0]
+
     def _feed(self, binding: Any, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> None:
         binding.bind_cpu_input(INPUT_IDS, ids)
         binding.bind_cpu_input(ATTENTION_MASK, mask)
@@ -228,12 +240,8 @@ class SlotBatch:
             if budget < end - row.filled and budget < self.prefill_chunk:
                 break  # this iteration's prompt tokens are spent
             budget -= end - row.filled
-            binding = self._binding(self._prefill_bindings, row.slot, row.slot, row.slot + 1)
-            chunk = np.asarray([stream.prompt[row.filled:end]], dtype=np.int64)
-            self._feed(binding, chunk, np.ones((1, end), np.int64), np.arange(row.filled, end, dtype=np.int64)[None])
-            binding.bind_output(LOGITS, "cpu")  # again: a bound output keeps the shape of its first run
             try:
-                self._run(binding)
+                logits = self.run_row(row, stream.prompt[row.filled:end])
             except RuntimeError as exc:
                 row.failed = True
                 yield [stream], None, str(exc)
@@ -242,7 +250,7 @@ class SlotBatch:
             row.fed.extend(stream.prompt[row.filled:end])
             row.filled = end
             if not row.prefilling(stream):
-                row.first_logits = np.array(binding.get_outputs()[0].numpy()[:, -1, :])
+                row.first_logits = np.array(logits.numpy()[:, -1, :])
                 row.last = int(stream.pick(row.first_logits.copy())[0])
                 yield [stream], row.last, None
             if budget <= 0:

@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from rmsnorm_deploy.decoder.convention import LOGITS
 from rmsnorm_deploy.decoder.loop import Sampling, sampling_probabilities
 from rmsnorm_deploy.decoder.speculative import (AdaptiveK, Context, SpeculationStats, Speculator, verify_greedy,
                                                 verify_sampled)
@@ -177,19 +176,13 @@ class EngineSpeculation:
 
     def _check(self, batch: Any, stream: Any, row: Any, state: _Stream, proposal: np.ndarray,
                q: np.ndarray | None) -> Iterator[tuple[list[Any], int | None, str | None]]:
-        kept, filled = proposal.shape[0], row.filled
-        binding = batch._binding(batch._prefill_bindings, row.slot, row.slot, row.slot + 1)
-        feed = np.concatenate([[row.last], proposal]).astype(np.int64)[None]
-        batch._feed(binding, feed, np.ones((1, filled + kept + 1), np.int64),
-                    np.arange(filled, filled + kept + 1, dtype=np.int64)[None])
-        binding.bind_output(LOGITS, "cpu")  # a bound output keeps the shape of its first run
+        kept = proposal.shape[0]
         try:
-            batch._run(binding)
+            logits = batch.run_row(row, [row.last, *proposal.tolist()]).numpy()[:, :kept + 1]
         except RuntimeError as exc:
             row.failed = True
             yield [stream], None, str(exc)
             return
-        logits = binding.get_outputs()[0].numpy()[:, :kept + 1]
         if state.sampling.do_sample:
             accepted, out = verify_sampled(proposal[None], q, sampling_probabilities(logits, state.sampling),
                                            state.rng)
