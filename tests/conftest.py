@@ -41,16 +41,31 @@ if settings is not None:
     settings.load_profile("ci")
 
 
-#: Fixtures whose work is made once per run under a file lock (``tests/real_weights.py``): the tests
-#: using them run on one worker (``make test`` passes ``--dist loadgroup``), so the other worker never
-#: waits on a lock for an export it does not need yet, and takes the rest of the suite meanwhile.
+#: Fixtures whose work is made once per run under a file lock (``tests/real_weights.py``). Their tests
+#: run in two groups, one per pytest-xdist worker (``make test`` passes ``--dist loadgroup``): the plain
+#: export with the copies that plant defects in it, and the KV-cache exports. Neither worker waits on a
+#: lock for an export the other is making, and both groups start first, so neither is the last to run.
 REAL_WEIGHTS_FIXTURES = frozenset({"real_weights", "real_plain_base"})
+
+
+def _real_weights_group(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    plain = "real_plain_base" in item.fixturenames or (callspec is not None and callspec.params.get("kind") == "plain")
+    return "real-weights-plain" if plain else "real-weights-kv-cache"
+
+
+#: Module fixtures that export a model (seconds each): their tests share one worker, which exports once.
+ONE_WORKER_FIXTURES = {"tiny_preset": "tiny-preset-exports"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if REAL_WEIGHTS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("real-weights"))
+        names = getattr(item, "fixturenames", ())
+        if REAL_WEIGHTS_FIXTURES.intersection(names):
+            item.add_marker(pytest.mark.xdist_group(_real_weights_group(item)))
+        for name, group in ONE_WORKER_FIXTURES.items():
+            if name in names:
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
