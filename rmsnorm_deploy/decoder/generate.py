@@ -95,7 +95,27 @@ def model_file(path: str | os.PathLike) -> Path:
     return p
 
 
-class KVCacheModel:
+class SessionScope:
+    """A model whose ONNX Runtime session (``self.runner``) lives inside a ``with`` block: shared by
+    our KV-cache folders and the foreign ones ``perplexity`` reads (``decoder.kv_folders``)."""
+
+    runner: OnnxRuntimeRunner
+
+    def __enter__(self):
+        self.runner.activate()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.runner.deactivate()
+
+    @property
+    def session(self) -> Any:
+        if not self.runner.is_active:
+            raise RuntimeError(f"{type(self).__name__} used outside its `with` block")
+        return self.runner.session
+
+
+class KVCacheModel(SessionScope):
     """An exported KV-cache model in an ONNX Runtime session (a context manager)."""
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] = ("cpu",), *,
@@ -116,19 +136,6 @@ class KVCacheModel:
         self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads)
         self._device = "cuda" if any(provider_name(p) != "CPUExecutionProvider" for p in providers) else "cpu"
         self._step: OrtStep | None = None
-
-    def __enter__(self) -> KVCacheModel:
-        self.runner.activate()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.runner.deactivate()
-
-    @property
-    def session(self) -> Any:
-        if not self.runner.is_active:
-            raise RuntimeError("KVCacheModel used outside its `with` block")
-        return self.runner.session
 
     # -- inputs ---------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:

@@ -41,7 +41,7 @@ from rmsnorm_deploy.decoder.convention import (
     graph_io,
 )
 from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG, folder_tokens, read_genai_config
-from rmsnorm_deploy.decoder.generate import MODEL_FILE, KVCacheModel, _tokenizer
+from rmsnorm_deploy.decoder.generate import MODEL_FILE, KVCacheModel, SessionScope, _tokenizer
 from rmsnorm_deploy.decoder.loop import CacheLayout
 from rmsnorm_deploy.decoder.perplexity import GraphFeed
 from rmsnorm_deploy.errors import InputError, UserError
@@ -154,7 +154,7 @@ def _int_field(config: Mapping[str, Any], keys: Sequence[str], where: str) -> in
     return None
 
 
-class ForeignKVModel:
+class ForeignKVModel(SessionScope):
     """A KV-cache folder onnxruntime-genai's builder or optimum wrote, in an ONNX Runtime session (a
     context manager with what ``perplexity`` reads of a ``KVCacheModel``: ``session``, ``layout``
     (its :class:`GraphFeed`: ``vocab_size``, ``max_length``, ``dtype``), ``special``, ``tokenizer``,
@@ -232,19 +232,6 @@ class ForeignKVModel:
                          input_ids=names["input_ids"], attention_mask=names["attention_mask"],
                          position_ids=names["position_ids"] if names["position_ids"] in inputs else None,
                          logits=names["logits"])
-
-    def __enter__(self) -> ForeignKVModel:
-        self.runner.activate()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.runner.deactivate()
-
-    @property
-    def session(self) -> Any:
-        if not self.runner.is_active:
-            raise RuntimeError("ForeignKVModel used outside its `with` block")
-        return self.runner.session
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
