@@ -4,8 +4,9 @@ must catch them (``validate`` in tests/validate, the export's own parity in test
 Each defect is written consistently (the node, its function and the metadata agree with one
 another), so that only a comparison with the source finds it: the source's norms (the static
 contract: their specs, number and gains) or its outputs. The model is the suite's real export of
-SmolLM2-135M-Instruct, its weights moved once into an external data file that every mutated copy
-takes as it is (only the graph is rewritten).
+SmolLM2-135M-Instruct, its weights moved once into an external data file that every mutated graph
+beside it refers to as it is (only the graph is rewritten; a copy of the 540 MB file per defect
+filled the disk of a CI machine).
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ class Base:
     def graph(self) -> onnx.ModelProto:
         return onnx.load(str(self.folder / "model.onnx"), load_external_data=False)
 
-    def copy(self, model: onnx.ModelProto, folder: Path) -> Path:
-        """``model`` (its weights still in the base's data file) saved in ``folder`` beside a copy of
-        that file (onnx refuses a hard-linked one, as a possible attack)."""
-        folder.mkdir(parents=True)
-        shutil.copyfile(self.folder / DATA, folder / DATA)
-        shutil.copyfile(self.folder / "report.json", folder / "report.json")
-        onnx.save(model, str(folder / "model.onnx"))
-        return folder / "model.onnx"
+    def mutant(self, model: onnx.ModelProto, name: str) -> Path:
+        """``model`` (its weights still in the base's data file) saved as ``NAME.onnx`` in the base's
+        folder, beside that file and the report (onnx refuses a linked data file, as a possible attack)."""
+        path = self.folder / f"{name}.onnx"
+        if path.exists():
+            raise FileExistsError(f"{path}: each mutant needs a name of its own")
+        onnx.save(model, str(path))
+        return path
 
 
 def _norm_nodes(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:

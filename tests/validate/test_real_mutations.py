@@ -5,7 +5,7 @@ another), so that only a comparison with the source can find it: the source's no
 static contract: their specs, number and gains) or its outputs. With ``--source`` each defect
 fails (exit 1) with a message naming it; without, the verdict is never "passed". The model is
 the suite's real export of SmolLM2-135M-Instruct, its weights moved once into an external data
-file that every mutated copy takes as it is (only the graph is rewritten).
+file that every mutated graph beside it refers to (only the graph is rewritten).
 
 The defects themselves are planted by ``tests/real_mutations.py``, shared with the export's own
 parity test (tests/exporter/test_real_export_defects.py). ``--reference float64`` is what ``auto``
@@ -52,14 +52,14 @@ def test_the_unmutated_real_export_passes_with_its_source(base):
     assert "norm contract (61 norms)" in out and "float64 oracle (the checkpoint's spec)" in out, out
 
 
-def test_each_static_defect_is_named_with_the_source_and_never_passes_without(base, tmp_path):
+def test_each_static_defect_is_named_with_the_source_and_never_passes_without(base):
     """Five defects, each in norms of its own (the epsilon in all of them), planted in one model: each
     is its own failed row naming the norm and the field, so each alone fails the run (exit 1).
     Without the source the graph agrees with itself: never passed."""
     model = base.graph()
     for plant, _ in STATIC_DEFECTS.values():
         plant(model)
-    path = base.copy(model, tmp_path / "static")
+    path = base.mutant(model, "static-defects")
     code, out = _validate(path, base.hf)
     assert code == 1, out
     failed = "\n".join(_fail_lines(out))
@@ -71,10 +71,10 @@ def test_each_static_defect_is_named_with_the_source_and_never_passes_without(ba
     assert code in (1, 3), out  # failed (the float16 sum) or not verified: never passed
 
 
-def test_swapped_layer_weights_fail_the_outputs_with_the_source_and_are_not_verified_without(base, tmp_path):
+def test_swapped_layer_weights_fail_the_outputs_with_the_source_and_are_not_verified_without(base):
     model = base.graph()
     plant_swapped_layers(model)
-    path = base.copy(model, tmp_path / "swapped")
+    path = base.mutant(model, "swapped-layers")
     code, out = _validate(path, base.hf)
     assert code == 1 and any("logits" in line for line in _fail_lines(out)), out
     assert "norm contract (61 norms)" in out  # the norms themselves are intact
