@@ -56,9 +56,14 @@ def _real_weights_group(item) -> str:
 
 #: Module fixtures that export a model (seconds each): their tests share one worker, which exports once.
 ONE_WORKER_FIXTURES = {"tiny_preset": "tiny-preset-exports"}
+#: The modules that use ``tests.kv_models.exported_kv`` (each family exported once per process, 5-10 s
+#: each) share one worker, which exports each once: spread over both, most families were exported twice.
+KV_MODELS_GROUP = "tiny-kv-models"
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):  # one process: nothing to group (and no such marker)
+        return
     for item in items:
         names = getattr(item, "fixturenames", ())
         if REAL_WEIGHTS_FIXTURES.intersection(names):
@@ -66,6 +71,8 @@ def pytest_collection_modifyitems(config, items):
         for name, group in ONE_WORKER_FIXTURES.items():
             if name in names:
                 item.add_marker(pytest.mark.xdist_group(group))
+        if getattr(getattr(item, "module", None), "exported_kv", None) is not None:
+            item.add_marker(pytest.mark.xdist_group(KV_MODELS_GROUP))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """``rmsnorm-deploy export`` on a real checkpoint: SmolLM2-135M-Instruct, 30 trained layers.
 
-Each export the suite makes of it (``tests/real_weights.py``: plain, portable KV-cache graph,
-ONNX Runtime KV-cache graph in float32, int8 and int4; made once per run, shared) must exit 0
+Each export the suite makes of it (``tests/real_weights.py``: plain, ONNX Runtime KV-cache graph
+in float32, int8 and int4; made once per run, shared) must exit 0
 with a report whose parity check passed on numbers it holds: every checked comparison with a
 finite distance and nothing out of tolerance, greedy tokens equal to the reference's. A quantized
 export's report names its recipe and what quantization cost against the unquantized model.

@@ -46,7 +46,7 @@ NEW_TOKENS = {"chat": 16, "batch of 3": 12, "longer than 512": 4}
 #: noise, layer after layer), so a long run meets near ties either may decide: the int8 export's 8th
 #: token of this answer is one (its reference's two best logits 0.012 apart).
 QUANTIZED_NEW_TOKENS = 6
-FLOAT_EXPORTS = ["kv-ort", "kv-portable"]
+FLOAT_EXPORTS = ["kv-ort"]
 QUANTIZED_EXPORTS = ["kv-ort-int8", "kv-ort-int4"]
 
 

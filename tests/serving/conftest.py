@@ -1,26 +1,30 @@
-"""The tiny preset exported once for every serving test, plain and with a KV cache."""
+"""The tiny models the serving tests serve, each exported once per run for every worker
+(``tests/made_once.py``): the tiny preset plain and with a KV cache, and tiny Llamas."""
 
 from __future__ import annotations
 
 import pytest
 
 from rmsnorm_deploy.cli import main
+from tests.made_once import made_once
 
 
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory):
     """``rmsnorm-deploy export tiny -o DIR``: the folder holding ``model.onnx`` (float32, function lowering)."""
-    folder = tmp_path_factory.mktemp("tiny-export")
-    assert main(["export", "tiny", "-o", str(folder / "model.onnx"), "--force"]) == 0
-    return folder
+    def make(folder):
+        assert main(["export", "tiny", "-o", str(folder / "model.onnx"), "--force"]) == 0
+
+    return made_once(tmp_path_factory, "tiny-export", make)
 
 
 @pytest.fixture(scope="session")
 def tiny_kv_export(tmp_path_factory):
     """``rmsnorm-deploy export tiny --kv-cache -o DIR``: the folder."""
-    folder = tmp_path_factory.mktemp("tiny-kv-export")
-    assert main(["export", "tiny", "--kv-cache", "-o", str(folder), "--force"]) == 0
-    return folder
+    def make(folder):
+        assert main(["export", "tiny", "--kv-cache", "-o", str(folder), "--force"]) == 0
+
+    return made_once(tmp_path_factory, "tiny-kv-export", make)
 
 
 #: The tiny Llama of the engine tests: the exporter's tiny config (vocabulary 256, end of sequence 2)
@@ -35,21 +39,20 @@ def engine_exports(tmp_path_factory):
     each exported once, on first use."""
     from rmsnorm_deploy.exporter import hf
 
-    root = tmp_path_factory.mktemp("engine-exports")
-    source = root / "hf"
-    made: dict[str, object] = {}
     options = {"ort": ["--target", "onnxruntime"], "ort-shared": ["--target", "onnxruntime", "--share-buffer"],
                "portable": []}
 
+    def save_source(folder):
+        hf.from_config({**hf.TINY_CONFIGS["llama"], **ENGINE_LLAMA}, "float32", seed=0).module.model \
+            .save_pretrained(folder)
+
     def get(kind: str):
-        if kind not in made:
-            if not source.exists():
-                hf.from_config({**hf.TINY_CONFIGS["llama"], **ENGINE_LLAMA}, "float32", seed=0).module.model \
-                    .save_pretrained(source)
-            out = root / kind
-            assert main(["export", str(source), "--kv-cache", *options[kind], "-o", str(out)]) == 0
-            made[kind] = out
-        return made[kind]
+        source = made_once(tmp_path_factory, "engine-llama", save_source)
+
+        def make(folder):
+            assert main(["export", str(source), "--kv-cache", *options[kind], "-o", str(folder), "--force"]) == 0
+
+        return made_once(tmp_path_factory, f"engine-export-{kind}", make)
 
     return get
 
@@ -76,20 +79,19 @@ def text_exports(tmp_path_factory):
     from rmsnorm_deploy.exporter import hf
     from tests.serving._tokenizer import write_tokenizer
 
-    root = tmp_path_factory.mktemp("text-exports")
-    source = root / "hf"
-    made: dict[str, object] = {}
     options = {"ort": ["--target", "onnxruntime"], "portable": []}
 
+    def save_source(folder):
+        hf.from_config({**hf.TINY_CONFIGS["llama"], **TEXT_LLAMA, "vocab_size": TEXT_VOCAB}, "float32",
+                       seed=0).module.model.save_pretrained(folder)
+        assert write_tokenizer(folder) == TEXT_VOCAB
+
     def get(kind: str):
-        if kind not in made:
-            if not source.exists():
-                hf.from_config({**hf.TINY_CONFIGS["llama"], **TEXT_LLAMA, "vocab_size": TEXT_VOCAB}, "float32",
-                               seed=0).module.model.save_pretrained(source)
-                assert write_tokenizer(source) == TEXT_VOCAB
-            out = root / kind
-            assert main(["export", str(source), "--kv-cache", *options[kind], "-o", str(out)]) == 0
-            made[kind] = out
-        return made[kind]
+        source = made_once(tmp_path_factory, "text-llama", save_source)
+
+        def make(folder):
+            assert main(["export", str(source), "--kv-cache", *options[kind], "-o", str(folder), "--force"]) == 0
+
+        return made_once(tmp_path_factory, f"text-export-{kind}", make)
 
     return get
