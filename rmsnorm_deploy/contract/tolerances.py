@@ -214,10 +214,20 @@ for _backend in ("onnxruntime", "tensorrt"):
     for _dt, _ratio, _atol in (("float32", 4.0, 1e-5), ("float16", 2.0, 2e-3), ("bfloat16", 2.0, 1.6e-2)):
         ACCURACY_BOUNDS[("model_vs_float64", _backend, _dt)] = AccuracyBound(
             _ratio, _atol, _F64_RATIO.format(dtype=_dt, ratio=_ratio, atol=_atol))
+_INT8_SPREAD = (
+    "a graph computing in int8 against its int8-rounding reference, where that reference is itself unstable: its "
+    "float32 and float64 runs differ only in summation order, yet round activations to different int8 steps, and "
+    "each flip moves all that follows. On real Gemma 3 270M (int8, 18 layers, activations in the hundreds) the two "
+    "runs land up to 4.2 logits apart while the graph is 2.8 from the float32 run, beyond 5 % of the logits' scale "
+    "(2.7). Where the reference's own spread allows more than the share of scale, the graph may be {ratio:g}x that "
+    "spread from it (tolerance_at_scale's share still applies where the reference is stable, as on SmolLM2)"
+)
 for _dt in ("float32", "float16"):  # the dtypes MatMulNBits runs in on ONNX Runtime CPU
     _bound = ACCURACY_BOUNDS[("model_vs_float64", "onnxruntime", _dt)]
     ACCURACY_BOUNDS[("quantized_model_vs_float64", "onnxruntime", _dt)] = dataclasses.replace(
         _bound, reason=_bound.reason + _F64_QUANTIZED)
+    ACCURACY_BOUNDS[("quantized_model_int8", "onnxruntime", _dt)] = AccuracyBound(
+        2.0, 0.0, _INT8_SPREAD.format(ratio=2.0))
 
 
 def accuracy_bound_for(check: str, backend: str, dtype: str) -> AccuracyBound:
