@@ -20,10 +20,11 @@ replaced by the dequantized values read back from the graph (``quantize.dequanti
 float64-grounded the same way at float32 compute (``quantized_model_vs_float64``). At int8
 compute the reference also rounds each quantized MatMul's input as the kernel rounds it, and its
 bound is a share of the logits' scale (``quantized_model_int8``: int8 rounding boundaries, not
-summation order, set it), or twice the reference's own spread where that is larger: its float32 and
-float64 runs round activations to different int8 steps too, on a deep model with large activations
-(real Gemma 3) by more than that share. What quantization cost is reported beside it: the unquantized model's
-logits along the graph's own tokens, and how often its greedy choice is the graph's.
+summation order, set it), or the float bound's multiple of the reference's own spread where that is
+larger (``model_vs_float64``'s ratio): its float32 and float64 runs round activations to different
+int8 steps too, on a deep model with large activations (real Gemma 3) by more than that share.
+What quantization cost is reported beside it: the unquantized model's logits along the graph's own
+tokens, and how often its greedy choice is the graph's.
 """
 
 from __future__ import annotations
