@@ -78,17 +78,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def real_weights(tmp_path_factory):
     """Real SmolLM2-135M-Instruct and its exports (``tests/real_weights.py``), shared by the xdist workers."""
+    from tests.made_once import shared_root
     from tests.real_weights import RealWeights
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return RealWeights(shared / "real-weights")
+    return RealWeights(shared_root(tmp_path_factory) / "real-weights")
 
 
 @pytest.fixture(scope="session")
 def real_plain_base(real_weights, tmp_path_factory):
-    """The real plain export with its weights moved once into an external data file, which the copies
-    with planted defects share (``tests/real_mutations.py``)."""
+    """The real plain export with its weights moved once into an external data file, which the graphs
+    with planted defects beside it share (``tests/real_mutations.py``)."""
     from tests.real_mutations import external_base
 
     export = real_weights.export("plain")
