@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.serving.engine.engine import EngineOptions
@@ -118,17 +118,21 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             raise UserError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+def free_ports(count: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> list[int]:
     """``count`` distinct ports the system reports free on ``host`` now (for ``--http-port`` and the
-    others when any port will do: tests, benchmarks). Another process may still take one before it
-    is bound; :func:`check_options` then refuses it in one line."""
-    sockets = []
+    others when any port will do: tests, benchmarks), none of ``avoid`` (ports already given out: a
+    port reported free and not yet bound may be reported again). Another process may still take one
+    before it is bound; :func:`check_options` then refuses it in one line."""
+    sockets, ports = [], []
     try:
-        for _ in range(count):
+        while len(ports) < count:
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
+            sockets.append(sock)  # held until the end, so the system reports each port once
             sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports
     finally:
         for sock in sockets:
             sock.close()
@@ -174,7 +178,8 @@ def start_serve_process(model_dir: str | Path, *, timeout_s: float = 90, args: S
     import urllib.error
     import urllib.request
 
-    http, grpc, metrics = free_ports(3)
+    given = [str(a) for flag, a in zip(args, list(args)[1:]) if str(flag).endswith("-port") and str(a).isdigit()]
+    http, grpc, metrics = free_ports(3, avoid={int(a) for a in given})  # not a port the args already name
     package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
     started = time.perf_counter()
