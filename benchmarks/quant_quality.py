@@ -271,8 +271,9 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
             row.setdefault("decode_ms", []).append(ms)
         log(f"{name} decode round {round_}: " + ", ".join(
             f"{w} {(llama_rows.get(f'llama.cpp {w}') or rows.get(w))['decode_ms'][-1]}" for w in timed))
+    kept = {**earlier.get("ours", {}), **rows}  # rows not asked for this time stay as they were measured
     return {"folder": str(folder), "source": CHECKPOINTS[name][1], "text_tokens": len(ids),
-            "chunks": len(windows), "ours": rows, "llama.cpp": llama_rows}
+            "chunks": len(windows), "ours": {r: kept[r] for r in RECIPES if r in kept}, "llama.cpp": llama_rows}
 
 
 def fmt(value: Any, spec: str) -> str:

@@ -49,6 +49,7 @@ from rmsnorm_deploy.decoder.quantize import (
     zero_points_of,
 )
 from rmsnorm_deploy.decoder.weights import TensorSource, parameter_names
+from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.optional import require
@@ -167,6 +168,9 @@ class _LayerByLayer:
         scales = read_initializer(self.proto, quantized.scales, self.folder) if quantized else None
         zero = (read_initializer(self.proto, quantized.zero_points, self.folder)
                 if quantized is not None and quantized.zero_points else None)
+        if quantized is not None and quantized.offsets:
+            raise UserError("the LM head has block offsets, which this layer-by-layer check does not model; "
+                            "export the head with another --quantize recipe")
         blocks = []
         for start in range(0, int(head.out_features), HEAD_BLOCK_ROWS):
             stop = min(int(head.out_features), start + HEAD_BLOCK_ROWS)

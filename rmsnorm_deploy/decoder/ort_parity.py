@@ -56,8 +56,8 @@ REFERENCES = {
     None: "transformers",
     "float32": "transformers with the weights dequantized from the graph (MatMulNBits computes in float32)",
     "int8": "transformers with the weights dequantized from the graph and each quantized MatMul's input rounded "
-            "to int8 per block (MatMulNBits computes in int8; those with float zero points compute in float32 "
-            "and their inputs are not rounded)",
+            "to int8 per block (MatMulNBits computes in int8; a fitted width's block offsets multiply the input's "
+            "block sums as they are)",
 }
 #: The check of the tolerance table (an accuracy bound at float compute) for each whole-model reference.
 CHECKS = {None: "model_vs_float64", "float32": "quantized_model_vs_float64", "int8": "quantized_model_int8"}

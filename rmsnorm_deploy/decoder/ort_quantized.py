@@ -10,6 +10,9 @@ initializer through a Reshape to its [vocab, hidden / block, block * bits / 8] (
 MatMulNBits takes no other shape, and GatherBlockQuantized wants its scales of the data's rank;
 both read the scales [vocab, hidden / block] and the zero points as they are). The lookup is exact
 against the dequantized weights (both kernels compute ``(q - zero_point) * scale`` in float32).
+A fitted width's block offsets are added after its MatMulNBits: the input's sums over each block
+(Reshape, ReduceSum) times the offsets [K / block, N] (MatMul), the input padded to whole blocks
+first where K is not a multiple of the block.
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ class QuantizedWeights:
     i64: Any
 
     def _quantized_weight(self, name: str, names: list[str], sizes: list[int], k: int, width: Width, *,
-                          flat: bool = False) -> tuple[str, str, str]:
+                          flat: bool = False) -> tuple[str, str, str, str]:
         """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]): the
-        packed blocks go to the sink as they are made, then the scales and zero points. ``flat``:
-        packed as [N, K * bits / 8] (GatherBlockQuantized's shape; the same bytes)."""
+        packed blocks go to the sink as they are made, then the scales, zero points and offsets
+        ("" where the width has none). ``flat``: packed as [N, K * bits / 8] (GatherBlockQuantized's
+        shape; the same bytes)."""
         assert self.quantizer is not None and self.quantization is not None
         block = self.quantization.block_size
         n, blocks = sum(sizes), -(-k // block)
         scales: list[np.ndarray] = []
         zeros: list[np.ndarray] = []
+        offsets: list[np.ndarray] = []
 
         def packed_blocks() -> Iterator[np.ndarray]:
             for _, rows in self._row_blocks(names, sizes, k):
@@ -59,15 +64,18 @@ class QuantizedWeights:
                 scales.append(got.scales)
                 if got.zero_points is not None:
                     zeros.append(got.zero_points)
+                if got.offsets is not None:
+                    offsets.append(got.offsets)
                 yield got.packed.reshape(len(got.packed), -1) if flat else got.packed
 
         blob = block * width.bits // 8
         shape = (n, blocks * blob) if flat else (n, blocks, blob)
         packed = self.w.blocks(f"{name}_Q{width.bits}", shape, np.uint8, packed_blocks())
         scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
-        zero_type = self.w.np_dtype if width.float_zero_points else np.uint8
-        zero = "" if width.symmetric else self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), zero_type, zeros)
-        return packed, scale, zero
+        zero = self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), np.uint8, zeros) if zeros else ""
+        offset = (self.w.init(f"{name}_offsets", np.ascontiguousarray(np.concatenate(offsets).T, self.w.np_dtype))
+                  if offsets else "")
+        return packed, scale, zero, offset
 
     def _matmul_nbits(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
                       out: str | None, width: Width) -> str:
@@ -83,24 +91,32 @@ class QuantizedWeights:
             packed = self.w.one("Reshape", [shared.packed, shape], f"{base}/packed_view")
             self.quantized.append(shared)
             inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
-            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(
-                              k, n, width.bits, float_zero_points=width.float_zero_points))
-        packed, scale, zero = self._quantized_weight(name, names, sizes, k, width)
+            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
+        packed, scale, zero, offsets = self._quantized_weight(name, names, sizes, k, width)
         self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
-            (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero))
-        return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out,
-                          **self.quantization.node_attributes(
-                              k, n, width.bits, float_zero_points=width.float_zero_points))
+            (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero, offsets=offsets))
+        attrs = self.quantization.node_attributes(k, n, width.bits)
+        if not offsets:
+            return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out, **attrs)
+        grid = self._emit("MatMulNBits", [x, packed, scale], base, None, **attrs)
+        blocks = -(-k // block)
+        if blocks * block != k:
+            x = self.w.one("Pad", [x, self.i64(f"{name}_pad", [0, 0, 0, 0, 0, blocks * block - k])], f"{base}/pad")
+        split = self.w.one("Reshape", [x, self.i64(f"{name}_blocks", [0, 0, blocks, block])], f"{base}/blocks")
+        sums = self.w.one("ReduceSum", [split, self.i64(f"{name}_last", [-1])], f"{base}/block_sums", keepdims=0)
+        added = self.w.one("MatMul", [sums, offsets], f"{base}/offsets")
+        return self._emit("Add", [grid, added], base, out)
 
     def _tied_head_width(self, embed: torch.nn.Module) -> Width | None:
         """The head's width when the head is the embedding's weight and quantized, and the lookup
         can read the head's packing (GatherBlockQuantized needs whole blocks along the hidden size,
-        and uint8 zero points here: float ones are written for MatMulNBits only); else None: the embedding is written in the graph's dtype."""
+        and no block offsets: those are added after a MatMul); else None: the embedding is written in the
+        graph's dtype."""
         head = self.lm.get_output_embeddings()
         if self.quantization is None or getattr(head, "weight", None) is not embed.weight:
             return None
         width = self.quantization.width("head", self.dims.layers, self.dims.layers)
-        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size or width.float_zero_points:
+        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size or width.offsets:
             return None
         return width
 
@@ -108,7 +124,7 @@ class QuantizedWeights:
         """The embedding quantized once at the head's width, looked up by GatherBlockQuantized;
         the head (``_matmul_nbits``) reads the same packed weight."""
         vocab, hidden = (int(d) for d in embed.weight.shape)
-        packed, scales, zero = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
+        packed, scales, zero, _ = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
                                                       hidden, width, flat=True)
         head = self.lm.get_output_embeddings()
         self.shared_head = QuantizedLinear(packed, scales, hidden, vocab, ((self._path(head), vocab),), width, zero,

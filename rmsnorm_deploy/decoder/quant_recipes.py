@@ -21,10 +21,12 @@ a fused projection (Q/K/V together) gets one width.
   candidate scales): measured worse than round-to-nearest with zero points on SmolLM2.
 - ``int8-asym``: every projection and the head 8 bits with zero points (round-to-nearest over
   each block's min..max: no clipping of a block's largest magnitude).
-- ``int4-fit``: every projection 4 bits with a float scale and a float zero point per block fitted
-  by least squares (``quantize.fit_blocks``; MatMulNBits reads float zero points at 4 bits and then
-  computes in float32 at every accuracy level: measured 4-17x slower decode than uint8 zero points on
-  ONNX Runtime 1.32 CPU, so these recipes are the quality, not the speed); the head and tied
+- ``int4-fit``: every projection 4 bits with a float scale and a float offset per block fitted by
+  least squares (``quantize.fit_blocks``: llama.cpp's Q4_1/Q4_K grid, a scale and a minimum); the
+  offset is not a zero point MatMulNBits' fast kernels take (float zero points compute in float32
+  at every accuracy level, measured 4-17x slower decode on ONNX Runtime 1.32 CPU), so the graph
+  multiplies the 4-bit grid by a symmetric MatMulNBits and adds the offsets by a second MatMul of
+  the input's block sums, 1/block_size of the weights (``quantize`` docstring); the head and tied
   embedding 8 bits.
 - ``int4-fit-mixed``: ``int4-mixed``'s layout with ``int4-fit``'s 4-bit blocks.
 - ``int4-auto``: ``int4-fit``, with the projections that lose the most per byte at 4 bits in 8 bits,
@@ -41,9 +43,9 @@ from typing import Callable
 #: Quantizers: ONNX Runtime's C++ round-to-nearest kernels, its k-quant scale search, or the
 #: least-squares fit of a float scale and a float offset per block (``quantize.fit_blocks``).
 METHODS = ("rtn", "kquant", "fit")
-#: Methods whose zero points are floats of the scales' dtype (``MatMulNBits`` on ONNX Runtime 1.32
-#: CPU takes them at 4 bits only: it refuses 8-bit weights with float zero points).
-FLOAT_ZERO_METHODS = ("fit",)
+#: Methods whose blocks have a float offset (the scales' dtype) instead of a zero point: the graph
+#: adds it by a MatMul of the input's block sums beside a symmetric MatMulNBits.
+OFFSET_METHODS = ("fit",)
 #: The roles a weight plays in the decoder graph, by the last name the graph writer gives it
 #: (``...layers.3.self_attn.qkv_proj.weight``); ``other``: any other projection.
 NAMES = {"qkv_proj": "qkv", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "gate_up_proj": "gate_up",
@@ -63,8 +65,8 @@ def role_of(name: str) -> tuple[str, int]:
 @dataclasses.dataclass(frozen=True)
 class Width:
     """How one weight is quantized: ``bits`` (4 or 8), ``symmetric`` (no zero points: the
-    kernel's default zero point 2^(bits-1)) or with zero points (uint8, or floats for the
-    ``FLOAT_ZERO_METHODS``), and the quantizer ``method``."""
+    kernel's default zero point 2^(bits-1)) or with zero points (uint8; for the ``OFFSET_METHODS``
+    a float offset per block instead), and the quantizer ``method``."""
 
     bits: int
     symmetric: bool = True
@@ -73,17 +75,19 @@ class Width:
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or self.method not in METHODS or (self.method != "rtn" and self.symmetric):
             raise ValueError(f"no quantizer for {self}")
-        if self.float_zero_points and self.bits != 4:
-            raise ValueError(f"no quantizer for {self}: ONNX Runtime's CPU MatMulNBits takes float zero points "
-                             "at 4 bits only")
 
     @property
-    def float_zero_points(self) -> bool:
-        """Whether the zero points are floats (the scales' dtype) rather than uint8."""
-        return self.method in FLOAT_ZERO_METHODS
+    def offsets(self) -> bool:
+        """Whether each block has a float offset (added by a MatMul of block sums) rather than a zero point."""
+        return self.method in OFFSET_METHODS
+
+    @property
+    def zero_points(self) -> bool:
+        """Whether MatMulNBits reads uint8 zero points for this width."""
+        return not self.symmetric and not self.offsets
 
     def describe(self) -> str:
-        zero = "symmetric" if self.symmetric else "float zero points" if self.float_zero_points else "zero points"
+        zero = "symmetric" if self.symmetric else "block offsets" if self.offsets else "zero points"
         return f"int{self.bits} {zero} {self.method}"
 
     def to_dict(self) -> dict[str, object]:
@@ -122,7 +126,7 @@ def _fit_head8(role: str, layer: int, layers: int) -> Width | None:
     return Width(8) if role == "head" else FIT4
 
 
-#: 4-bit blocks with a fitted float scale and float zero point each (``quantize.fit_blocks``).
+#: 4-bit blocks with a fitted float scale and float offset each (``quantize.fit_blocks``).
 FIT4 = Width(4, symmetric=False, method="fit")
 
 
@@ -153,7 +157,7 @@ RECIPES = {r.name: r for r in (
            "int4-mixed's layout with ONNX Runtime's k-quant search for the 4-bit blocks"),
     Recipe("int8-asym", _int8_asym, True, "8-bit with zero points, round-to-nearest, the head too"),
     Recipe("int4-fit", _fit_head8, True,
-           "4-bit with a least-squares float scale and float zero point per block; 8-bit head/tied embedding"),
+           "4-bit with a least-squares float scale and float offset per block; 8-bit head/tied embedding"),
     Recipe("int4-fit-mixed", _mixed(FIT4), True,
            "int4-mixed's layout (llama.cpp Q4_K_M's 8-bit tensors) with int4-fit's 4-bit blocks"),
     Recipe("int4-auto", _fit_head8, True,

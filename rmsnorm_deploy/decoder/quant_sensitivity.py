@@ -48,8 +48,8 @@ Q4_K_M_UNITS = ("qkv", "o", "down")
 
 def bits_per_weight(width: Width, block_size: int, scale_bytes: int = 4) -> float:
     """Stored bits per weight: the values, one scale per block, and a zero point per block (uint8
-    at 8 bits, a nibble at 4; float zero points as wide as the scale)."""
-    zero = 0.0 if width.symmetric else (8 * scale_bytes if width.float_zero_points else width.bits)
+    at 8 bits, a nibble at 4) or an offset (as wide as the scale)."""
+    zero = 0.0 if width.symmetric else (8 * scale_bytes if width.offsets else width.bits)
     return width.bits + (8 * scale_bytes + zero) / block_size
 
 
@@ -127,7 +127,7 @@ def measure_units(lm: torch.nn.Module, moments: dict[str, torch.Tensor], quantiz
         for width, attr in ((four, "error4"), (eight, "error8")):
             got = quantizer(weight_kn, width)
             deq = dequantize(got.packed, got.scales, got.zero_points, bits=width.bits, block_size=quantizer.block_size,
-                             k=weight_kn.shape[0])
+                             k=weight_kn.shape[0], offsets=got.offsets)
             setattr(unit, attr, getattr(unit, attr) + float((importance * (deq - weight_kn).astype(np.float64) ** 2)
                                                             .sum()))
     return sorted(units.values(), key=lambda u: (u.layer, u.unit))

@@ -15,10 +15,15 @@ What the kernel multiplies by, and so the reference a quantized graph is held to
 - the weights, dequantized: ``(q - zero_point) * scale``, the zero point ``2^(bits-1)`` where
   there is none (:func:`dequantize`; exact in float32, and equal bit for bit to what
   ``MatMulNBits`` multiplies an identity matrix into and what ``GatherBlockQuantized`` looks up);
+- for a fitted width (``Width.offsets``), ``(q - 2^(bits-1)) * scale + offset``: MatMulNBits
+  (symmetric) multiplies the first term, and a float MatMul of the input's sums over each block
+  by the offsets [K / block_size, N] adds the second; the offsets are 1/block_size of the weights,
+  and cost a few microseconds a projection where float zero points cost the fast kernel
+  (``benchmarks/results/quant_quality.md``);
 - at ``accuracy_level`` 0 or 1 the input as it is (float32 compute);
 - at ``accuracy_level`` 4 (int8 compute) the input rounded per row and block of ``block_size`` to
   int8, with the scale ``max|x| / 127`` of its block (:func:`round_activations`), before the int8
-  dot products are summed in int32.
+  dot products are summed in int32; the offsets' block sums read the input as it is.
 
 :func:`dequantized_reference` puts exactly that into a PyTorch model in place of its Linear
 weights (and, at int8 compute, on their inputs), for the time of a comparison.
@@ -119,14 +124,10 @@ class Quantization:
         return (f"{self.scheme} weights (block {self.block_size}, {what}), accuracy_level {self.accuracy_level} "
                 f"({self.compute} compute){head}")
 
-    def node_attributes(self, k: int, n: int, bits: int | None = None, *, float_zero_points: bool = False
-                        ) -> dict[str, int]:
-        """MatMulNBits' attributes; ``accuracy_level`` 0 is left out, as ONNX Runtime's quantizer does,
-        and for float zero points, with which ONNX Runtime 1.32's CPU kernel computes in float32 at
-        every level (measured: an identity and random inputs give the float32 product at level 4):
-        the node then says what it computes."""
+    def node_attributes(self, k: int, n: int, bits: int | None = None) -> dict[str, int]:
+        """MatMulNBits' attributes; ``accuracy_level`` 0 is left out, as ONNX Runtime's quantizer does."""
         attrs = {"K": int(k), "N": int(n), "bits": int(bits or self.bits), "block_size": self.block_size}
-        if self.accuracy_level and not float_zero_points:
+        if self.accuracy_level:
             attrs["accuracy_level"] = self.accuracy_level
         return attrs
 
@@ -134,11 +135,13 @@ class Quantization:
 @dataclasses.dataclass
 class QuantizedWeight:
     """One weight as MatMulNBits reads it: ``packed`` [N, K/block, block*bits/8] uint8, ``scales``
-    [N, K/block] (the graph's float dtype), ``zero_points`` [N, ceil(K/block * bits/8)] uint8 or None."""
+    [N, K/block] (the graph's float dtype), ``zero_points`` [N, ceil(K/block * bits/8)] uint8 or None,
+    ``offsets`` [N, K/block] (the scales' dtype) for a fitted width, else None."""
 
     packed: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None
+    offsets: np.ndarray | None = None
 
 
 def _rtn(width: Width, block_size: int) -> Any:
@@ -168,12 +171,12 @@ FIT_ROUNDS = 3
 
 
 def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A float scale ``s`` and a float zero point ``z`` per block of ``block_size`` values of each
+    """A float scale ``s`` and a float offset ``c`` per block of ``block_size`` values of each
     input column of ``weight_kn`` [K, N], chosen to minimize the block's squared error of
-    ``q * s - z * s`` (what MatMulNBits multiplies by with float zero points), q in 0..2^bits - 1:
-    alternate rounding q to the nearest level and the least-squares ``(s, offset)`` for that q, from
-    a few starting ranges (:data:`FIT_SHRINK`). Returns (q [N, blocks, block] uint8, s and z
-    [N, blocks] in ``weight_kn``'s dtype, each q the nearest level under those stored values);
+    ``(q - 2^(bits-1)) * s + c`` (what the graph multiplies by: module docstring), q in
+    0..2^bits - 1: alternate rounding q to the nearest level and the least-squares ``(s, c)`` for
+    that q, from a few starting ranges (:data:`FIT_SHRINK`). Returns (q [N, blocks, block] uint8,
+    s and c [N, blocks] in ``weight_kn``'s dtype, each q the nearest level under those stored values);
     K padded to whole blocks, the padding left out of every fit. A block whose values lie on any
     16-level (2^bits) evenly spaced grid that spans it is found exactly from the min..max start."""
     dtype = weight_kn.dtype
@@ -206,26 +209,28 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.nd
             ok &= fitted > 0
             scale = np.where(ok, fitted, scale)
             offset = np.where(ok, (sw - scale * sq) / count, offset)
-    scale, zero = best[1].astype(dtype), best[2].astype(dtype)
-    q = _nearest_levels(w, scale, zero, levels)
-    return q.astype(np.uint8), scale, zero
+    scale, offsets = best[1].astype(dtype), best[2].astype(dtype)
+    q = _nearest_levels(w, scale, offsets, levels)
+    return q.astype(np.uint8), scale, offsets
 
 
-def _nearest_levels(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, levels: float) -> np.ndarray:
-    """Each value's nearest level q of its block's grid ``q * s - z * s`` (s, z as stored)."""
-    s = scale.astype(np.float64)[..., None]
-    return np.clip(np.rint(w / s + zero.astype(np.float64)[..., None]), 0, levels)
+def _nearest_levels(w: np.ndarray, scale: np.ndarray, offsets: np.ndarray, levels: float) -> np.ndarray:
+    """Each value's nearest level q of its block's grid ``(q - middle) * s + c`` (s, c as stored)."""
+    s, c = scale.astype(np.float64)[..., None], offsets.astype(np.float64)[..., None]
+    return np.clip(np.rint((w - c) / s + (levels + 1) / 2), 0, levels)
 
 
 def _fit_error(w: np.ndarray, valid: np.ndarray, scale: np.ndarray, offset: np.ndarray, levels: float,
                dtype: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The squared error per block of the grid ``scale``, ``offset`` once stored in ``dtype``."""
+    """The squared error per block of the grid ``q * scale + offset`` once stored in ``dtype`` as
+    a scale and the offset of the middle level ``c = offset + middle * scale``."""
+    middle = (levels + 1) / 2
     scale_cast = scale.astype(dtype)
-    zero_cast = (-offset / scale_cast.astype(np.float64)).astype(dtype)
-    q = _nearest_levels(w, scale_cast, zero_cast, levels)
-    s, z = scale_cast.astype(np.float32)[..., None], zero_cast.astype(np.float32)[..., None]
-    values = q.astype(np.float32) * s - z * s
-    return (((values - w) ** 2) * valid).sum(-1), scale_cast, zero_cast, q
+    offsets_cast = (offset + middle * scale_cast.astype(np.float64)).astype(dtype)
+    q = _nearest_levels(w, scale_cast, offsets_cast, levels)
+    s, c = scale_cast.astype(np.float32)[..., None], offsets_cast.astype(np.float32)[..., None]
+    values = (q.astype(np.float32) - np.float32(middle)) * s + c
+    return (((values - w) ** 2) * valid).sum(-1), scale_cast, offsets_cast, q
 
 
 def pack_zero_points(zero: np.ndarray, bits: int) -> np.ndarray:
@@ -239,14 +244,17 @@ def pack_zero_points(zero: np.ndarray, bits: int) -> np.ndarray:
     return (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8)
 
 
-def zero_points_of(packed: np.ndarray | None, bits: int, shape: tuple[int, ...]) -> np.ndarray:
-    """The [N, blocks] float32 zero points of packed ones (``2^(bits-1)`` each where there are none;
-    float zero points as they are)."""
+def zero_points_of(packed: np.ndarray | None, bits: int, shape: tuple[int, ...],
+                   offsets: np.ndarray | None = None, scales: np.ndarray | None = None) -> np.ndarray:
+    """The [N, blocks] float32 zero points of packed ones (``2^(bits-1)`` each where there are none);
+    with ``offsets`` (and their ``scales``), the zero points they amount to, ``2^(bits-1) - c / s``."""
     n, blocks = shape
+    if offsets is not None and scales is not None:
+        s = scales.astype(np.float64)
+        safe = np.where(s != 0, s, 1.0)
+        return (float(1 << (bits - 1)) - offsets.astype(np.float64) / safe).astype(np.float32)
     if packed is None:
         return np.full((n, blocks), float(1 << (bits - 1)), np.float32)
-    if np.issubdtype(packed.dtype, np.floating):
-        return packed.reshape(n, blocks).astype(np.float32)
     if bits == 8:
         return packed.reshape(n, blocks).astype(np.float32)
     return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
@@ -263,8 +271,10 @@ class WeightQuantizer:
         """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype."""
         weight_kn = np.ascontiguousarray(weight_kn)
         if width.method == "fit":
-            q, scales, zero = fit_blocks(weight_kn, width.bits, self.block_size)
-            return QuantizedWeight(np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4), np.uint8), scales, zero)
+            q, scales, offsets = fit_blocks(weight_kn, width.bits, self.block_size)
+            if width.bits == 4:
+                q = q[..., 0::2] | (q[..., 1::2] << 4)
+            return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, None, offsets)
         if width.method == "kquant":
             q, scales, zero = _kquant(weight_kn, width.bits, self.block_size)
             if width.bits == 4:
@@ -278,10 +288,10 @@ class WeightQuantizer:
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None = None, *, bits: int,
-               block_size: int, k: int) -> np.ndarray:
+               block_size: int, k: int, offsets: np.ndarray | None = None) -> np.ndarray:
     """The [K, N] float32 weights MatMulNBits multiplies by: ``(q - zero_point) * scale`` (zero
-    point ``2^(bits-1)`` without ``zero_points``; with float zero points ``q * scale - zero_point *
-    scale``, each product rounded to float32, as the kernel computes it), the padding of the last block dropped. int4: two
+    point ``2^(bits-1)`` without ``zero_points``), plus each block's ``offsets`` [N, blocks] where
+    given (a fitted width: the module docstring), the padding of the last block dropped. int4: two
     values per byte, the low nibble first. ``packed`` may be the 2-D [N, K * bits / 8] form
     GatherBlockQuantized reads (the same bytes)."""
     n, blocks = scales.shape[0], int(math.ceil(k / block_size))
@@ -296,10 +306,9 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray |
         q = packed.reshape(n, blocks, block_size)
     zero = zero_points_of(zero_points, bits, (n, blocks)).reshape(n, blocks, 1)
     scale = scales.astype(np.float32).reshape(n, blocks, 1)
-    if zero_points is not None and np.issubdtype(zero_points.dtype, np.floating):
-        w = q.astype(np.float32) * scale - zero * scale  # the kernel's order with float zero points
-    else:
-        w = (q.astype(np.float32) - zero) * scale
+    w = (q.astype(np.float32) - zero) * scale
+    if offsets is not None:
+        w = w + offsets.astype(np.float32).reshape(n, blocks, 1)
     return np.ascontiguousarray(w.reshape(n, blocks * block_size)[:, :k].T)
 
 
@@ -316,13 +325,23 @@ def round_activations(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return (q * (amax / 127.0)).reshape(*x.shape[:-1], blocks * block_size)[..., :k].to(x.dtype)
 
 
+def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The sums of each block of ``block_size`` values of ``x``'s last dim (the last block padded
+    with zeros): what a fitted width's offsets are multiplied by."""
+    k = x.shape[-1]
+    blocks = int(math.ceil(k / block_size))
+    padded = torch.nn.functional.pad(x, (0, blocks * block_size - k))
+    return padded.reshape(*x.shape[:-1], blocks, block_size).sum(-1)
+
+
 # -- what the graph records, and the reference built from it -------------------------------------
 @dataclasses.dataclass(frozen=True)
 class QuantizedLinear:
     """One MatMulNBits of the graph: its packed weight, scales and zero points ("" if none), its
     width, and the Linear modules (paths in the exported module tree) whose weights it holds side
     by side, with their output rows; ``embedding``: the Embedding module whose lookup
-    (GatherBlockQuantized) reads the same packed weight, when the head is tied to it."""
+    (GatherBlockQuantized) reads the same packed weight, when the head is tied to it; ``offsets``:
+    a fitted width's block offsets, stored [K / block, N] for the MatMul that adds them."""
 
     packed: str
     scales: str
@@ -332,11 +351,12 @@ class QuantizedLinear:
     width: Width = Width(4)
     zero_points: str = ""
     embedding: str = ""
+    offsets: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"packed": self.packed, "scales": self.scales, "zero_points": self.zero_points, "K": self.k,
                 "N": self.n, "parts": [list(p) for p in self.parts], **self.width.to_dict(),
-                "embedding": self.embedding}
+                "embedding": self.embedding, "offsets": self.offsets}
 
 
 def expert_rows(w: torch.Tensor, *, transposed: bool, halves: bool) -> torch.Tensor:
@@ -418,7 +438,7 @@ def widths_summary(linears: list[QuantizedLinear]) -> str:
 
 #: What each method is, in ONNX Runtime.
 QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant",
-              "fit": "rmsnorm_deploy's least-squares float scale and zero point per block (quantize.fit_blocks)"}
+              "fit": "rmsnorm_deploy's least-squares float scale and offset per block (quantize.fit_blocks)"}
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
@@ -432,12 +452,15 @@ def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
             width = Width(int(item.get("bits", entry["bits"])), bool(item.get("symmetric", True)),
                           str(item.get("method", "rtn")))
             linear = QuantizedLinear(str(item["packed"]), str(item["scales"]), int(item["K"]), int(item["N"]), parts,
-                                     width, str(item.get("zero_points", "")), str(item.get("embedding", "")))
+                                     width, str(item.get("zero_points", "")), str(item.get("embedding", "")),
+                                     str(item.get("offsets", "")))
             if sum(rows for _, rows in parts) != linear.n or linear.k < 1:
                 raise ValueError(f"{linear.packed}: its parts' rows do not add up to N={linear.n}")
-            if bool(linear.zero_points) == width.symmetric:
+            if bool(linear.zero_points) != width.zero_points:
                 raise ValueError(f"{linear.packed}: zero points {linear.zero_points!r} for a "
-                                 f"{'symmetric' if width.symmetric else 'zero-point'} width")
+                                 f"{width.describe()} width")
+            if bool(linear.offsets) != width.offsets:
+                raise ValueError(f"{linear.packed}: offsets {linear.offsets!r} for a {width.describe()} width")
             linears.append(linear)
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the model's quantization metadata is damaged ({exc}); export it again") from None
@@ -553,23 +576,31 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
         for lin in linears:
             scales = read_initializer(model, lin.scales, base_dir)
             zero = read_initializer(model, lin.zero_points, base_dir) if lin.zero_points else None
-            weight = dequantize(read_initializer(model, lin.packed, base_dir), scales, zero, bits=lin.width.bits,
-                                block_size=q.block_size, k=lin.k)
-            zeros = zero_points_of(zero, lin.width.bits, scales.shape)
+            offsets = read_initializer(model, lin.offsets, base_dir).T if lin.offsets else None
+            if offsets is not None and offsets.shape != scales.shape:
+                raise UserError(f"the offsets {lin.offsets!r} are {list(offsets.T.shape)}, not the "
+                                f"{list(scales.shape[::-1])} of their scales; export it again")
+            packed = read_initializer(model, lin.packed, base_dir)
+            weight = dequantize(packed, scales, zero, bits=lin.width.bits, block_size=q.block_size, k=lin.k)
+            whole = weight if offsets is None else dequantize(packed, scales, zero, bits=lin.width.bits,
+                                                             block_size=q.block_size, k=lin.k, offsets=offsets)
+            zeros = zero_points_of(zero, lin.width.bits, scales.shape, offsets, scales)
             start = 0
             for path, rows in lin.parts:
                 module = modules.get(path)
                 if not isinstance(module, torch.nn.Linear) or tuple(module.weight.shape) != (rows, lin.k):
                     raise UserError(f"the quantization metadata names {path!r} [{rows}, {lin.k}], which is not a "
                                     "Linear of that shape in the model; export it again")
+                check.add(path, module.weight, np.ascontiguousarray(whole[:, start:start + rows].T),
+                          scales[start:start + rows], zeros[start:start + rows], lin.width, q.block_size)
                 values = np.ascontiguousarray(weight[:, start:start + rows].T)
-                check.add(path, module.weight, values, scales[start:start + rows], zeros[start:start + rows],
-                          lin.width, q.block_size)
                 stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
-                start += rows
-                if q.compute == "int8" and not lin.width.float_zero_points:  # those compute in float32
+                if offsets is not None:
+                    stack.enter_context(_with_offsets(module, offsets[start:start + rows], q))
+                elif q.compute == "int8":
                     stack.callback(module.register_forward_pre_hook(
                         lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])).remove)
+                start += rows
             if lin.embedding:  # the lookup reads the same packed weight: the dequantized rows, exactly
                 embedding = modules.get(lin.embedding)
                 if not isinstance(embedding, torch.nn.Embedding) or tuple(embedding.weight.shape) != (lin.n, lin.k):
@@ -579,6 +610,29 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
         for item in experts:
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
         yield Reference(q.compute, check)
+
+
+@contextlib.contextmanager
+def _with_offsets(module: torch.nn.Linear, offsets: np.ndarray, q: Quantization) -> Iterator[None]:
+    """``module`` (its weight already the 4-bit grid) computing what a fitted width's two nodes do:
+    MatMulNBits on the input (rounded at int8 compute) plus the input's block sums, as they are,
+    times ``offsets`` [rows, blocks]."""
+    table = torch.from_numpy(np.array(offsets.T, np.float32))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        grid = round_activations(x, q.block_size) if q.compute == "int8" else x
+        y = torch.nn.functional.linear(grid, module.weight, module.bias)
+        return y + (block_sums(x.float(), q.block_size) @ table).to(y.dtype)
+
+    saved = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if saved is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = saved
 
 
 @contextlib.contextmanager
