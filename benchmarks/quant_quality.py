@@ -70,6 +70,9 @@ RECIPES: dict[str, tuple[str, int, int] | None] = {
     "int4-auto block 64": ("int4-auto", 64, 4),
 }
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
+#: onnxruntime-genai's builder on the same folder (``-p int4 -e cpu``, its defaults: block 32,
+#: accuracy_level 4): round-to-nearest, and k-quant with its 8-bit head and mixed layers.
+GENAI = {"int4 rtn": ["algo_config=rtn"], "int4 k_quant_mixed": ["algo_config=k_quant_mixed"]}
 
 #: How int4-mixed was chosen (SmolLM2, before int4-fit): the in-process sweep (the graph built in memory, perplexity over the
 #: text's first 10 chunks, accuracy_level 4 unless said; float32 is 20.83 over the whole text).
@@ -139,11 +142,11 @@ def exact_share(loaded: Any, model: Any, entry: Any, out: Path) -> dict[str, flo
     linears = {p: m for p, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
     originals = {p: m.weight for p, m in linears.items()}
     exact = {"projections": [0, 0], "head": [0, 0]}
-    with dequantized_reference(module, model, entry, base_dir=str(out)):
+    with dequantized_reference(module, model, entry, base_dir=str(out)) as ref:
         for path, m in linears.items():
-            if m.weight is originals[path]:  # not quantized
+            if path not in ref.dequantized:  # not quantized
                 continue
-            w0, w1 = originals[path].detach(), m.weight.detach()
+            w0, w1 = originals[path].detach(), ref.dequantized[path]
             kind = "head" if "lm_head" in path else "projections"
             exact[kind][0] += int(((w1 - w0).abs() <= 1e-6 * float(w0.abs().max())).sum())
             exact[kind][1] += w0.numel()
@@ -153,11 +156,11 @@ def exact_share(loaded: Any, model: Any, entry: Any, out: Path) -> dict[str, flo
 def quality(out: Path, windows: np.ndarray, reference: list[np.ndarray], text_tokens: int,
             bos: int | None) -> dict[str, Any]:
     from rmsnorm_deploy.decoder.divergence import divergence
-    from rmsnorm_deploy.decoder.generate import KVCacheModel
+    from rmsnorm_deploy.decoder.kv_folders import open_kv_folder
     from rmsnorm_deploy.decoder.perplexity import session_logits
 
     cached = iter(reference)
-    with KVCacheModel(out) as model:
+    with open_kv_folder(out) as model:
         d = divergence(session_logits(model, CONTEXT), lambda _w: next(cached), windows, text_tokens=text_tokens,
                        bos_token_id=bos)
     return {"perplexity": d.perplexity, "kl_mean": d.kl_mean, "kl_p99": d.kl_p99, "same_top": d.same_top,
@@ -171,6 +174,44 @@ def ours_decode_ms(out: Path, prompt: np.ndarray) -> float:
     runner.greedy(prompt, new_tokens=2)
     steps = runner.greedy(prompt, new_tokens=STEPS).step_s
     return round(statistics.median(steps) * 1e3, 3)
+
+
+# -- onnxruntime-genai -----------------------------------------------------------------------------
+def genai_folder(folder: Path, out: Path, options: list[str]) -> Path:
+    """onnxruntime-genai's builder output for ``folder`` (``-p int4 -e cpu``), its sessions at 1 thread."""
+    if not (out / "genai_config.json").exists():
+        proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o",
+                               str(out), "-p", "int4", "-e", "cpu", "-c", str(out.parent / "genai-cache"),
+                               "--extra_options", *options], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"onnxruntime-genai's builder failed: {proc.stderr.strip().splitlines()[-1:]}")
+    config = json.loads((out / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"].update(intra_op_num_threads=1)
+    (out / "genai_config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def genai_decode_ms(out: Path, prompt: np.ndarray) -> float:
+    """onnxruntime-genai's own Generator, greedy, the median step after the prompt."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(out))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=prompt.shape[1] + STEPS + 1,
+                              min_length=prompt.shape[1] + STEPS + 1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(prompt.astype(np.int32))
+    gen.generate_next_token()
+    steps = []
+    for _ in range(STEPS):
+        clock = time.perf_counter()
+        gen.generate_next_token()
+        steps.append(time.perf_counter() - clock)
+    return round(statistics.median(steps) * 1e3, 3)
+
+
+def folder_bytes(out: Path) -> int:
+    return sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".onnx", ".onnx.data", ".data")))
 
 
 # -- llama.cpp --------------------------------------------------------------------------------------
@@ -238,18 +279,25 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
         outs[recipe] = work / slug(recipe)
         rows[recipe] = export(loaded, folder, RECIPES[recipe], outs[recipe])
         log(f"{name} {recipe}: {rows[recipe]}")
+    genai_rows: dict[str, dict[str, Any]] = dict(earlier.get("onnxruntime-genai", {}))
+    genai_outs = {g: genai_folder(folder, work / slug(f"genai {g}"), GENAI[g]) for g in args.genai}
+    genai_todo = [g for g in args.genai if "perplexity" not in genai_rows.get(g, {})]
     with KVCacheModel(outs["float32"]) as model:
         ids, bos = text_ids(model, read_text(TEXT))
         windows = chunked(ids, CONTEXT, bos)[:chunks]
         logits_of = session_logits(model, CONTEXT)
         todo = [r for r in args.recipes if "perplexity" not in earlier.get("ours", {}).get(r, {})]
-        reference = [logits_of(w) for w in windows] if todo else []
+        reference = [logits_of(w) for w in windows] if todo or genai_todo else []
     for recipe in args.recipes:
         if recipe not in todo:
             rows[recipe] = earlier["ours"][recipe]
             continue
         rows[recipe].update(quality(outs[recipe], windows, reference, len(ids), bos))
         log(f"{name} {recipe}: ppl {rows[recipe]['perplexity']:.4f} kl {rows[recipe]['kl_mean']:.5f}")
+    for g in genai_todo:
+        genai_rows[g] = {"bytes": folder_bytes(genai_outs[g]), "widths": f"builder -p int4 -e cpu {' '.join(GENAI[g])}",
+                         **quality(genai_outs[g], windows, reference, len(ids), bos)}
+        log(f"{name} genai {g}: {genai_rows[g]}")
     del reference
     llama_rows: dict[str, dict[str, Any]] = dict(earlier.get("llama.cpp", {}))
     files: dict[str, Path] = {}
@@ -258,22 +306,29 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
         if len(llama_rows) < len(LLAMA_TYPES):
             llama_rows = llama_quality(Path(args.llama_cpp), files, work, chunks)
     if args.retime:
-        for row in (*rows.values(), *llama_rows.values()):
+        for row in (*rows.values(), *llama_rows.values(), *genai_rows.values()):
             row.pop("decode_ms", None)
     prompt = np.asarray(ids[:PROMPT], np.int64)[None, :]
     timed = [r for r in args.recipes if r in args.timed and "decode_ms" not in rows[r]]
     timed += [t for t in ("Q8_0", "Q4_K_M") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
+    timed += [f"genai {g}" for g in args.genai if "decode_ms" not in genai_rows[g]]
+
+    def row_of(what: str) -> dict[str, Any]:
+        if what in files:
+            return llama_rows[f"llama.cpp {what}"]
+        return genai_rows[what.removeprefix("genai ")] if what.startswith("genai ") else rows[what]
+
     for round_ in range(args.rounds):
         for what in timed:
             ms = (llama_decode_ms(Path(args.llama_cpp), files[what]) if what in files
+                  else genai_decode_ms(genai_outs[what.removeprefix("genai ")], prompt) if what.startswith("genai ")
                   else ours_decode_ms(outs[what], prompt))
-            row = llama_rows[f"llama.cpp {what}"] if what in files else rows[what]
-            row.setdefault("decode_ms", []).append(ms)
-        log(f"{name} decode round {round_}: " + ", ".join(
-            f"{w} {(llama_rows.get(f'llama.cpp {w}') or rows.get(w))['decode_ms'][-1]}" for w in timed))
+            row_of(what).setdefault("decode_ms", []).append(ms)
+        log(f"{name} decode round {round_}: " + ", ".join(f"{w} {row_of(w)['decode_ms'][-1]}" for w in timed))
     kept = {**earlier.get("ours", {}), **rows}  # rows not asked for this time stay as they were measured
     return {"folder": str(folder), "source": CHECKPOINTS[name][1], "text_tokens": len(ids),
-            "chunks": len(windows), "ours": {r: kept[r] for r in RECIPES if r in kept}, "llama.cpp": llama_rows}
+            "chunks": len(windows), "ours": {r: kept[r] for r in RECIPES if r in kept}, "llama.cpp": llama_rows,
+            "onnxruntime-genai": genai_rows}
 
 
 def fmt(value: Any, spec: str) -> str:
@@ -302,7 +357,9 @@ def markdown(results: dict[str, Any]) -> str:
                   "| weights | perplexity | vs its float32 | KL mean | KL p99 | same top | MB | decode ms/tok | "
                   "parity vs dequantized | exact (proj / head) | widths |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, row, ref in ([(f"ours {k}", v, base) for k, v in r["ours"].items()]
-                                + [(k, v, lbase) for k, v in r["llama.cpp"].items()]):
+                                + [(k, v, lbase) for k, v in r["llama.cpp"].items()]
+                                + [(f"onnxruntime-genai {k}", v, base)
+                                   for k, v in r.get("onnxruntime-genai", {}).items()]):
             ppl = row.get("perplexity")
             rel = f"{(ppl / ref - 1) * 100:+.2f} %" if ppl and ref else "-"
             exact = row.get("exact_share", {})
@@ -341,6 +398,8 @@ def main() -> int:
     parser.add_argument("--timed", nargs="*", default=["float32", "int8", "int8 block 16", "int4-mixed", "int4-fit",
                                                         "int4-fit-mixed", "int4-auto", "int4-auto block 64"],
                         help="the recipes whose decode is timed")
+    parser.add_argument("--genai", nargs="*", default=list(GENAI), choices=list(GENAI),
+                        help="onnxruntime-genai builder rows (each against our float32, the same folder)")
     parser.add_argument("--chunks", type=int, default=0, help="chunks of the text scored (default: CHECKPOINTS')")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved decode rounds")
     parser.add_argument("--retime", action="store_true", help="time every --timed row again, in new interleaved "

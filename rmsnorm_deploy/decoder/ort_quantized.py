@@ -36,6 +36,8 @@ class QuantizedWeights:
     quantizer: Any
     quantized: list[QuantizedLinear]
     shared_head: QuantizedLinear | None
+    _lm_paths: dict[int, str] | None = None
+    _sums: dict[str, str] | None = None
     lm: Any
     dims: Any
     ids: str
@@ -45,8 +47,17 @@ class QuantizedWeights:
     _emit: Any
     i64: Any
 
+    def _importance(self, linears: list[torch.nn.Module]) -> np.ndarray | None:
+        """The measured mean squared input of these Linears (one input: fused ones share it), if any."""
+        table = self.quantization.importance if self.quantization is not None else None
+        if not table or not linears:
+            return None
+        if self._lm_paths is None:
+            self._lm_paths = {id(m): p for p, m in self.lm.named_modules()}
+        return table.get(self._lm_paths.get(id(linears[0]), ""))
+
     def _quantized_weight(self, name: str, names: list[str], sizes: list[int], k: int, width: Width, *,
-                          flat: bool = False) -> tuple[str, str, str, str]:
+                          flat: bool = False, linears: list[torch.nn.Module] = ()) -> tuple[str, str, str, str]:  # type: ignore[assignment]
         """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]): the
         packed blocks go to the sink as they are made, then the scales, zero points and offsets
         ("" where the width has none). ``flat``: packed as [N, K * bits / 8] (GatherBlockQuantized's
@@ -58,9 +69,11 @@ class QuantizedWeights:
         zeros: list[np.ndarray] = []
         offsets: list[np.ndarray] = []
 
+        importance = self._importance(linears)
+
         def packed_blocks() -> Iterator[np.ndarray]:
             for _, rows in self._row_blocks(names, sizes, k):
-                got = self.quantizer(self.w.cast_transposed(rows), width)
+                got = self.quantizer(self.w.cast_transposed(rows), width, importance)
                 scales.append(got.scales)
                 if got.zero_points is not None:
                     zeros.append(got.zero_points)
@@ -92,20 +105,34 @@ class QuantizedWeights:
             self.quantized.append(shared)
             inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
             return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
-        packed, scale, zero, offsets = self._quantized_weight(name, names, sizes, k, width)
+        packed, scale, zero, offsets = self._quantized_weight(name, names, sizes, k, width, linears=linears)
         self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
             (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero, offsets=offsets))
         attrs = self.quantization.node_attributes(k, n, width.bits)
         if not offsets:
             return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out, **attrs)
         grid = self._emit("MatMulNBits", [x, packed, scale], base, None, **attrs)
-        blocks = -(-k // block)
-        if blocks * block != k:
-            x = self.w.one("Pad", [x, self.i64(f"{name}_pad", [0, 0, 0, 0, 0, blocks * block - k])], f"{base}/pad")
-        split = self.w.one("Reshape", [x, self.i64(f"{name}_blocks", [0, 0, blocks, block])], f"{base}/blocks")
-        sums = self.w.one("ReduceSum", [split, self.i64(f"{name}_last", [-1])], f"{base}/block_sums", keepdims=0)
-        added = self.w.one("MatMul", [sums, offsets], f"{base}/offsets")
+        added = self.w.one("MatMul", [self._block_sums(x, k, base), offsets], f"{base}/offsets")
         return self._emit("Add", [grid, added], base, out)
+
+    def _block_sums(self, x: str, k: int, base: str) -> str:
+        """``x``'s sums over each block of K (padded with zeros to whole blocks), made once per input:
+        projections reading the same input (gate and up) share them."""
+        if self._sums is None:
+            self._sums = {}
+        if x not in self._sums:
+            block = self.quantization.block_size
+            blocks = -(-k // block)
+            if blocks * block != k:
+                x_padded = self.w.one("Pad", [x, self.i64(f"{base}/pad", [0, 0, 0, 0, 0, blocks * block - k])],
+                                      f"{base}/pad")
+            else:
+                x_padded = x
+            split = self.w.one("Reshape", [x_padded, self.i64(f"{base}/blocks", [0, 0, blocks, block])],
+                               f"{base}/blocks")
+            self._sums[x] = self.w.one("ReduceSum", [split, self.i64(f"{base}/last", [-1])], f"{base}/block_sums",
+                                       keepdims=0)
+        return self._sums[x]
 
     def _tied_head_width(self, embed: torch.nn.Module) -> Width | None:
         """The head's width when the head is the embedding's weight and quantized, and the lookup

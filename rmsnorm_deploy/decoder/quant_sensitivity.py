@@ -125,7 +125,7 @@ def measure_units(lm: torch.nn.Module, moments: dict[str, torch.Tensor], quantiz
         unit.params += weight_kn.size
         unit.energy += float((importance * weight_kn.astype(np.float64) ** 2).sum())
         for width, attr in ((four, "error4"), (eight, "error8")):
-            got = quantizer(weight_kn, width)
+            got = quantizer(weight_kn, width, moments[path].double().numpy())
             deq = dequantize(got.packed, got.scales, got.zero_points, bits=width.bits, block_size=quantizer.block_size,
                              k=weight_kn.shape[0], offsets=got.offsets)
             setattr(unit, attr, getattr(unit, attr) + float((importance * (deq - weight_kn).astype(np.float64) ** 2)
@@ -175,12 +175,15 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     recipe = quantization.recipe
     four, eight = recipe.width("o", 0, 1), recipe.upgrade
     quantizer = WeightQuantizer(quantization.block_size)
-    units = measure_units(lm, input_moments(lm, windows), quantizer, four, eight)
+    moments = input_moments(lm, windows)
+    units = measure_units(lm, moments, quantizer, four, eight)
     budget = q4_k_m_budget(units, four, eight, quantization.block_size)
     choose(units, four, eight, quantization.block_size, budget)
     record = {"calibration": source, "tokens": sum(len(w) for w in windows),
               "proxy": "relative expected output error under the mean squared input per feature",
               "budget": "the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)",
-              "budget_bytes": round(budget), "units": [u.to_dict() for u in units]}
+              "budget_bytes": round(budget), "units": [u.to_dict() for u in units],
+              "fit": "each 4-bit block's least squares weighted by the mean squared input per feature"}
     upgrades = tuple((u.unit, u.layer) for u in units if u.upgraded)
-    return dataclasses.replace(quantization, upgrades=upgrades, measurement=record)
+    importance = {path: m.double().numpy() for path, m in moments.items()}
+    return dataclasses.replace(quantization, upgrades=upgrades, measurement=record, importance=importance)

@@ -75,6 +75,9 @@ class Quantization:
     upgrades: tuple[tuple[str, int], ...] = ()
     #: and what was measured, recorded in the metadata
     measurement: dict[str, Any] | None = dataclasses.field(default=None, compare=False, hash=False)
+    #: the measured mean squared input per feature [K] of each Linear (its path in the causal LM), which
+    #: weights a fitted width's least squares (llama.cpp's importance matrix); not in the metadata
+    importance: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scheme not in RECIPES:
@@ -170,7 +173,8 @@ FIT_SHRINK = (0.0, 0.05)
 FIT_ROUNDS = 3
 
 
-def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int, importance: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A float scale ``s`` and a float offset ``c`` per block of ``block_size`` values of each
     input column of ``weight_kn`` [K, N], chosen to minimize the block's squared error of
     ``(q - 2^(bits-1)) * s + c`` (what the graph multiplies by: module docstring), q in
@@ -178,7 +182,10 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.nd
     that q, from a few starting ranges (:data:`FIT_SHRINK`). Returns (q [N, blocks, block] uint8,
     s and c [N, blocks] in ``weight_kn``'s dtype, each q the nearest level under those stored values);
     K padded to whole blocks, the padding left out of every fit. A block whose values lie on any
-    16-level (2^bits) evenly spaced grid that spans it is found exactly from the min..max start."""
+    16-level (2^bits) evenly spaced grid that spans it is found exactly from the min..max start.
+    ``importance`` [K] (the mean squared input of each input feature): the squared errors are
+    weighted by it, so the fit minimizes the expected output error, not the weights' (a floor of
+    1e-4 of its mean keeps a feature the text never used from being ignored)."""
     dtype = weight_kn.dtype
     k, n = weight_kn.shape
     blocks, levels = -(-k // block_size), float((1 << bits) - 1)
@@ -186,8 +193,15 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.nd
     w[:, :k] = np.asarray(weight_kn, np.float64).T
     valid = np.zeros((1, blocks * block_size), np.float64)
     valid[:, :k] = 1.0
+    weights = valid.copy()
+    if importance is not None:
+        imp = np.asarray(importance, np.float64).reshape(-1)
+        if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+            raise ValueError(f"importance of shape {imp.shape} for K={k}: not K finite non-negative values")
+        weights[:, :k] = imp + 1e-4 * max(float(imp.mean()), 1e-30)
     w, valid = w.reshape(n, blocks, block_size), valid.reshape(1, blocks, block_size)
-    count = valid.sum(-1)
+    weights = weights.reshape(1, blocks, block_size)
+    count = weights.sum(-1)
     lo = np.where(valid > 0, w, np.inf).min(-1)
     hi = np.where(valid > 0, w, -np.inf).max(-1)
     best = (np.full((n, blocks), np.inf), np.zeros((n, blocks)), np.zeros((n, blocks)))
@@ -196,13 +210,13 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.nd
         scale = np.where(scale > 0, scale, 1.0)
         offset = lo + (hi - lo) * shrink
         for _ in range(FIT_ROUNDS + 1):
-            error, scale_cast, zero_cast, _ = _fit_error(w, valid, scale, offset, levels, dtype)
+            error, scale_cast, zero_cast, _ = _fit_error(w, weights, scale, offset, levels, dtype)
             better = error < best[0]
             best = (np.where(better, error, best[0]), np.where(better, scale_cast, best[1]),
                     np.where(better, zero_cast, best[2]))
-            q = np.clip(np.rint((w - offset[..., None]) / scale[..., None]), 0, levels) * valid
-            sq, sqq = q.sum(-1), (q * q).sum(-1)
-            sw, sqw = (w * valid).sum(-1), (q * w).sum(-1)
+            q = np.clip(np.rint((w - offset[..., None]) / scale[..., None]), 0, levels)
+            sq, sqq = (weights * q).sum(-1), (weights * q * q).sum(-1)
+            sw, sqw = (weights * w).sum(-1), (weights * q * w).sum(-1)
             det = count * sqq - sq * sq
             ok = det > 0
             fitted = np.where(ok, (count * sqw - sq * sw) / np.where(ok, det, 1.0), scale)
@@ -267,11 +281,12 @@ class WeightQuantizer:
         self.block_size = block_size
         self._rtn: dict[Width, Any] = {}
 
-    def __call__(self, weight_kn: np.ndarray, width: Width) -> QuantizedWeight:
-        """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype."""
+    def __call__(self, weight_kn: np.ndarray, width: Width, importance: np.ndarray | None = None) -> QuantizedWeight:
+        """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype;
+        ``importance`` [K] weights a fitted width's least squares (:func:`fit_blocks`)."""
         weight_kn = np.ascontiguousarray(weight_kn)
         if width.method == "fit":
-            q, scales, offsets = fit_blocks(weight_kn, width.bits, self.block_size)
+            q, scales, offsets = fit_blocks(weight_kn, width.bits, self.block_size, importance)
             if width.bits == 4:
                 q = q[..., 0::2] | (q[..., 1::2] << 4)
             return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, None, offsets)
@@ -550,10 +565,12 @@ class WeightCheck:
 
 @dataclasses.dataclass
 class Reference:
-    """What :func:`dequantized_reference` put into the model: the compute dtype and the weights' check."""
+    """What :func:`dequantized_reference` put into the model: the compute dtype, the weights' check,
+    and each quantized Linear's whole dequantized weight by module path (offsets included)."""
 
     compute: str
     weights: WeightCheck
+    dequantized: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -572,6 +589,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
         experts = [e for e in experts if e.parameter.startswith(under + ".")]
     modules = dict(root.named_modules())
     check = check if check is not None else WeightCheck()
+    dequantized: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
         for lin in linears:
             scales = read_initializer(model, lin.scales, base_dir)
@@ -591,8 +609,9 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                 if not isinstance(module, torch.nn.Linear) or tuple(module.weight.shape) != (rows, lin.k):
                     raise UserError(f"the quantization metadata names {path!r} [{rows}, {lin.k}], which is not a "
                                     "Linear of that shape in the model; export it again")
-                check.add(path, module.weight, np.ascontiguousarray(whole[:, start:start + rows].T),
-                          scales[start:start + rows], zeros[start:start + rows], lin.width, q.block_size)
+                dequantized[path] = torch.from_numpy(np.ascontiguousarray(whole[:, start:start + rows].T))
+                check.add(path, module.weight, dequantized[path].numpy(), scales[start:start + rows],
+                          zeros[start:start + rows], lin.width, q.block_size)
                 values = np.ascontiguousarray(weight[:, start:start + rows].T)
                 stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
                 if offsets is not None:
@@ -609,7 +628,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                 stack.enter_context(_replaced(embedding, "weight", torch.from_numpy(np.ascontiguousarray(weight.T))))
         for item in experts:
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
-        yield Reference(q.compute, check)
+        yield Reference(q.compute, check, dequantized)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ greedy tokens; the cost against the unquantized model reported beside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -162,6 +163,29 @@ def test_fit_reproduces_an_affine_16_level_grid_exactly():
     assert errors[0] < errors[1]
 
 
+def test_fit_weighted_by_importance_lowers_the_expected_output_error():
+    """With the mean squared input per feature (llama.cpp's importance matrix) the fit trades error on
+    rarely driven features for error on busy ones: the importance-weighted squared error drops below
+    the plain fit's; an affine 16-level grid is still found exactly; a wrong-sized importance is refused."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((128, 16)).astype(np.float32)
+    importance = np.exp(3 * rng.standard_normal(128))
+    errors = []
+    for imp in (None, importance):
+        q, s, c = fit_blocks(w, 4, 32, imp)
+        deq = ((q.astype(np.float32) - 8) * s[..., None] + c[..., None]).reshape(16, 128).T
+        errors.append(float((importance[:, None] * (deq - w) ** 2).sum()))
+    assert errors[1] < 0.8 * errors[0]
+    d = np.float32(0.01)
+    grid = ((rng.integers(0, 16, (32, 4)) * d) - np.float32(0.07)).astype(np.float32)
+    grid[0], grid[1] = -0.07, 15 * d - np.float32(0.07)
+    q, s, c = fit_blocks(grid, 4, 32, importance[:32])
+    np.testing.assert_allclose(((q.astype(np.float32) - 8) * s[..., None] + c[..., None]).reshape(4, 32).T, grid,
+                               rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="not K finite non-negative values"):
+        fit_blocks(w, 4, 32, importance[:5])
+
+
 def test_int4_auto_upgrades_the_measured_units_within_q4_k_m_bytes(llama):
     """int4-auto on the tiny Llama measured on a few windows of token ids: the units it puts in 8 bits
     are those with the most relative error removed per byte, their bytes within Q4_K_M's layout's,
@@ -188,6 +212,14 @@ def test_int4_auto_upgrades_the_measured_units_within_q4_k_m_bytes(llama):
              if ".layers." in lin["parts"][0][0]}
     assert {layer for layer, bits in eight if bits == 8} == {str(layer) for _, layer in q.upgrades}
     assert not decode_parity(llama, dec.model, batch=1, prompt=4, steps=1).failed
+    # The 4-bit blocks are fitted under the measured importance: unweighted, the scales differ.
+    linears = {p for p, m in llama.module.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(q.importance) == linears - {"lm_head"} and "weighted" in entry["measured"]["fit"]
+    plain = build_decoder(llama, quantization=dataclasses.replace(q, importance=None), max_length=32)
+    scales = lambda model: {i.name: numpy_helper.to_array(i) for i in model.graph.initializer  # noqa: E731
+                            if i.name.endswith("_scales")}
+    fitted = [lin["scales"] for lin in entry["linears"] if lin["method"] == "fit"]
+    assert fitted and all(not np.array_equal(scales(dec.model)[n], scales(plain.model)[n]) for n in fitted)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -258,6 +290,8 @@ def test_fitted_widths_add_their_offsets_beside_a_symmetric_matmulnbits(llama, b
             {a.name: a.i for a in n.attribute}["bits"] == 4]
     assert four and all(len(n.input) == 3 for n in four)
     assert ("Pad" in {n.op_type for n in dec.model.graph.node}) == (llama.module.model.config.hidden_size % block != 0)
+    sums = [n.output[0] for n in dec.model.graph.node if n.op_type == "ReduceSum" and "block_sums" in n.output[0]]
+    assert len(sums) == 8  # per layer: Q/K/V, output, gate and up (one input, its sums shared), down
     entry = ModelMetadata.read(dec.model).quantization
     assert all(lin["offsets"] and not lin["zero_points"] for lin in entry["linears"] if lin["method"] == "fit")
     parity = decode_parity(llama, dec.model, batch=2, prompt=5, steps=2)
