@@ -10,7 +10,9 @@ onnxruntime [--share-buffer] [--quantize int4]``), each prompt through the chat 
 
 Modes: ``none`` (one run per token), ``ngram`` (prompt lookup), ``draft`` (a random-weight
 2-layer draft with SmolLM2's vocabulary and tokenizer, written here: its proposals are almost
-never right, by construction; it shows what a failing draft costs). Rounds are interleaved
+never right, by construction; it shows what a failing draft costs; or, with ``--draft-model DIR``,
+a real one: for example the same checkpoint exported ``--quantize int4-fit``, a quantized
+self-draft whose proposals are the float model's own most of the time). Rounds are interleaved
 (prompt x mode inside each round) and every ratio is taken between runs of the same round, since
 the machine is shared: the ratios are the result, the absolute tokens/s are context. Greedy
 tokens of every mode are compared with ``none``'s.
@@ -303,6 +305,8 @@ def main() -> int:
     parser.add_argument("--model", action="append", required=True, metavar="NAME=DIR",
                         help="an exported --kv-cache folder (repeat: int4=..., fp32=...)")
     parser.add_argument("--draft-dir", type=Path, default=Path("/tmp/spec-draft"), help="where the draft is written")
+    parser.add_argument("--draft-model", type=Path, help="a real draft: an exported --kv-cache folder of the same "
+                        "vocabulary and tokenizer (default: a random-weight 2-layer draft written to --draft-dir)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--k", type=int, default=5, help="--speculative-k")
@@ -337,7 +341,7 @@ def main() -> int:
         return 0
     rows: list[dict] = []
     first = Path(args.model[0].split("=", 1)[1])
-    draft_dir = write_draft(first, args.draft_dir) if "draft" in args.modes else None
+    draft_dir = (args.draft_model or write_draft(first, args.draft_dir)) if "draft" in args.modes else None
     for spec in args.model:
         name, folder = spec.split("=", 1)
         rows += run_model(name, Path(folder), draft_dir, args)
@@ -346,8 +350,10 @@ def main() -> int:
     notes = [f"{args.rounds} interleaved rounds, up to {args.new_tokens} new tokens (the folder's end of sequence "
              f"stops earlier), k <= {args.k}, {args.threads} threads, a shared 2-core machine: ratios are taken "
              "within a round, medians shown.",
-             "draft: a random-weight 2-layer model with SmolLM2's vocabulary: its acceptance is near zero by "
-             "construction (it shows the cost of a draft that fails, which the adaptive k keeps down).",
+             (f"draft: {args.draft_model} (a real draft, checked at start: same vocabulary and tokenizer)."
+              if args.draft_model else
+              "draft: a random-weight 2-layer model with SmolLM2's vocabulary: its acceptance is near zero by "
+              "construction (it shows the cost of a draft that fails, which the adaptive k keeps down)."),
              f"llama.cpp (llama-server --spec-type ngram-simple, same prompts, greedy): {how}."]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps({"rows": rows, "notes": notes}, indent=1))
