@@ -68,6 +68,7 @@ RECIPES: dict[str, tuple[str, int, int] | None] = {
     "int4-fit": ("int4-fit", 32, 4),
     "int4-fit-mixed": ("int4-fit-mixed", 32, 4),
     "int4-auto": ("int4-auto", 32, 4),
+    "int4-auto-zp": ("int4-auto-zp", 32, 4),
     "int4-auto block 64": ("int4-auto", 64, 4),
 }
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")

@@ -195,10 +195,7 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int, importance: np
     valid[:, :k] = 1.0
     weights = valid.copy()
     if importance is not None:
-        imp = np.asarray(importance, np.float64).reshape(-1)
-        if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
-            raise ValueError(f"importance of shape {imp.shape} for K={k}: not K finite non-negative values")
-        weights[:, :k] = imp + 1e-4 * max(float(imp.mean()), 1e-30)
+        weights[:, :k] = _importance_weights(importance, k)
     w, valid = w.reshape(n, blocks, block_size), valid.reshape(1, blocks, block_size)
     weights = weights.reshape(1, blocks, block_size)
     count = weights.sum(-1)
@@ -226,6 +223,60 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int, importance: np
     scale, offsets = best[1].astype(dtype), best[2].astype(dtype)
     q = _nearest_levels(w, scale, offsets, levels)
     return q.astype(np.uint8), scale, offsets
+
+
+#: The integer zero points tried around each starting range's own (:func:`fit_zero_point_blocks`).
+ZERO_STEPS = (-1, 0, 1)
+
+
+def fit_zero_point_blocks(weight_kn: np.ndarray, bits: int, block_size: int, importance: np.ndarray | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`fit_blocks` in the fast kernel's own form: per block a float scale ``s`` and an
+    integer zero point ``z`` (0..2^bits - 1), the weights ``(q - z) * s``, so MatMulNBits computes
+    them with no offsets to add. From each starting range (:data:`FIT_SHRINK`) and the zero points
+    next to its own (:data:`ZERO_STEPS`), alternate rounding q to the nearest level and the
+    (importance-weighted) least-squares scale for that q and z; keep per block the lowest error.
+    Returns (q [N, blocks, block] uint8, s [N, blocks] in ``weight_kn``'s dtype, z [N, blocks] uint8)."""
+    dtype = weight_kn.dtype
+    k, n = weight_kn.shape
+    blocks, levels = -(-k // block_size), float((1 << bits) - 1)
+    w = np.zeros((n, blocks * block_size), np.float64)
+    w[:, :k] = np.asarray(weight_kn, np.float64).T
+    weights = np.zeros((1, blocks * block_size), np.float64)
+    weights[:, :k] = 1.0 if importance is None else _importance_weights(importance, k)
+    valid = np.zeros((1, blocks * block_size), bool)
+    valid[:, :k] = True
+    w, weights, valid = (a.reshape(a.shape[0], blocks, block_size) for a in (w, weights, valid))
+    lo = np.where(valid, w, np.inf).min(-1)
+    hi = np.where(valid, w, -np.inf).max(-1)
+    best = (np.full((n, blocks), np.inf), np.ones((n, blocks)), np.zeros((n, blocks)))
+    for shrink in FIT_SHRINK:
+        start = np.maximum((hi - lo) * (1.0 - 2.0 * shrink) / levels, 1e-30)
+        own = np.clip(np.rint(-(lo + (hi - lo) * shrink) / start), 0, levels)
+        for step in ZERO_STEPS:
+            zero, scale = np.clip(own + step, 0, levels), start
+            for _ in range(FIT_ROUNDS + 1):
+                scale_cast = scale.astype(dtype).astype(np.float64)
+                q = np.clip(np.rint(w / scale_cast[..., None] + zero[..., None]), 0, levels)
+                d = q - zero[..., None]
+                error = (weights * (d * scale_cast[..., None] - w) ** 2).sum(-1)
+                better = error < best[0]
+                best = (np.where(better, error, best[0]), np.where(better, scale_cast, best[1]),
+                        np.where(better, zero, best[2]))
+                num, den = (weights * d * w).sum(-1), (weights * d * d).sum(-1)
+                ok = (den > 0) & (num > 0)
+                scale = np.where(ok, num / np.where(ok, den, 1.0), scale)
+    scale, zero = best[1].astype(dtype), best[2]
+    q = np.clip(np.rint(w / scale.astype(np.float64)[..., None] + zero[..., None]), 0, levels)
+    return q.astype(np.uint8), scale, zero.astype(np.uint8)
+
+
+def _importance_weights(importance: np.ndarray, k: int) -> np.ndarray:
+    """``importance`` [K] checked, with a floor of 1e-4 of its mean (a feature never driven still counts)."""
+    imp = np.asarray(importance, np.float64).reshape(-1)
+    if imp.shape != (k,) or not np.all(np.isfinite(imp)) or np.any(imp < 0):
+        raise ValueError(f"importance of shape {imp.shape} for K={k}: not K finite non-negative values")
+    return imp + 1e-4 * max(float(imp.mean()), 1e-30)
 
 
 def _nearest_levels(w: np.ndarray, scale: np.ndarray, offsets: np.ndarray, levels: float) -> np.ndarray:
@@ -290,6 +341,11 @@ class WeightQuantizer:
             if width.bits == 4:
                 q = q[..., 0::2] | (q[..., 1::2] << 4)
             return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, None, offsets)
+        if width.method == "fitzp":
+            q, scales, zero = fit_zero_point_blocks(weight_kn, width.bits, self.block_size, importance)
+            if width.bits == 4:
+                q = q[..., 0::2] | (q[..., 1::2] << 4)
+            return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, pack_zero_points(zero, width.bits))
         if width.method == "kquant":
             q, scales, zero = _kquant(weight_kn, width.bits, self.block_size)
             if width.bits == 4:
@@ -453,7 +509,9 @@ def widths_summary(linears: list[QuantizedLinear]) -> str:
 
 #: What each method is, in ONNX Runtime.
 QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant",
-              "fit": "rmsnorm_deploy's least-squares float scale and offset per block (quantize.fit_blocks)"}
+              "fit": "rmsnorm_deploy's least-squares float scale and offset per block (quantize.fit_blocks)",
+              "fitzp": "rmsnorm_deploy's least-squares float scale and integer zero point per block "
+                       "(quantize.fit_zero_point_blocks)"}
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:

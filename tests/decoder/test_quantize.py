@@ -32,6 +32,7 @@ from rmsnorm_deploy.decoder.quantize import (  # noqa: E402
     quantization_of,
     round_activations,
 )
+from rmsnorm_deploy.decoder import quantize  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from rmsnorm_deploy.errors import UserError  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
@@ -62,7 +63,7 @@ def _nbits_model(packed: np.ndarray, scales: np.ndarray, k: int, n: int, q: Quan
 
 
 WIDTHS = [Width(8), Width(4), Width(8, False), Width(4, False), Width(4, False, "kquant"), Width(8, False, "kquant"),
-          Width(4, False, "fit"), Width(8, False, "fit")]
+          Width(4, False, "fit"), Width(8, False, "fit"), Width(4, False, "fitzp"), Width(8, False, "fitzp")]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: w.describe().replace(" ", "-"))
@@ -129,7 +130,7 @@ def test_recipes_widths():
     assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
     assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
     assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym", "int4-fit", "int4-fit-mixed",
-                            "int4-auto"}
+                            "int4-auto", "int4-auto-zp"}
     fit = Width(4, False, "fit")
     assert Quantization("int4-fit").width("down", 0, 30) == fit and Quantization("int4-fit").width("head") == Width(8)
     assert Quantization("int4-fit-mixed").width("qkv", 4, 30) == fit
@@ -184,6 +185,27 @@ def test_fit_weighted_by_importance_lowers_the_expected_output_error():
                                rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="not K finite non-negative values"):
         fit_blocks(w, 4, 32, importance[:5])
+
+
+def test_zero_point_fit_lies_between_round_to_nearest_and_the_offsets():
+    """The integer-zero-point fit (int4-auto-zp): an integer-offset 16-level grid is found exactly;
+    on noise its importance-weighted error is below round-to-nearest's with zero points and at or
+    above the float offsets' (a zero point is an offset restricted to whole steps)."""
+    rng = np.random.default_rng(8)
+    d = np.float32(0.01)
+    grid = ((rng.integers(0, 16, (32, 4)) - 5) * d).astype(np.float32)
+    grid[0], grid[1] = -5 * d, 10 * d
+    q, s, z = quantize.fit_zero_point_blocks(grid, 4, 32)
+    np.testing.assert_allclose(((q.astype(np.float32) - z[..., None]) * s[..., None]).reshape(4, 32).T, grid,
+                               rtol=0, atol=1e-7)
+    w = rng.standard_normal((128, 24)).astype(np.float32) + 0.3
+    importance = np.exp(2 * rng.standard_normal(128))
+    errors = {}
+    for width in (Width(4, False), Width(4, False, "fitzp"), Width(4, False, "fit")):
+        got = WeightQuantizer(32)(w, width, importance)
+        deq = dequantize(got.packed, got.scales, got.zero_points, bits=4, block_size=32, k=128, offsets=got.offsets)
+        errors[width.method] = float((importance[:, None] * (deq - w) ** 2).sum())
+    assert errors["fit"] <= errors["fitzp"] < 0.9 * errors["rtn"]
 
 
 def test_int4_auto_upgrades_the_measured_units_within_q4_k_m_bytes(llama):
@@ -274,6 +296,22 @@ def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, b
         np.testing.assert_array_equal(got, want)
     # The reference is restored: the model computes its own weights again.
     assert decode_parity(llama, build_decoder(llama).model, batch=1, prompt=4, steps=1).tokens_equal
+
+
+def test_int4_auto_zp_writes_the_fast_kernels_own_grid(llama):
+    """int4-auto-zp: measured as int4-auto, its 4-bit blocks MatMulNBits with uint8 zero points and no
+    offsets MatMul at all; the graph holds its dequantized model's parity."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    windows = np.random.default_rng(7).integers(0, llama.vocab_size, (2, 12)).tolist()
+    q = sens.measured(Quantization("int4-auto-zp", 32, 4), llama.module.model, windows)
+    dec = build_decoder(llama, quantization=q, max_length=32)
+    assert not [m for m in matmul_weights(dec.model) if m.op == "MatMul" and "offsets" in m.weights]
+    entry = ModelMetadata.read(dec.model).quantization
+    four = [lin for lin in entry["linears"] if lin["bits"] == 4]
+    assert four and all(lin["method"] == "fitzp" and lin["zero_points"] and not lin["offsets"] for lin in four)
+    parity = decode_parity(llama, dec.model, batch=2, prompt=5, steps=2)
+    assert not parity.failed, parity.table()
 
 
 @pytest.mark.parametrize("block", [32, 128])
