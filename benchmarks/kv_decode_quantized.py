@@ -4,16 +4,17 @@ Not a test. Per model (the tiny Llama, the ~125M Llama, a LLaMA-3.2-1B-shaped mo
 activations, prompt 128, 64 greedy new tokens, batch 1, 2 threads, in interleaved rounds (the order
 rotates each round):
 
-* ``ours int8`` / ``ours int4``: ``export --kv-cache --target onnxruntime --quantize int8|int4
-  --quantize-lm-head --share-buffer`` (block 32, accuracy_level 4: the defaults), decoded by our
-  loop (``decoder/loop.py``: IOBinding);
+* ``ours int8`` / ``ours int4`` / ``ours int4-mixed`` / ``ours int4-fit``: ``export --kv-cache
+  --target onnxruntime --quantize RECIPE --quantize-lm-head --share-buffer`` (block 32,
+  accuracy_level 4: the defaults; the mixed and fitted recipes quantize the head at 8 bits
+  whatever the flag), decoded by our loop (``decoder/loop.py``: IOBinding);
 * ``genai int4``: onnxruntime-genai's model builder (``-p int4 -e cpu``) in its own runtime;
-* ``llama.cpp F32 / F16 / Q8_0 / Q4_0``: ``convert_hf_to_gguf.py --outtype f32|f16|q8_0`` and
-  ``llama-quantize ... Q4_0`` from the same Hugging Face folder, timed by ``llama-bench -t 2``:
+* ``llama.cpp F32 / F16 / Q8_0 / Q4_0 / Q4_K_M``: ``convert_hf_to_gguf.py --outtype f32|f16|q8_0`` and
+  ``llama-quantize ... Q4_0|Q4_K_M`` from the same Hugging Face folder, timed by ``llama-bench -t 2``:
   ``-p 128 -n 0`` for the prefill and ``-n 64 -d 128`` for decode (64 tokens after a 128-token
   context, as ours). The llama.cpp build this was written against crashes in its repacked CPU
   kernels (ggml's extra buffer types) on any batched prompt of a quantized model, so every run
-  passes ``--repack 0``; ``llama.cpp Q4_0 repacked`` and ``Q8_0 repacked`` time decode alone at
+  passes ``--repack 0``; ``llama.cpp Q4_0 repacked``, ``Q4_K_M repacked`` and ``Q8_0 repacked`` time decode alone at
   depth 0 with them (no prompt to crash on), to show what repacking buys.
 
 llama.cpp comes from ``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` (the source tree with
@@ -52,13 +53,16 @@ from bench_kv_decode import (
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=512,
                 tie_word_embeddings=True, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-OURS = {"ours int8": "int8", "ours int4": "int4"}
+OURS = {"ours int8": "int8", "ours int4": "int4", "ours int4-mixed": "int4-mixed", "ours int4-fit": "int4-fit"}
 GENAI = "genai int4"
-LLAMA_CPP = {"llama.cpp F32": "f32", "llama.cpp F16": "f16", "llama.cpp Q8_0": "q8_0", "llama.cpp Q4_0": "q4_0"}
-REPACKED = {"llama.cpp Q8_0 repacked": "q8_0", "llama.cpp Q4_0 repacked": "q4_0"}
+LLAMA_CPP = {"llama.cpp F32": "f32", "llama.cpp F16": "f16", "llama.cpp Q8_0": "q8_0", "llama.cpp Q4_0": "q4_0",
+             "llama.cpp Q4_K_M": "q4_k_m"}
+REPACKED = {"llama.cpp Q8_0 repacked": "q8_0", "llama.cpp Q4_0 repacked": "q4_0", "llama.cpp Q4_K_M repacked": "q4_k_m"}
 #: The contenders holding weights of the same width as ours (ours over each, paired by round).
 GROUPS = {"ours int8": ("llama.cpp Q8_0", "llama.cpp Q8_0 repacked"),
-          "ours int4": (GENAI, "llama.cpp Q4_0", "llama.cpp Q4_0 repacked")}
+          "ours int4": (GENAI, "llama.cpp Q4_0", "llama.cpp Q4_0 repacked"),
+          "ours int4-mixed": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked"),
+          "ours int4-fit": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked", "ours int4-mixed")}
 
 
 def llama_cpp_dir(given: str | None) -> tuple[Path | None, str]:
@@ -97,9 +101,10 @@ def gguf_files(llama: Path, hf_dir: Path, out: Path) -> dict[str, Path]:
         files[kind] = out / f"model-{kind}.gguf"
         subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", kind,
                         "--outfile", str(files[kind])], check=True, capture_output=True, text=True)
-    files["q4_0"] = out / "model-q4_0.gguf"
-    subprocess.run([str(llama / "build/bin/llama-quantize"), str(files["f32"]), str(files["q4_0"]), "Q4_0"],
-                   check=True, capture_output=True, text=True)
+    for kind in ("q4_0", "q4_k_m"):
+        files[kind] = out / f"model-{kind}.gguf"
+        subprocess.run([str(llama / "build/bin/llama-quantize"), str(files["f32"]), str(files[kind]), kind.upper()],
+                       check=True, capture_output=True, text=True)
     return files
 
 
@@ -281,7 +286,8 @@ def markdown_quantized(results: dict[str, Any]) -> str:
         "brackets "
         f"({', '.join(f'{k}: {v}' for k, v in settings['rounds'].items())}). onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}. Ours: `export --kv-cache --target onnxruntime --quantize "
-        "int8|int4 --quantize-lm-head --share-buffer` (block 32, accuracy_level 4) in our loop; genai: its builder "
+        "int8|int4|int4-mixed|int4-fit --quantize-lm-head --share-buffer` (block 32, accuracy_level 4; int4-mixed "
+        "and int4-fit hold the head at 8 bits) in our loop; genai: its builder "
         "`-p int4 -e cpu` in its runtime; llama.cpp: `llama-bench -t 2`, prefill `-p 128`, decode `-n 64 -d 128`, "
         "`--repack 0` (this build crashes in its repacked kernels on a batched prompt; the `repacked` columns time "
         "decode alone at depth 0 with them). Written by `benchmarks/bench_kv_decode.py --quantized`.",
