@@ -186,21 +186,10 @@ def fit_blocks(weight_kn: np.ndarray, bits: int, block_size: int, importance: np
     ``importance`` [K] (the mean squared input of each input feature): the squared errors are
     weighted by it, so the fit minimizes the expected output error, not the weights' (a floor of
     1e-4 of its mean keeps a feature the text never used from being ignored)."""
-    dtype = weight_kn.dtype
-    k, n = weight_kn.shape
-    blocks, levels = -(-k // block_size), float((1 << bits) - 1)
-    w = np.zeros((n, blocks * block_size), np.float64)
-    w[:, :k] = np.asarray(weight_kn, np.float64).T
-    valid = np.zeros((1, blocks * block_size), np.float64)
-    valid[:, :k] = 1.0
-    weights = valid.copy()
-    if importance is not None:
-        weights[:, :k] = _importance_weights(importance, k)
-    w, valid = w.reshape(n, blocks, block_size), valid.reshape(1, blocks, block_size)
-    weights = weights.reshape(1, blocks, block_size)
+    dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
+    w, weights, lo, hi = _blocks_of(weight_kn, block_size, importance)
+    n, blocks = lo.shape
     count = weights.sum(-1)
-    lo = np.where(valid > 0, w, np.inf).min(-1)
-    hi = np.where(valid > 0, w, -np.inf).max(-1)
     best = (np.full((n, blocks), np.inf), np.zeros((n, blocks)), np.zeros((n, blocks)))
     for shrink in FIT_SHRINK:
         scale = (hi - lo) * (1.0 - 2.0 * shrink) / levels
@@ -237,18 +226,9 @@ def fit_zero_point_blocks(weight_kn: np.ndarray, bits: int, block_size: int, imp
     next to its own (:data:`ZERO_STEPS`), alternate rounding q to the nearest level and the
     (importance-weighted) least-squares scale for that q and z; keep per block the lowest error.
     Returns (q [N, blocks, block] uint8, s [N, blocks] in ``weight_kn``'s dtype, z [N, blocks] uint8)."""
-    dtype = weight_kn.dtype
-    k, n = weight_kn.shape
-    blocks, levels = -(-k // block_size), float((1 << bits) - 1)
-    w = np.zeros((n, blocks * block_size), np.float64)
-    w[:, :k] = np.asarray(weight_kn, np.float64).T
-    weights = np.zeros((1, blocks * block_size), np.float64)
-    weights[:, :k] = 1.0 if importance is None else _importance_weights(importance, k)
-    valid = np.zeros((1, blocks * block_size), bool)
-    valid[:, :k] = True
-    w, weights, valid = (a.reshape(a.shape[0], blocks, block_size) for a in (w, weights, valid))
-    lo = np.where(valid, w, np.inf).min(-1)
-    hi = np.where(valid, w, -np.inf).max(-1)
+    dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
+    w, weights, lo, hi = _blocks_of(weight_kn, block_size, importance)
+    n, blocks = lo.shape
     best = (np.full((n, blocks), np.inf), np.ones((n, blocks)), np.zeros((n, blocks)))
     for shrink in FIT_SHRINK:
         start = np.maximum((hi - lo) * (1.0 - 2.0 * shrink) / levels, 1e-30)
@@ -269,6 +249,23 @@ def fit_zero_point_blocks(weight_kn: np.ndarray, bits: int, block_size: int, imp
     scale, zero = best[1].astype(dtype), best[2]
     q = np.clip(np.rint(w / scale.astype(np.float64)[..., None] + zero[..., None]), 0, levels)
     return q.astype(np.uint8), scale, zero.astype(np.uint8)
+
+
+def _blocks_of(weight_kn: np.ndarray, block_size: int, importance: np.ndarray | None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What the fits read: the weights [N, blocks, block] in float64 (K padded with zeros), each
+    value's weight in the squared error [1, blocks, block] (0 on the padding; the importance where
+    given, else 1), and each block's min and max [N, blocks] over its real values."""
+    k, n = weight_kn.shape
+    blocks = -(-k // block_size)
+    w = np.zeros((n, blocks * block_size), np.float64)
+    w[:, :k] = np.asarray(weight_kn, np.float64).T
+    weights = np.zeros((1, blocks * block_size), np.float64)
+    weights[:, :k] = 1.0 if importance is None else _importance_weights(importance, k)
+    valid = np.zeros((1, blocks * block_size), bool)
+    valid[:, :k] = True
+    w, weights, valid = (a.reshape(a.shape[0], blocks, block_size) for a in (w, weights, valid))
+    return w, weights, np.where(valid, w, np.inf).min(-1), np.where(valid, w, -np.inf).max(-1)
 
 
 def _importance_weights(importance: np.ndarray, k: int) -> np.ndarray:
