@@ -597,7 +597,9 @@ class WeightCheck:
             far = float(ratio.flat[np.argmax(np.abs(ratio - 1.0))])
             if abs(far - 1.0) > abs(self.worst_scale - 1.0):
                 self.worst_scale = far
-        if steps.size and float(steps.max()) > self.max_steps:
+        if not np.all(np.isfinite(dequantized)):  # a NaN or Inf scale or offset is never within a step
+            self.max_steps, self.worst = float("inf"), path
+        elif steps.size and float(steps.max()) > self.max_steps:
             self.max_steps, self.worst = float(steps.max()), path
         self.weights += w.size
 

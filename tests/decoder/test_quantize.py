@@ -298,6 +298,23 @@ def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, b
     assert decode_parity(llama, build_decoder(llama).model, batch=1, prompt=4, steps=1).tokens_equal
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int4-fit"])
+def test_a_nan_scale_or_offset_in_the_graph_fails_the_weight_check(llama, scheme):
+    """The reference reads its weights back from the graph: a damaged scale (or offset) would make
+    both sides NaN, so the weight check itself must fail, naming the weight."""
+    dec = build_decoder(llama, quantization=Quantization(scheme, 32, 1), max_length=32)
+    entry = ModelMetadata.read(dec.model).quantization
+    lin = entry["linears"][0]
+    target = lin["offsets"] or lin["scales"]
+    init = next(i for i in dec.model.graph.initializer if i.name == target)
+    values = numpy_helper.to_array(init).copy()
+    values.flat[0] = np.nan
+    init.CopyFrom(numpy_helper.from_array(values, target))
+    with dequantized_reference(llama.module, dec.model, entry) as ref:
+        assert not ref.weights.passed and ref.weights.worst == lin["parts"][0][0]
+    assert decode_parity(llama, dec.model, batch=1, prompt=4, steps=1).failed
+
+
 def test_int4_auto_zp_writes_the_fast_kernels_own_grid(llama):
     """int4-auto-zp: measured as int4-auto, its 4-bit blocks MatMulNBits with uint8 zero points and no
     offsets MatMul at all; the graph holds its dequantized model's parity."""
