@@ -35,7 +35,7 @@ a fused projection (Q/K/V together) gets one width.
 - ``int4-auto-zp``: ``int4-auto`` with an integer zero point per block instead of a float offset
   (``quantize.fit_zero_point_blocks``): the grid MatMulNBits' fast kernel reads as it is, no
   offsets to add (``int4-mixed``'s speed), at a larger error than the offsets' (measured on Gemma 3
-  270M: 1.5x their expected output error, 0.57x round-to-nearest's).
+  270M: 1.56x their expected output error, 0.58x round-to-nearest's).
 """
 
 from __future__ import annotations
