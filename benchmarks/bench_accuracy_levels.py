@@ -43,7 +43,7 @@ def main() -> int:
     import onnxruntime as ort
     import torch
 
-    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+    from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
     from rmsnorm_deploy.decoder.ort_export import write_ort_decoder
     from rmsnorm_deploy.decoder.ort_parity import decode_parity
     from rmsnorm_deploy.decoder.quantize import Quantization

@@ -212,7 +212,7 @@ def torch_greedy(lm: torch.nn.Module, ids: np.ndarray) -> Timed:
 
 
 def ours_runner(path: Path, layout: Any = None, profile_prefix: str | None = None) -> Any:
-    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+    from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
 
     return KVDecoderRunner(str(path), layout, threads=THREADS, session_options=ort_options(profile_prefix))
 
@@ -265,7 +265,7 @@ class OptimumWorker:
 
 
 def genai_layout(dims: Any, max_length: int) -> Any:
-    from rmsnorm_deploy.decoder.loop import CacheLayout
+    from rmsnorm_deploy.decoder.ort_step import CacheLayout
 
     return CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim, share_buffer=True,
                        max_length=max_length)
@@ -329,7 +329,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path, checkpoint: Calla
                                    "--lowering", "ort")
     genai_session_options(ours_genai_dir)
     shared_layout = genai_layout(dims, max_length)
-    from rmsnorm_deploy.decoder.loop import CacheLayout
+    from rmsnorm_deploy.decoder.ort_step import CacheLayout
 
     ours_shared_layout = CacheLayout(layers=dims.layers, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                                      share_buffer=True, max_length=max_length)

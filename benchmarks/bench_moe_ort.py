@@ -138,7 +138,7 @@ def decompose(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     sys.path.insert(0, str(ROOT))
-    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+    from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
     from rmsnorm_deploy.decoder.ort_graph import build_decoder
     from rmsnorm_deploy.decoder.quantize import Quantization
     from rmsnorm_deploy.exporter import hf

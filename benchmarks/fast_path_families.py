@@ -73,7 +73,7 @@ def check_row(row: FamilyRow) -> dict[str, Any]:
     from rmsnorm_deploy.decoder.convention import KVCacheLayout, left_padded
     from rmsnorm_deploy.decoder.genai_client import genai_greedy
     from rmsnorm_deploy.decoder.genai_config import write_serving_files
-    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+    from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
     from rmsnorm_deploy.decoder.ort_export import write_ort_decoder
     from rmsnorm_deploy.decoder.ort_graph import build_decoder
     from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity

@@ -165,7 +165,7 @@ def quantized_matmuls(path: Path) -> list[list[Any]]:
 def bench_quantized_model(key: str, config: dict[str, Any], label: str, rounds: int, tmp: Path,
                           llama: Path | None) -> dict[str, Any]:
     """Every contender on one model, in interleaved rounds: decode ms/token and prefill ms."""
-    from rmsnorm_deploy.decoder.loop import CacheLayout
+    from rmsnorm_deploy.decoder.ort_step import CacheLayout
     from rmsnorm_deploy.exporter import hf
 
     log(f"{key}: {label}")

@@ -170,7 +170,7 @@ def quality(out: Path, windows: np.ndarray, reference: list[np.ndarray], text_to
 
 
 def ours_decode_ms(out: Path, prompt: np.ndarray) -> float:
-    from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+    from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
 
     runner = KVDecoderRunner(str(out / "model.onnx"), threads=1)
     runner.greedy(prompt, new_tokens=2)

@@ -45,8 +45,9 @@ ort_export          ``export --kv-cache --target onnxruntime``: written streamin
                     checked
 genai_config        ``genai_config.json`` and the Hugging Face config and tokenizer files beside a model
 loop                ``decode_loop``: the one decode loop (mask, positions, token choice, end of
-                    sequence, timings) over a backend's step; ``OrtStep``: ONNX Runtime's step through
-                    IOBinding; ``KVDecoderRunner``: greedy decoding in an ONNX Runtime CPU session
+                    sequence, timings) over a backend's step
+ort_step            ``OrtStep``: ONNX Runtime's step through IOBinding (separate or shared cache, or
+                    the serving engine's slots); ``KVDecoderRunner``: greedy decoding in a CPU session
 speculative         ``Speculator``: speculative decoding inside that loop (prompt lookup or a draft
                     model proposes, one run checks several tokens, the cache rolled back, k adapted)
 transformers_step   ``TransformersStep``: transformers with its own cache as the loop's step; the

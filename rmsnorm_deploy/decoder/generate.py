@@ -15,7 +15,7 @@ the folder has one.
 takes the special tokens from the folder, and runs the one decode loop,
 ``decoder.loop.decode_loop`` (prefill, then one step per new token; positions from the
 mask, left padding, end-of-sequence handling, greedy or seeded sampling with a temperature and
-top-k), with ONNX Runtime's step (``decoder.loop.OrtStep``): each step's ``present``
+top-k), with ONNX Runtime's step (``decoder.ort_step.OrtStep``): each step's ``present``
 tensors stay ``OrtValue``\\ s on the provider's device and are bound as the next step's
 ``past`` through IOBinding (or written in place in a shared past/present buffer); only the last
 position's logits come back to numpy. :func:`stream` hands out one prompt's new tokens as that
@@ -34,7 +34,8 @@ import numpy as np
 from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
 from rmsnorm_deploy.decoder.genai_config import folder_tokens
-from rmsnorm_deploy.decoder.loop import CacheLayout, OrtStep, Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.decoder.loop import Sampling, decode_loop, decode_steps, token_picker
+from rmsnorm_deploy.decoder.ort_step import CacheLayout, OrtStep
 from rmsnorm_deploy.decoder.speculative import (SPECULATION_LONGROPE, DraftModel, PromptLookup, Speculator,
                                                 check_draft)
 from rmsnorm_deploy.errors import InputError, UserError, one_line

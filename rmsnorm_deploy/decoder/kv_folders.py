@@ -42,7 +42,7 @@ from rmsnorm_deploy.decoder.convention import (
 )
 from rmsnorm_deploy.decoder.genai_config import GENAI_CONFIG, folder_tokens, read_genai_config
 from rmsnorm_deploy.decoder.generate import MODEL_FILE, KVCacheModel, SessionScope, _tokenizer
-from rmsnorm_deploy.decoder.loop import CacheLayout
+from rmsnorm_deploy.decoder.ort_step import CacheLayout
 from rmsnorm_deploy.decoder.perplexity import GraphFeed
 from rmsnorm_deploy.errors import InputError, UserError
 from rmsnorm_deploy.exporter.hf_files import read_side_json, side_file

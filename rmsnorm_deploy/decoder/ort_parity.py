@@ -41,7 +41,7 @@ from rmsnorm_deploy.contract.compare import CompareResult, compare
 from rmsnorm_deploy.contract.dtypes import dtype_name, numpy_dtype
 from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.tolerances import Tolerance, accuracy_bound_for, tolerance_at_scale
-from rmsnorm_deploy.decoder.loop import KVDecoderRunner
+from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, causal_lm
 from rmsnorm_deploy.decoder.quantize import dequantized_reference
 from rmsnorm_deploy.decoder.transformers_step import transformers_steps

@@ -50,7 +50,7 @@ import numpy as np
 
 from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
-from rmsnorm_deploy.decoder.loop import CacheLayout
+from rmsnorm_deploy.decoder.ort_step import CacheLayout
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 
 __all__ = ["DEFAULT_CONTEXT", "SHIPPED_TEXT", "GraphFeed", "Perplexity", "chunked", "log_softmax64", "perplexity",

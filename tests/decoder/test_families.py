@@ -15,7 +15,8 @@ from rmsnorm_deploy.decoder.convention import KVCacheLayout, left_padded  # noqa
 from rmsnorm_deploy.decoder.families import FAMILIES, REFUSED, refusal  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.decoder.genai_config import write_serving_files  # noqa: E402
-from rmsnorm_deploy.decoder.loop import KVDecoderRunner, decode_loop  # noqa: E402
+from rmsnorm_deploy.decoder.loop import decode_loop  # noqa: E402
+from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.ort_export import write_ort_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError  # noqa: E402

@@ -23,7 +23,7 @@ from rmsnorm_deploy.decoder.export import DecoderOptions, check_decoder_options 
 from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
-from rmsnorm_deploy.decoder.loop import CacheLayout, KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.ort_step import CacheLayout, KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 

@@ -27,7 +27,7 @@ from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa
 from rmsnorm_deploy.graph.audit import audit_model  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import optimized_graph  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
-from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 

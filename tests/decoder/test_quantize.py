@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from rmsnorm_deploy.decoder.loop import KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
 from rmsnorm_deploy.decoder.quant_recipes import RECIPES, Width, use_more_bits  # noqa: E402

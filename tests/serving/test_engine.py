@@ -230,12 +230,12 @@ def test_a_failing_run_fails_only_its_streams(engine_exports, phase):
         batch, failing = engine.batch, threading.Event()
         real_run = batch._run
 
-        def run(binding):
-            runs = batch._prefill_bindings if phase == "prefill" else batch._decode_bindings
-            if failing.is_set() and binding in runs.values():
+        def run(step_run, ids, mask, positions, cache):
+            caches = batch._rows if phase == "prefill" else batch._batches
+            if failing.is_set() and any(cache is each for each in caches.values()):
                 failing.clear()
                 raise RuntimeError("ONNX Runtime failed to run a generation step: the device is gone")
-            real_run(binding)
+            return real_run(step_run, ids, mask, positions, cache)
 
         batch._run = run
         running = [engine.submit([5, 6, i], max_new_tokens=300, eos_token_id=None) for i in (7, 8)]

@@ -4,7 +4,9 @@
 preallocated once: one [slots, kv_heads, slot_length, head_dim] array per past/present pair,
 bound as both the past input and the present output, so GroupQueryAttention writes each new key
 in place (the graph decides the shared mode by the two tensors being one buffer: a graph exported
-without ``--share-buffer`` runs the same way). A stream owns one row (a slot) from its prefill to
+without ``--share-buffer`` runs the same way). Every run is the decode loop's own step
+(``decoder.ort_step.OrtStep``) over rows of those arrays (``OrtStep.cache_over``): this module
+decides which rows run and which tokens they feed, the step binds and runs them. A stream owns one row (a slot) from its prefill to
 its last token. What each run tells GroupQueryAttention per row is ``attention_mask``: the graph
 takes ``seqlens_k = sum(mask) - 1`` as the row's past length and ``total_sequence_length`` as the
 mask's width, so rows at different positions decode in one run with each row's mask left-padded
@@ -48,10 +50,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
-from rmsnorm_deploy.decoder.loop import CacheLayout, decode_steps
-from rmsnorm_deploy.errors import one_line
-from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.decoder.loop import decode_steps
+from rmsnorm_deploy.decoder.ort_step import CacheLayout, OrtStep
+from rmsnorm_deploy.errors import UserError, one_line
 from rmsnorm_deploy.serving.engine.prefix_cache import PrefixStore, common_prefix
 
 #: A slot's tokens are copied into the prefix store before an unrelated prompt overwrites them only
@@ -94,11 +95,11 @@ class SlotBatch:
     Used by the engine thread only."""
 
     def __init__(self, model: Any, *, slots: int, slot_length: int, prefill_chunk: int, prefix_cache_bytes: int = 0):
-        self.ort = require("onnxruntime", "running a KV-cache model")
-        self.session = model.session
-        self.layout = CacheLayout.of(model.layout)
+        self.layout = dataclasses.replace(CacheLayout.of(model.layout), share_buffer=True, max_length=slot_length)
         self.slots, self.slot_length, self.prefill_chunk = slots, slot_length, prefill_chunk
         self.dtype = np.dtype(model.layout.dtype)
+        #: the decode loop's own step, over the slots' memory (``OrtStep.cache_over``)
+        self.step = OrtStep(model.session, self.layout, dtype=self.dtype)
         self.pad = int(model.special.get("pad_token_id") or 0)
         shape = (slots, self.layout.kv_heads, slot_length, self.layout.head_dim)
         # written, not only reserved: the pages are the OS's now, not at the first long stream's steps
@@ -111,9 +112,8 @@ class SlotBatch:
         self.reuse_prefixes = True  # False: every prompt prefilled whole (a benchmark's baseline)
         #: prefill_tokens (run), prefix_hits (requests that reused a prefix), prefix_tokens_saved
         self.counts: collections.Counter = collections.Counter()
-        self._decode_bindings: dict[int, Any] = {}  # per batch size: caches and logits bound once
-        self._prefill_bindings: dict[int, Any] = {}
-        self.takes_positions = POSITION_IDS in {i.name for i in self.session.get_inputs()}
+        self._batches: dict[int, Any] = {}  # per batch size k: rows 0..k-1 bound once, logits into self.logits
+        self._rows: dict[int, Any] = {}  # per slot: its row bound once (prefill chunks, speculation's checks)
         self.speculation: Any = None  # serving.engine.speculation.EngineSpeculation, set by the engine
 
     @staticmethod
@@ -174,47 +174,29 @@ class SlotBatch:
         if self.store.budget_bytes and len(kept) - reused >= KEEP_AT_LEAST:
             self.store.put(kept, self._row_views(slot))
 
-    def _binding(self, cache: dict[int, Any], key: int, lo: int, hi: int, logits: Any = None) -> Any:
-        """An IOBinding with the logits bound first (``logits``: an OrtValue to write into, else
-        ONNX Runtime allocates them: ``get_outputs()[0]``), then rows ``lo:hi`` of every cache array
-        as past and present (made once per ``key``)."""
-        if key not in cache:
-            binding = self.session.io_binding()
-            if logits is None:
-                binding.bind_output(LOGITS, "cpu")
-            else:
-                binding.bind_ortvalue_output(LOGITS, logits)
-            for (past, present), array in zip(self.layout.pairs(), self.cache):
-                value = self.ort.OrtValue.ortvalue_from_numpy(array[lo:hi])  # a contiguous view: no copy
-                binding.bind_ortvalue_input(past, value)
-                binding.bind_ortvalue_output(present, value)
-            cache[key] = binding
-        return cache[key]
+    def _cache(self, lo: int, hi: int, logits: np.ndarray | None = None) -> Any:
+        """The step's cache over rows ``lo:hi`` of the slots (a contiguous view of each array: no copy)."""
+        return self.step.cache_over([array[lo:hi] for array in self.cache], logits)
 
-    def _run(self, binding: Any) -> None:
-        """One ONNX Runtime run (the one place a step can fail)."""
+    def _run(self, run: Any, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, cache: Any) -> np.ndarray:
+        """One run of the step (the one place a run can fail: RuntimeError, one line)."""
         try:
-            self.session.run_with_iobinding(binding)
-        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types
-            raise RuntimeError(f"ONNX Runtime failed to run a generation step: {one_line(exc)}") from None
+            logits, _ = run(ids, mask, positions, cache)
+        except UserError as exc:
+            raise RuntimeError(str(exc)) from None
+        return logits
 
-    def run_row(self, row: _Row, tokens: Any) -> Any:
+    def run_row(self, row: _Row, tokens: Any, *, every: bool = False) -> np.ndarray:
         """One run of ``row``'s slot alone over ``tokens``, fed after the ``row.filled`` keys it holds
-        (a prefill chunk, or speculation's check): the logits [1, len(tokens), vocab] (an OrtValue).
-        RuntimeError (one line) when the run fails."""
-        n = len(tokens)
-        binding = self._binding(self._prefill_bindings, row.slot, row.slot, row.slot + 1)
-        self._feed(binding, np.asarray([tokens], dtype=np.int64), np.ones((1, row.filled + n), np.int64),
-                   np.arange(row.filled, row.filled + n, dtype=np.int64)[None])
-        binding.bind_output(LOGITS, "cpu")  # again: a bound output keeps the shape of its first run
-        self._run(binding)
-        return binding.get_outputs()[0]
-
-    def _feed(self, binding: Any, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> None:
-        binding.bind_cpu_input(INPUT_IDS, ids)
-        binding.bind_cpu_input(ATTENTION_MASK, mask)
-        if self.takes_positions:
-            binding.bind_cpu_input(POSITION_IDS, positions)
+        (a prefill chunk, or speculation's check): the last position's logits [1, vocab] (a copy), or
+        with ``every`` every position's [1, len(tokens), vocab]. RuntimeError (one line) when the run fails."""
+        if row.slot not in self._rows:
+            self._rows[row.slot] = self._cache(row.slot, row.slot + 1)
+        n, step = len(tokens), self.step
+        logits = self._run(step.run_all if every else step.run, np.asarray([tokens], dtype=np.int64),
+                           np.ones((1, row.filled + n), np.int64),
+                           np.arange(row.filled, row.filled + n, dtype=np.int64)[None], self._rows[row.slot])
+        return logits if every else np.array(logits)
 
     # -- one iteration --------------------------------------------------------------------------
     def iteration(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
@@ -241,7 +223,7 @@ class SlotBatch:
                 break  # this iteration's prompt tokens are spent
             budget -= end - row.filled
             try:
-                logits = self.run_row(row, stream.prompt[row.filled:end])
+                last = self.run_row(row, stream.prompt[row.filled:end])
             except RuntimeError as exc:
                 row.failed = True
                 yield [stream], None, str(exc)
@@ -250,7 +232,7 @@ class SlotBatch:
             row.fed.extend(stream.prompt[row.filled:end])
             row.filled = end
             if not row.prefilling(stream):
-                row.first_logits = np.array(logits.numpy()[:, -1, :])
+                row.first_logits = last
                 row.last = int(stream.pick(row.first_logits.copy())[0])
                 yield [stream], row.last, None
             if budget <= 0:
@@ -288,12 +270,10 @@ class SlotBatch:
             ids[slot, 0] = row.last
         width = int(lengths.max()) + 1
         mask = (np.arange(width)[None, :] >= (width - 1 - lengths)[:, None]).astype(np.int64)
-        # the logits land in self.logits[:k], read in place after each run
-        binding = self._binding(self._decode_bindings, k, 0, k,
-                                None if k in self._decode_bindings else self.ort.OrtValue.ortvalue_from_numpy(self.logits[:k]))
-        self._feed(binding, ids, mask, lengths[:, None].copy())
-        try:
-            self._run(binding)
+        if k not in self._batches:
+            self._batches[k] = self._cache(0, k, self.logits[:k])
+        try:  # the logits: [k, vocab], a view of self.logits[:k], read in place
+            logits = self._run(self.step.run, ids, mask, lengths[:, None], self._batches[k])
         except RuntimeError as exc:
             for _, row in decoding.values():
                 row.failed = True
@@ -302,7 +282,7 @@ class SlotBatch:
         for slot, (stream, row) in sorted(decoding.items()):
             row.fed.append(row.last)
             row.filled += 1
-            row.last = int(stream.pick(self.logits[slot:slot + 1, -1, :])[0])
+            row.last = int(stream.pick(logits[slot:slot + 1])[0])
             yield [stream], row.last, None
 
 

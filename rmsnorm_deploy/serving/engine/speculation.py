@@ -178,7 +178,7 @@ class EngineSpeculation:
                q: np.ndarray | None) -> Iterator[tuple[list[Any], int | None, str | None]]:
         kept = proposal.shape[0]
         try:
-            logits = batch.run_row(row, [row.last, *proposal.tolist()]).numpy()[:, :kept + 1]
+            logits = batch.run_row(row, [row.last, *proposal.tolist()], every=True)[:, :kept + 1]
         except RuntimeError as exc:
             row.failed = True
             yield [stream], None, str(exc)
