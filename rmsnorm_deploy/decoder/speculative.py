@@ -148,11 +148,14 @@ class Context:
 # -- proposers ---------------------------------------------------------------------------------
 class PromptLookup:
     """Prompt lookup: the last ``n`` tokens (``max_ngram`` down to ``min_ngram``) found earlier in
-    the row (prompt and output; the latest match), the tokens that followed it proposed."""
+    the row (prompt and output; the latest match), the tokens that followed it proposed. Down to
+    one token: right after a token the answer changes (a renamed word), only the last token is
+    found again (measured on real SmolLM2, 160 tokens: 2.95 -> 3.73 tokens a run on a repeated
+    passage, 2.48 -> 2.88 on an edited one; open-ended text unchanged, the adaptive k pausing)."""
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, batch: int, sampling: Sampling) -> None:
