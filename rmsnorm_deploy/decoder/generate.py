@@ -35,7 +35,7 @@ from rmsnorm_deploy.contract.dtypes import numpy_dtype
 from rmsnorm_deploy.decoder.convention import KVCacheLayout, check_io, graph_io, layout_of, left_padded
 from rmsnorm_deploy.decoder.genai_config import folder_tokens
 from rmsnorm_deploy.decoder.loop import Sampling, decode_loop, decode_steps, token_picker
-from rmsnorm_deploy.decoder.ort_step import CacheLayout, OrtStep
+from rmsnorm_deploy.decoder.ort_step import DECODE_OPTIMIZATION, CacheLayout, OrtStep
 from rmsnorm_deploy.decoder.speculative import (SPECULATION_LONGROPE, DraftModel, PromptLookup, Speculator,
                                                 check_draft)
 from rmsnorm_deploy.errors import InputError, UserError, one_line
@@ -134,7 +134,8 @@ class KVCacheModel(SessionScope):
         del graph
         self.special = folder_tokens(self.folder, self.layout.vocab_size)
         self.tokenizer = _tokenizer(self.folder)
-        self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads)
+        self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads,
+                                        optimization=DECODE_OPTIMIZATION)
         self._device = "cuda" if any(provider_name(p) != "CPUExecutionProvider" for p in providers) else "cpu"
         self._step: OrtStep | None = None
 

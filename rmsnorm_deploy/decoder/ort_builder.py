@@ -109,7 +109,7 @@ class OrtDecoderBuilder(QuantizedWeights):
         self.quantized_experts: list[QuantizedExperts] = []
         #: the tied embedding's packed weight, written once by make_embedding for the head to read
         self.shared_head: QuantizedLinear | None = None
-        #: the float embedding table a tied, unquantized head multiplies by (Gemm, transB)
+        #: the float embedding table a tied, unquantized head multiplies by (its Transpose, MatMul)
         self.tied_table = ""
         self.used_norms: list[str] = []
         # The ort lowering writes ONNX Runtime's ops: there the residual Add goes into the norm's op.
@@ -463,14 +463,12 @@ class OrtDecoderBuilder(QuantizedWeights):
             self.scalar_op("Mul", t, np.float32(cap), "lm_head/softcap/mul", "logits")
 
     def _tied_float_head(self, x: str, out: str | None) -> str:
-        """``x @ E.T`` on the embedding's own [vocab, hidden] initializer: ``Gemm(transB=1)`` on x
-        flattened to [rows, hidden], then back to [batch, sequence, vocab]; the tied weight is
-        stored once (a MatMul would need it transposed: a second copy)."""
-        flat = self.w.one("Reshape", [x, self.i64("lm_head_rows", [-1, self.dims.hidden])], "lm_head/rows")
-        logits = self.w.one("Gemm", [flat, self.tied_table], "lm_head/gemm", transB=1)
-        lead = self.w.one("Shape", [x], "lm_head/lead", start=0, end=2)
-        shape = self.w.one("Concat", [lead, self.i64("lm_head_vocab", [self.dims.vocab])], "lm_head/shape", axis=0)
-        return self._node_to("Reshape", [logits, shape], "lm_head/logits", out)
+        """``x @ E.T`` on the embedding's own [vocab, hidden] initializer, stored once: a
+        ``Transpose`` of it, which ONNX Runtime folds into a [hidden, vocab] constant when the session
+        loads, then ``MatMul``. Measured on real SmolLM2 decode (2 threads, 16 interleaved rounds):
+        7 % less time a step than ``Gemm(transB=1)`` on the table as stored."""
+        table = self.w.one("Transpose", [self.tied_table], "lm_head/table_t", perm=[1, 0])
+        return self._node_to("MatMul", [x, table], "lm_head/matmul", out)
 
     def _node_to(self, op: str, inputs: list[str], base: str, out: str | None, **attrs: Any) -> str:
         """One node whose output is ``out`` (a graph output's fixed name) or a fresh name."""

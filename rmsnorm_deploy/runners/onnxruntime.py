@@ -47,6 +47,15 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def optimization_level(name: str) -> Any:
+    """ONNX Runtime's ``GraphOptimizationLevel`` called ``name`` (one of :data:`OPTIMIZATION_LEVELS`)."""
+    levels = require("onnxruntime", "the ONNX Runtime runner").GraphOptimizationLevel
+    return {"disable": levels.ORT_DISABLE_ALL, "basic": levels.ORT_ENABLE_BASIC,
+            "extended": levels.ORT_ENABLE_EXTENDED, "all": levels.ORT_ENABLE_ALL}[name]
+
+
 _ORT_TYPE_NAMES = {
     "tensor(float)": "float32",
     "tensor(float16)": "float16",
@@ -263,12 +272,7 @@ class OnnxRuntimeRunner(Runner):
                     + ("install onnxruntime-gpu (CUDA 13) in place of onnxruntime" if prov != PROVIDERS["cpu"] else "reinstall onnxruntime")
                 )
         options = ort.SessionOptions()
-        options.graph_optimization_level = {
-            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        }[self.optimization]
+        options.graph_optimization_level = optimization_level(self.optimization)
         if self.optimized_model_path is not None:
             options.optimized_model_filepath = str(self.optimized_model_path)
             # its weights beside it, not in it: readers of the optimized graph want the graph, and

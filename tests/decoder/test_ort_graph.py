@@ -23,7 +23,8 @@ from rmsnorm_deploy.decoder.export import DecoderOptions, check_decoder_options 
 from rmsnorm_deploy.exporter.plan import ExportOptions  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
-from rmsnorm_deploy.decoder.ort_step import CacheLayout, KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.decoder.ort_step import DECODE_OPTIMIZATION, CacheLayout, KVDecoderRunner  # noqa: E402
+from rmsnorm_deploy.runners.onnxruntime import optimization_level  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from tests.kv_models import random_left_padded  # noqa: E402
 
@@ -256,3 +257,28 @@ def test_long_uneven_left_padding_keeps_transformers_logits(models, share_buffer
     for step, (g, w) in enumerate(zip(got.step_logits, want.step_logits)):
         result = compare(g, w, tolerance, name=f"logits step {step}", dtype="float32")
         assert result.passed, result.summary()
+
+
+@pytest.mark.parametrize("kind, tied", [("llama", True), ("llama", False), ("gemma3", True)])
+def test_decoding_sessions_level_and_the_tied_head_change_speed_not_a_single_logit(models, kind, tied):
+    """``DECODE_OPTIMIZATION`` is chosen for speed alone: every logit bit-identical to level
+    ``all``. A tied float head reads the one embedding table through a Transpose (folded when the
+    session loads) and a MatMul: no second copy of the table, no Gemm."""
+    loaded = models(kind, **({"tie_word_embeddings": tied} if kind == "llama" else {}))
+    dec = build_decoder(loaded, share_buffer=True, max_length=64)
+    nodes = dec.model.graph.node
+    assert not [n for n in nodes if n.op_type == "Gemm"]
+    transposed = [n for n in nodes if n.op_type == "Transpose" and n.name.startswith("lm_head")]
+    assert len(transposed) == int(tied)
+    if tied:
+        assert transposed[0].input[0] == next(n for n in nodes if n.op_type == "Gather" and n.name.startswith("embed")).input[0]
+    ids, mask = random_left_padded(2, 9, loaded.vocab_size, seed=5)
+    logits = {}
+    for level in ("all", DECODE_OPTIMIZATION):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = optimization_level(level)
+        run = KVDecoderRunner(dec.model, session_options=options).greedy(ids, mask, new_tokens=8, keep_logits=True)
+        logits[level] = np.stack(run.step_logits)
+    assert DECODE_OPTIMIZATION != "all" and np.array_equal(logits["all"], logits[DECODE_OPTIMIZATION])
+    want = _generate(loaded.module.model, ids, mask, 8)
+    assert np.array_equal(np.argmax(logits["all"], axis=-1).T, want)
