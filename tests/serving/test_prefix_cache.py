@@ -16,6 +16,7 @@ pytest.importorskip("onnxruntime", reason="the engine runs ONNX Runtime")
 from rmsnorm_deploy.decoder.generate import KVCacheModel, Sampling, generate  # noqa: E402
 from rmsnorm_deploy.serving.engine.engine import Engine, EngineOptions  # noqa: E402
 from rmsnorm_deploy.serving.engine.prefix_cache import PrefixStore, common_prefix  # noqa: E402
+from rmsnorm_deploy.serving.engine.slots import SlotBatch  # noqa: E402
 
 VOCAB = 256  # the tiny Llama's
 TIMEOUT_S = 120
@@ -84,6 +85,22 @@ def test_a_prefix_overwritten_in_its_slot_comes_back_from_the_store(model, prefi
     assert engine.submit(again, max_new_tokens=8, eos_token_id=None).result(TIMEOUT_S) == _cold(model, again, 8)
     saved = engine.token_stats()["prefix_tokens_saved"] - stats["prefix_tokens_saved"]
     assert saved == (common_prefix(held, again) if prefix_cache_mb else 0) and saved >= (60 if prefix_cache_mb else 0)
+    engine.drain(10)
+
+
+def test_a_stored_prefix_evicted_while_its_slot_is_saved_is_looked_up_again(model):
+    """The entry a newcomer is to copy from can be the least recently used one, which saving the free
+    slot's own tokens into a full store evicts: the newcomer then prefills what no entry holds, and
+    gets the cold tokens (it failed with "generation failed: <entry key>" before)."""
+    rng = np.random.default_rng(5)
+    engine = Engine(model, EngineOptions(max_batch=1, prefill_chunk=16)).start()
+    engine.batch.store.budget_bytes = 70 * SlotBatch.cache_bytes(model.layout, 1, 1)  # one entry of <= 70 tokens
+    first, other = _tokens(rng, 60), _tokens(rng, 60)
+    engine.submit(first, max_new_tokens=4, eos_token_id=None).result(TIMEOUT_S)
+    engine.submit(other, max_new_tokens=4, eos_token_id=None).result(TIMEOUT_S)  # first's KV goes to the store
+    again = first + _tokens(rng, 5)  # found in the store; saving other's KV from the slot evicts it
+    assert engine.submit(again, max_new_tokens=8, eos_token_id=None).result(TIMEOUT_S) == _cold(model, again, 8)
+    assert engine.stats().get("error", 0) == 0 and engine.token_stats()["prefix_store_entries"] == 1
     engine.drain(10)
 
 

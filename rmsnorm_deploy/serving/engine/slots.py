@@ -143,11 +143,15 @@ class SlotBatch:
             if shared > reused:
                 slot, reused = free, shared
         stored, key = self.store.longest(prompt) if self.store.entries else (0, None)
-        stored = min(stored, limit)
-        if key is not None and stored > reused:
-            slot, reused = self.free[0], stored
+        if key is not None and min(stored, limit) > reused:
+            slot = self.free[0]
+            # Saving the slot's own tokens may evict the entry just found (the least recently used
+            # of a full store): look it up again after, and reuse what is still there.
             self._keep(slot, 0)
-            self.store.copy_into(key, stored, self._row_views(slot))
+            stored, key = self.store.longest(prompt) if self.store.entries else (0, None)
+            reused = min(stored, limit) if key is not None else 0
+            if reused:
+                self.store.copy_into(key, reused, self._row_views(slot))
         else:
             self._keep(slot, reused)
         self.free.remove(slot)
