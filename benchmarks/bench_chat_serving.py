@@ -161,9 +161,9 @@ def _served_rate(port: int, prompts: list[list[int]]) -> float:
     return sum(counts) / elapsed
 
 
-def _start_llama(gguf: Path) -> tuple[subprocess.Popen, int, list[str]]:
+def _start_llama(gguf: Path, extra: list[str] = ()) -> tuple[subprocess.Popen, int, list[str]]:
     (port,) = free_ports(1)
-    command = [str(LLAMA_BIN), "-m", str(gguf), "-np", "16", "--host", "127.0.0.1", "--port", str(port)]
+    command = [str(LLAMA_BIN), "-m", str(gguf), "-np", "16", *extra, "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
