@@ -46,14 +46,13 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
-OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
+OPTIMIZATION_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+                       "all": "ORT_ENABLE_ALL"}  # our names: ONNX Runtime's GraphOptimizationLevel members
 
 
 def optimization_level(name: str) -> Any:
-    """ONNX Runtime's ``GraphOptimizationLevel`` called ``name`` (one of :data:`OPTIMIZATION_LEVELS`)."""
-    levels = require("onnxruntime", "the ONNX Runtime runner").GraphOptimizationLevel
-    return {"disable": levels.ORT_DISABLE_ALL, "basic": levels.ORT_ENABLE_BASIC,
-            "extended": levels.ORT_ENABLE_EXTENDED, "all": levels.ORT_ENABLE_ALL}[name]
+    """ONNX Runtime's ``GraphOptimizationLevel`` called ``name`` (a key of :data:`OPTIMIZATION_LEVELS`)."""
+    return getattr(require("onnxruntime", "the ONNX Runtime runner").GraphOptimizationLevel, OPTIMIZATION_LEVELS[name])
 
 
 _ORT_TYPE_NAMES = {
