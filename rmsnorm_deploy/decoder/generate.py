@@ -134,9 +134,10 @@ class KVCacheModel(SessionScope):
         del graph
         self.special = folder_tokens(self.folder, self.layout.vocab_size)
         self.tokenizer = _tokenizer(self.folder)
-        self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads,
-                                        optimization=DECODE_OPTIMIZATION)
         self._device = "cuda" if any(provider_name(p) != "CPUExecutionProvider" for p in providers) else "cpu"
+        # the decode level was measured and checked bit-identical on CPU only; a GPU session keeps "all"
+        self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads,
+                                        optimization=DECODE_OPTIMIZATION if self._device == "cpu" else "all")
         self._step: OrtStep | None = None
 
     # -- inputs ---------------------------------------------------------------------------------

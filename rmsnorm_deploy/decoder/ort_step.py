@@ -31,7 +31,8 @@ from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.onnxruntime import optimization_level, ortvalue_to_numpy
 
-#: ONNX Runtime's graph optimization level for decoding on CPU. ``extended`` writes the same
+#: ONNX Runtime's graph optimization level for decoding on CPU (GPU sessions keep ``all``: not
+#: measured there). ``extended`` writes the same
 #: graph as ``all`` (level 3 adds layout transforms for convolutions) and the logits are
 #: bit-identical (checked on real SmolLM2 and Gemma 3 float32 and int4, and by the tests), yet a
 #: decode step took 7-10 % less time (real SmolLM2 float32, 2 threads, 16 interleaved rounds,
