@@ -1,7 +1,9 @@
 """The rotary tables of the ONNX Runtime decoder graph: :func:`rotary_tables`.
 
-The cos/sin tables GroupQueryAttention reads, exactly as the model's ``rotary_emb`` computes them
-(:func:`rotary_caches`), one pair per table the layers read. Partial rotary (Phi-4-mini: 96 of 128
+The cos/sin tables GroupQueryAttention reads, as the model's ``rotary_emb`` computes them, one pair
+per table the layers read: the file holds each table's ``inv_freq`` (:func:`rotary_frequencies`) and
+the nodes that turn positions into cos/sin, which ONNX Runtime folds into the tables when the
+session loads (:func:`_table_nodes`). Partial rotary (Phi-4-mini: 96 of 128
 dims) is GroupQueryAttention's narrower table. LongRoPE (Phi-3.5-mini, Phi-4-mini) has a short and a
 long table: transformers rotates a forward's tokens with the long one once ``max(position_ids) + 1``
 of the batch passes ``original_max_position_embeddings`` (:func:`longrope_switch`), for every row;
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from onnx import helper, numpy_helper
 
 from rmsnorm_deploy.decoder.ort_model import DecoderDims, OrtDecoderError
 from rmsnorm_deploy.decoder.ort_writer import GraphWriter
@@ -51,14 +54,13 @@ def longrope_switch(lm: torch.nn.Module, layer_type: str | None = None) -> int |
     return int((params[layer_type] if layer_type else params)["original_max_position_embeddings"])
 
 
-def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype, layer_type: str | None = None, *,
-                  long: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, rotary_dim / 2] exactly as the model's ``rotary_emb`` computes them
-    (float32 ``inv_freq`` times positions, times ``attention_scaling``), in the model dtype.
-    ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per attention type.
-    LongRoPE (:func:`longrope_switch`): the short table, or with ``long`` the long one, each from
-    transformers' own functions (the long one as ``dynamic_rope_update`` computes it); its
-    ``inv_freq`` buffer holds whichever the last forward used, so it is not read.
+def rotary_frequencies(lm: torch.nn.Module, dims: DecoderDims, layer_type: str | None = None, *,
+                       long: bool = False) -> tuple[np.ndarray, float]:
+    """The float32 ``inv_freq`` [rotary_dim / 2] and ``attention_scaling`` the model's ``rotary_emb``
+    turns positions with. ``layer_type``: Gemma3's rotary has one ``{layer_type}_inv_freq`` per
+    attention type. LongRoPE (:func:`longrope_switch`): the short frequencies, or with ``long`` the
+    long ones, each from transformers' own functions (the long ones as ``dynamic_rope_update``
+    computes them); its ``inv_freq`` buffer holds whichever the last forward used, so it is not read.
     Partial rotary (Phi-4-mini: 96 of 128 dims): the narrower table rotates the first dims only."""
     rotary, prefix, rope_type = _rotary_module(lm, layer_type)
     if rope_type == "dynamic":
@@ -79,12 +81,43 @@ def rotary_caches(lm: torch.nn.Module, dims: DecoderDims, dtype: np.dtype, layer
         raise OrtDecoderError(f"the rotary embedding turns {rotary_dim} of {dims.head_dim} dims; GroupQueryAttention "
                               f"rotates part of a head only in multiples of {GQA_ROTARY_MULTIPLE} dims "
                               "(use --target portable)")
-    positions = torch.arange(dims.max_positions, dtype=torch.float32)
-    # transformers: (inv_freq[:, None] @ position_ids[None, :]).T, in float32: an outer product.
-    freqs = (inv_freq.float()[:, None] @ positions[None, :]).T
     scaling = float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
-    cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
-    return cos.numpy().astype(dtype), sin.numpy().astype(dtype)
+    return inv_freq.detach().float().cpu().numpy(), scaling
+
+
+def _table_nodes(w: GraphWriter, dims: DecoderDims, base: str, frequencies: list[np.ndarray],
+                 scaling: float) -> tuple[str, str]:
+    """cos/sin [len(frequencies) * max_positions, rotary_dim / 2]: positions 0..max_positions - 1
+    times each ``inv_freq`` (stacked in order), as transformers computes them in float32 (an outer
+    product: one rounding, the same as this Mul), times ``attention_scaling``, in the graph dtype.
+
+    Computed by the graph from constants, not stored: ONNX Runtime folds them into one table each
+    when the session loads, so a step reads a table as before, while the file holds ``inv_freq``
+    alone (Gemma 3 270M: 67 MB of tables for its 32768 positions and two rotary kinds, a quarter of
+    its 4-bit file)."""
+    def f32(name: str, value: Any) -> str:
+        return w.init(f"{base}/{name}", np.asarray(value, dtype=np.float32))
+
+    def scalar(name: str, value: float) -> str:  # Range takes 0-d inputs; initializers here are written 1-d
+        return w.one("Constant", [], f"{base}/{name}", value=numpy_helper.from_array(np.array(value, np.float32)))
+
+    positions = w.one("Range", [scalar("start", 0.0), scalar("limit", dims.max_positions), scalar("delta", 1.0)],
+                      f"{base}/positions")
+    column = w.one("Unsqueeze", [positions, w.init(f"{base}/axes", np.array([1], dtype=np.int64))],
+                   f"{base}/position_column")
+    angles = [w.one("Mul", [column, f32(f"inv_freq{i}", freqs[None, :])], f"{base}/angles{i}")
+              for i, freqs in enumerate(frequencies)]
+    angle = angles[0] if len(angles) == 1 else w.one("Concat", angles, f"{base}/angles", axis=0)
+    tables = []
+    for op in ("Cos", "Sin"):
+        table = w.one(op, [angle], f"{base}/{op.lower()}")
+        if scaling != 1.0:
+            table = w.one("Mul", [table, f32("attention_scaling", scaling)], f"{base}/{op.lower()}_scaled")
+        if w.np_dtype != np.float32:
+            table = w.one("Cast", [table], f"{base}/{op.lower()}_{w.dtype}", to=helper.np_dtype_to_tensor_dtype(
+                w.np_dtype))
+        tables.append(table)
+    return tables[0], tables[1]
 
 
 def rotary_tables(w: GraphWriter, lm: torch.nn.Module, dims: DecoderDims, kinds: list[str | None], lengths: str,
@@ -99,15 +132,15 @@ def rotary_tables(w: GraphWriter, lm: torch.nn.Module, dims: DecoderDims, kinds:
         if kind == "":
             continue
         tag = f"_{kind}" if kind else ""
-        cos, sin = rotary_caches(lm, dims, w.np_dtype, kind)
+        frequencies, scaling = rotary_frequencies(lm, dims, kind)
         switch = longrope_switch(lm, kind)
         if switch is None:
-            caches[kind] = (w.init(f"cos_cache{tag}", cos), w.init(f"sin_cache{tag}", sin))
+            caches[kind] = _table_nodes(w, dims, f"rotary/cache{tag}", [frequencies], scaling)
             continue
         if switch_of_graph not in (None, switch):
             raise OrtDecoderError(f"LongRoPE tables switch at {switch_of_graph} and {switch}; one switch is written")
         switch_of_graph = switch
-        long_cos, long_sin = rotary_caches(lm, dims, w.np_dtype, kind, long=True)
+        long_frequencies, _ = rotary_frequencies(lm, dims, kind, long=True)
         base = f"rotary/longrope{tag}"
 
         def i64(name: str, value: int) -> str:
@@ -118,8 +151,7 @@ def rotary_tables(w: GraphWriter, lm: torch.nn.Module, dims: DecoderDims, kinds:
         start = w.one("Where", [is_long, i64("long_start", dims.max_positions), i64("short_start", 0)],
                       f"{base}/start")
         end, axes = w.one("Add", [start, total], f"{base}/end"), i64("axes", 0)
+        stacked = _table_nodes(w, dims, f"rotary/cache_short_long{tag}", [frequencies, long_frequencies], scaling)
         caches[kind] = tuple(  # type: ignore[assignment]
-            w.one("Slice", [w.init(f"{name}_cache_short_long{tag}", np.concatenate([short, long])), start, end, axes],
-                  f"{base}/{name}")
-            for name, short, long in (("cos", cos, long_cos), ("sin", sin, long_sin)))
+            w.one("Slice", [table, start, end, axes], f"{base}/{name}") for name, table in zip(("cos", "sin"), stacked))
     return caches, switch_of_graph

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers builds the reference models")
 pytest.importorskip("onnxruntime", reason="the graphs run in ONNX Runtime")
@@ -20,10 +21,15 @@ from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner  # noqa: E402
 from rmsnorm_deploy.decoder.ort_export import write_ort_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_graph import build_decoder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError  # noqa: E402
+from rmsnorm_deploy.decoder.ort_builder import OrtDecoderBuilder  # noqa: E402
 from rmsnorm_deploy.decoder.ort_parity import audit_norms, decode_parity  # noqa: E402
+from rmsnorm_deploy.decoder.ort_rotary import rotary_tables  # noqa: E402
+from rmsnorm_deploy.decoder.ort_writer import GraphWriter  # noqa: E402
 from rmsnorm_deploy.decoder.quantize import Quantization, dequantized_reference  # noqa: E402
 from rmsnorm_deploy.decoder.transformers_step import transformers_generate  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
+from rmsnorm_deploy.contract.compare import compare  # noqa: E402
+from rmsnorm_deploy.contract.tolerances import tolerance_for  # noqa: E402
 from rmsnorm_deploy.graph.function import is_rmsnorm_node  # noqa: E402
 from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
 from rmsnorm_deploy.serving.engine.slots import slots_refusal  # noqa: E402
@@ -184,6 +190,60 @@ def test_folder_generates_serves_and_runs_in_genai(row, tmp_path):
 LONGROPE_ROWS = [row for row in ROWS if "rope_scaling" in row.config]
 
 
+def _their_rotary(lm, kind: str | None, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [positions, rotary_dim] from the model's own ``rotary_emb`` over positions 0..positions - 1
+    (LongRoPE picks its table from that length, as in a forward)."""
+    x = torch.zeros(1, positions, 1, dtype=torch.float32)
+    ids = torch.arange(positions)[None]
+    with torch.no_grad():
+        cos, sin = lm.model.rotary_emb(x, ids) if kind is None else lm.model.rotary_emb(x, ids, kind)
+    return cos[0].numpy(), sin[0].numpy()
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_rotary_tables_folded_at_load_are_the_models_own(row, tmp_path):
+    """The graph stores each rotary table's ``inv_freq`` and computes cos/sin from it; ONNX Runtime
+    folds them at load. Every table, run as GroupQueryAttention reads it (LongRoPE: the run's rows of
+    the table its length picks, both sides of the switch), is the model's ``rotary_emb`` over every
+    position to the float32 rounding of two cos/sin implementations; and a step does not compute them."""
+    import onnx
+    import onnxruntime as ort
+
+    builder = OrtDecoderBuilder(_loaded(row))
+    kinds = [kind for kind in dict.fromkeys(builder.rotary_kinds) if kind != ""]
+    if not kinds:
+        pytest.skip(f"{row.name} has no rotary layer")
+    w = GraphWriter("float32")
+    caches, switch = rotary_tables(w, builder.lm, builder.dims, builder.rotary_kinds, "lengths", "total")
+    outputs = [name for kind in kinds for name in caches[kind]]
+    graph = onnx.helper.make_graph(
+        w.nodes, "rotary", [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.INT64, [None]) for n in
+                            ("lengths", "total")],
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in outputs], w.inits)
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    folded = onnx.load(options.optimized_model_filepath)
+    assert not [n.op_type for n in folded.graph.node if n.op_type in ("Range", "Cos", "Sin")], "not folded at load"
+    maximum = builder.dims.max_positions
+    lengths = [maximum] if switch is None else [switch, maximum]  # the short table's last row, the long one's
+    tolerance = tolerance_for("rotary_table", "onnxruntime", "float32")
+    compared = 0
+    for length in lengths:
+        ours = dict(zip(outputs, session.run(outputs, {"lengths": np.array([length], np.int64),
+                                                         "total": np.array([length], np.int64)})))
+        for kind in kinds:
+            for name, theirs in zip(caches[kind], _their_rotary(builder.lm, kind, length)):
+                half = ours[name].shape[1]
+                result = compare(ours[name], theirs[:, :half], tolerance, name=f"{name} at {length} positions")
+                assert result.passed, result.summary()
+                compared += result.shape[0] * result.shape[1]
+    assert compared > 0
+    assert not [i.name for i in model.graph.initializer if i.dims and i.dims[0] >= maximum], "a table is stored"
+
+
 @pytest.mark.parametrize("row", LONGROPE_ROWS, ids=[row.name for row in LONGROPE_ROWS])
 def test_longrope_switch_and_recompute_are_in_the_metadata(row, tmp_path):
     """The graph slices its run's rows from the table the switch picks (short and long stacked); the
@@ -193,9 +253,8 @@ def test_longrope_switch_and_recompute_are_in_the_metadata(row, tmp_path):
     kv = ModelMetadata.read(dec.model).kv_cache
     switch = row.config["original_max_position_embeddings"]
     assert kv["rotary_switch"] == kv["recompute_past"] == switch
-    stacked = {i.name: i.dims[0] for i in dec.model.graph.initializer if "_cache_short_long" in i.name}
-    assert sorted(stacked) == ["cos_cache_short_long", "sin_cache_short_long"]
-    assert set(stacked.values()) == {2 * row.config["max_position_embeddings"]}
+    stacked = [n.op_type for n in dec.model.graph.node if n.output[0].startswith("rotary/cache_short_long")]
+    assert stacked.count("Concat") == 1 and stacked.count("Cos") == stacked.count("Sin") == 1, stacked
     _, folder = _folder(row, tmp_path)
     with KVCacheModel(folder) as model:
         assert "LongRoPE" in slots_refusal(model)
