@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "quantized by its own quantizers), a recipe: int8 / int4 (symmetric, every projection), "
                              "int4-mixed (llama.cpp Q4_K_M's layout: 4-bit with zero points, 8-bit head and half "
                              "the Q/K/V, output and down projections), int4-kquant (the same, 4-bit blocks by "
-                             "k-quant search), int8-asym (8-bit with zero points, head too), int4-fit (4-bit "
+                             "k-quant search), int4-hqq (the same, 4-bit blocks by ONNX Runtime's HQQ), int8-asym (8-bit with zero points, head too), int4-fit (4-bit "
                              "with a least-squares float scale and offset per block, 8-bit head), "
                              "int4-fit-mixed (int4-mixed's layout, int4-fit's blocks), int4-auto (int4-fit with "
                              "the projections measured to lose the most on a calibration text in 8 bits), int4-auto-zp (the same with an "

@@ -19,6 +19,9 @@ a fused projection (Q/K/V together) gets one width.
 - ``int4-kquant``: the same layout with the 4-bit blocks chosen by ONNX Runtime's k-quant search
   (``neural_compressor.weight_only``, llama.cpp's ``make_qkx`` weighted least squares over
   candidate scales): measured worse than round-to-nearest with zero points on SmolLM2.
+- ``int4-hqq``: the same layout with the 4-bit blocks from ONNX Runtime's HQQ
+  (``HQQWeightOnlyQuantizer``: half-quadratic optimization of each block's zero, no calibration);
+  HQQ's float zero is written as ``int4-fit``'s float offset, so the fast kernel runs it.
 - ``int8-asym``: every projection and the head 8 bits with zero points (round-to-nearest over
   each block's min..max: no clipping of a block's largest magnitude).
 - ``int4-fit``: every projection 4 bits with a float scale and a float offset per block fitted by
@@ -46,10 +49,10 @@ from typing import Callable
 
 #: Quantizers: ONNX Runtime's C++ round-to-nearest kernels, its k-quant scale search, or the
 #: least-squares fit of a float scale and a float offset per block (``quantize.fit_blocks``).
-METHODS = ("rtn", "kquant", "fit", "fitzp")
+METHODS = ("rtn", "kquant", "hqq", "fit", "fitzp")
 #: Methods whose blocks have a float offset (the scales' dtype) instead of a zero point: the graph
 #: adds it by a MatMul of the input's block sums beside a symmetric MatMulNBits.
-OFFSET_METHODS = ("fit",)
+OFFSET_METHODS = ("fit", "hqq")
 #: The roles a weight plays in the decoder graph, by the last name the graph writer gives it
 #: (``...layers.3.self_attn.qkv_proj.weight``); ``other``: any other projection.
 NAMES = {"qkv_proj": "qkv", "o_proj": "o", "gate_proj": "gate", "up_proj": "up", "gate_up_proj": "gate_up",
@@ -165,6 +168,9 @@ RECIPES = {r.name: r for r in (
            "projections in half the layers (llama.cpp's use_more_bits)"),
     Recipe("int4-kquant", _mixed(Width(4, symmetric=False, method="kquant")), True,
            "int4-mixed's layout with ONNX Runtime's k-quant search for the 4-bit blocks"),
+    Recipe("int4-hqq", _mixed(Width(4, symmetric=False, method="hqq")), True,
+           "int4-mixed's layout with ONNX Runtime's HQQ (half-quadratic, calibration-free) for the 4-bit blocks, "
+           "run as int4-fit's offsets"),
     Recipe("int8-asym", _int8_asym, True, "8-bit with zero points, round-to-nearest, the head too"),
     Recipe("int4-fit", _fit_head8, True,
            "4-bit with a least-squares float scale and float offset per block; 8-bit head/tied embedding"),

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from rmsnorm_deploy.decoder.quant_recipes import RECIPES, UNIT_OF_ROLE, Recipe, Width
+from rmsnorm_deploy.decoder.quant_recipes import OFFSET_METHODS, RECIPES, UNIT_OF_ROLE, Recipe, Width
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.graph.quantized import ACCURACY_COMPUTE
 from rmsnorm_deploy.optional import require
@@ -164,6 +164,26 @@ def _kquant(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarr
     q, scales, zero = module.quant_tensor_k_quant_cpu(padded, bits, block_size)
     return (q.astype(np.uint8).reshape(n, blocks, block_size), scales.reshape(n, blocks),
             zero.astype(np.uint8).reshape(n, blocks))
+
+
+def _hqq(weight_kn: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ONNX Runtime's HQQ (half-quadratic, calibration-free: its ``HQQWeightOnlyQuantizer``'s
+    ``quantize_internal``, 20 rounds of a sparse-error shrinkage over each block's float zero) on a
+    [K, N] weight, in the offsets form ``(q - 2^(bits-1)) * s + c``: HQQ's ``(q - z) * s`` with
+    ``c = (2^(bits-1) - z) * s``, so the fast symmetric kernel computes it (a float zero point
+    would not be: the module docstring). Returns (q [N, blocks, block] uint8, s and c [N, blocks] in
+    ``weight_kn``'s dtype, each q the nearest level under those stored values); K padded with zeros."""
+    module = require("onnxruntime.quantization.matmul_nbits_quantizer", "quantizing weights (--quantize)")
+    dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
+    k, n = weight_kn.shape
+    quantizer = module.HQQWeightOnlyQuantizer(module.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits))
+    tensor = torch.from_numpy(np.ascontiguousarray(np.asarray(weight_kn, np.float32).T))  # [N, K]: blocks along K
+    _, inverse, zero = quantizer.quantize_internal(tensor, bits=bits, group_size=block_size, axis=1)
+    scale = inverse.double().numpy()  # quantize_internal returns 1 / its inverse scale: the step
+    offsets = ((levels + 1) / 2 - zero.double().numpy()) * scale
+    scale, offsets = scale.astype(dtype), offsets.astype(dtype)
+    w, _, _, _ = _blocks_of(weight_kn, block_size, None)
+    return _nearest_levels(w, scale, offsets, levels).astype(np.uint8), scale, offsets
 
 
 #: The fit's starting ranges: each block's min..max, then narrowed by these fractions of it at
@@ -333,8 +353,9 @@ class WeightQuantizer:
         """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype;
         ``importance`` [K] weights a fitted width's least squares (:func:`fit_blocks`)."""
         weight_kn = np.ascontiguousarray(weight_kn)
-        if width.method == "fit":
-            q, scales, offsets = fit_blocks(weight_kn, width.bits, self.block_size, importance)
+        if width.method in OFFSET_METHODS:
+            q, scales, offsets = (fit_blocks(weight_kn, width.bits, self.block_size, importance) if width.method == "fit"
+                                  else _hqq(weight_kn, width.bits, self.block_size))
             if width.bits == 4:
                 q = q[..., 0::2] | (q[..., 1::2] << 4)
             return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, None, offsets)
@@ -506,6 +527,7 @@ def widths_summary(linears: list[QuantizedLinear]) -> str:
 
 #: What each method is, in ONNX Runtime.
 QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.weight_only k-quant",
+              "hqq": "HQQWeightOnlyQuantizer's half-quadratic scale and zero, as a float offset per block",
               "fit": "rmsnorm_deploy's least-squares float scale and offset per block (quantize.fit_blocks)",
               "fitzp": "rmsnorm_deploy's least-squares float scale and integer zero point per block "
                        "(quantize.fit_zero_point_blocks)"}

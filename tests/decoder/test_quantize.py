@@ -63,7 +63,8 @@ def _nbits_model(packed: np.ndarray, scales: np.ndarray, k: int, n: int, q: Quan
 
 
 WIDTHS = [Width(8), Width(4), Width(8, False), Width(4, False), Width(4, False, "kquant"), Width(8, False, "kquant"),
-          Width(4, False, "fit"), Width(8, False, "fit"), Width(4, False, "fitzp"), Width(8, False, "fitzp")]
+          Width(4, False, "fit"), Width(8, False, "fit"), Width(4, False, "fitzp"), Width(8, False, "fitzp"),
+          Width(4, False, "hqq"), Width(8, False, "hqq")]
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: w.describe().replace(" ", "-"))
@@ -118,6 +119,28 @@ def test_gather_block_quantized_looks_up_the_dequantized_rows(width):
     np.testing.assert_array_equal(rows, deq.T[ids])
 
 
+@pytest.mark.parametrize("bits, block", [(4, 32), (4, 128), (8, 32)])
+def test_hqq_blocks_are_onnx_runtimes_hqq_written_as_offsets(bits, block):
+    """int4-hqq's blocks are ONNX Runtime's HQQ ``(q - z) * s`` (float z), written as the grid the
+    symmetric kernel reads plus a float offset per block: the same levels, the same values to the
+    float32 rounding of the offset; and closer to the weights than round-to-nearest's."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as nbits
+
+    k, n = 200, 48
+    weight = np.random.default_rng(4).standard_normal((k, n)).astype(np.float32)
+    ours = WeightQuantizer(block)(weight, Width(bits, False, "hqq"))
+    hqq = nbits.HQQWeightOnlyQuantizer(nbits.HQQWeightOnlyQuantConfig(block_size=block, bits=bits))
+    q, scale, zero = hqq.quantize_internal(torch.from_numpy(weight.T.copy()), bits=bits, group_size=block, axis=1)
+    theirs = ((q.double().reshape(n, -1, block) - zero.double()[..., None]) * scale.double()[..., None])
+    theirs = theirs.reshape(n, -1)[:, :k].T.numpy()
+    got = dequantize(ours.packed, ours.scales, None, bits=bits, block_size=block, k=k, offsets=ours.offsets)
+    same = np.isclose(got, theirs, rtol=0, atol=1e-6 * np.abs(weight).max())
+    assert same.mean() > 0.999, same.mean()  # a value at a rounding tie may take the next level
+    rtn = WeightQuantizer(block)(weight, Width(bits, False))
+    nearest = dequantize(rtn.packed, rtn.scales, rtn.zero_points, bits=bits, block_size=block, k=k)
+    assert np.abs(got - weight).mean() < np.abs(nearest - weight).mean()
+
+
 def test_recipes_widths():
     """int4-mixed is llama.cpp Q4_K_M's layout (src/llama-quant.cpp): the head 8 bits, Q/K/V and down
     (and, measured, the output projection) 8 bits in the layers use_more_bits picks (14 of 30),
@@ -130,7 +153,9 @@ def test_recipes_widths():
     assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
     assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
     assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym", "int4-fit", "int4-fit-mixed",
-                            "int4-auto", "int4-auto-zp"}
+                            "int4-auto", "int4-auto-zp", "int4-hqq"}
+    assert Quantization("int4-hqq").width("up", 3, 30) == Width(4, False, "hqq")
+    assert Quantization("int4-hqq").width("down", 0, 30) == Width(8)
     fit = Width(4, False, "fit")
     assert Quantization("int4-fit").width("down", 0, 30) == fit and Quantization("int4-fit").width("head") == Width(8)
     assert Quantization("int4-fit-mixed").width("qkv", 4, 30) == fit
@@ -270,7 +295,7 @@ def test_quantized_graph_norms_exact_and_matmuls_nbits(llama, scheme, block, lev
 @pytest.mark.parametrize("scheme, block, level, head", [
     ("int4", 32, 4, False), ("int4", 16, 1, True), ("int8", 32, 4, True), ("int8", 128, 0, False),
     ("int4-fit-mixed", 32, 4, False), ("int4-kquant", 16, 0, False), ("int8-asym", 128, 1, True),
-    ("int4-fit", 128, 1, False),
+    ("int4-fit", 128, 1, False), ("int4-hqq", 32, 1, False),
 ])
 def test_parity_and_greedy_tokens_against_the_dequantized_model(llama, scheme, block, level, head):
     """Step logits within the row of the tolerance table for its compute dtype; transformers'
