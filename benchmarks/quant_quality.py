@@ -64,6 +64,7 @@ RECIPES: dict[str, tuple[str, int, int] | None] = {
     "float32": None,
     "int8": ("int8", 32, 4),
     "int8 block 16": ("int8", 16, 4),
+    "int8 float compute": ("int8", 32, 1),
     "int4-mixed": ("int4-mixed", 32, 4),
     "int4-hqq": ("int4-hqq", 32, 4),
     "int4-fit": ("int4-fit", 32, 4),
