@@ -71,6 +71,7 @@ RECIPES: dict[str, tuple[str, int, int] | None] = {
     "int4-fit-mixed": ("int4-fit-mixed", 32, 4),
     "int4-auto": ("int4-auto", 32, 4),
     "int4-auto-zp": ("int4-auto-zp", 32, 4),
+    "int4-gptq": ("int4-gptq", 32, 4),
     "int4-auto block 64": ("int4-auto", 64, 4),
 }
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
@@ -318,9 +319,13 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
         files = llama_files(Path(args.llama_cpp), folder, work)
         if len(llama_rows) < len(LLAMA_TYPES):
             llama_rows = llama_quality(Path(args.llama_cpp), files, work, chunks)
-    if args.retime:
-        for row in (*rows.values(), *llama_rows.values(), *genai_rows.values()):
+    if args.retime:  # the rows this run times again, in new rounds; the others keep theirs
+        again = [rows[r] for r in args.recipes if r in args.timed]
+        again += [llama_rows[f"llama.cpp {t}"] for t in ("Q8_0", "Q4_K_M") if files]
+        again += [genai_rows[g] for g in genai_outs]
+        for row in again:
             row.pop("decode_ms", None)
+            row.pop("decode_kept", None)
     prompt = np.asarray(ids[:PROMPT], np.int64)[None, :]
     timed = [r for r in args.recipes if r in args.timed and "decode_ms" not in rows[r]]
     timed += [t for t in ("Q8_0", "Q4_K_M") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
@@ -425,8 +430,9 @@ def main() -> int:
                         help="onnxruntime-genai builder rows (each against our float32, the same folder)")
     parser.add_argument("--chunks", type=int, default=0, help="chunks of the text scored (default: CHECKPOINTS')")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved decode rounds")
-    parser.add_argument("--retime", action="store_true", help="time every --timed row again, in new interleaved "
-                                                              "rounds (default: only rows not timed yet)")
+    parser.add_argument("--retime", action="store_true", help="time the --timed rows of --recipes, llama.cpp's "
+                                                              "and the --genai rows again, in new interleaved rounds "
+                                                              "(default: only rows not timed yet)")
     parser.add_argument("--fresh", action="store_true", help="measure every row again (default: rows in the "
                                                              "results file on the same chunks are kept)")
     parser.add_argument("--rescore", action="store_true", help="export and score --recipes again, keeping the "

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with a least-squares float scale and offset per block, 8-bit head), "
                              "int4-fit-mixed (int4-mixed's layout, int4-fit's blocks), int4-auto (int4-fit with "
                              "the projections measured to lose the most on a calibration text in 8 bits), int4-auto-zp (the same with an "
-                             "integer zero point per block: the fast kernel alone); "
+                             "integer zero point per block: the fast kernel alone), int4-gptq (int4-auto-zp's units and grid, "
+                             "the 4-bit blocks by GPTQ under the calibration text's input Hessian); "
                              "each weight's width is printed and written in the model's metadata; every norm stays "
                              "exact, in float32")
     parser.add_argument("--block-size", type=int, metavar="N",

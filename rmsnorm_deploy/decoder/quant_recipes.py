@@ -39,6 +39,10 @@ a fused projection (Q/K/V together) gets one width.
   (``quantize.fit_zero_point_blocks``): the grid MatMulNBits' fast kernel reads as it is, no
   offsets to add (``int4-mixed``'s speed), at a larger error than the offsets' (measured on Gemma 3
   270M: 1.56x their expected output error, 0.58x round-to-nearest's).
+- ``int4-gptq``: ``int4-auto-zp``'s 8-bit units and grid, its 4-bit blocks by GPTQ
+  (``quantize.gptq_blocks``): each rounding's error spread over the input features not yet
+  quantized, under the calibration text's full input second moments (the Hessian), which the
+  export holds in memory (refused over ``quant_sensitivity.HESSIAN_BYTES``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from typing import Callable
 
 #: Quantizers: ONNX Runtime's C++ round-to-nearest kernels, its k-quant scale search, or the
 #: least-squares fit of a float scale and a float offset per block (``quantize.fit_blocks``).
-METHODS = ("rtn", "kquant", "hqq", "fit", "fitzp")
+METHODS = ("rtn", "kquant", "hqq", "fit", "fitzp", "gptq")
 #: Methods whose blocks have a float offset (the scales' dtype) instead of a zero point: the graph
 #: adds it by a MatMul of the input's block sums beside a symmetric MatMulNBits.
 OFFSET_METHODS = ("fit", "hqq")
@@ -143,6 +147,14 @@ def _fitzp_head8(role: str, layer: int, layers: int) -> Width | None:
     return Width(8) if role == "head" else FITZP4
 
 
+#: 4-bit blocks in the integer-zero-point grid by GPTQ under the calibration inputs (``quantize.gptq_blocks``).
+GPTQ4 = Width(4, symmetric=False, method="gptq")
+
+
+def _gptq_head8(role: str, layer: int, layers: int) -> Width | None:
+    return Width(8) if role == "head" else GPTQ4
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     name: str
@@ -182,4 +194,7 @@ RECIPES = {r.name: r for r in (
     Recipe("int4-auto-zp", _fitzp_head8, True,
            "int4-auto with integer zero points instead of offsets: the fast kernel alone, each block's scale and "
            "zero point fitted under the measured inputs", measured=True),
+    Recipe("int4-gptq", _gptq_head8, True,
+           "int4-auto-zp's units and grid, each 4-bit block by GPTQ: its rounding errors spread over the features "
+           "after it under the calibration text's input Hessian", measured=True),
 )}

@@ -85,22 +85,33 @@ def unit_of(path: str) -> tuple[str, int] | None:
     return (unit, int(layer.group(1))) if unit and layer else None
 
 
-def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
-    """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows)."""
+#: The most memory the Hessians of ``--quantize int4-gptq`` may take (float64 [K, K] per Linear).
+HESSIAN_BYTES = 4 << 30
+
+
+def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows),
+    or with ``full`` its input's second moments ``E[x x^T]`` [K, K] (GPTQ's Hessian, whose
+    diagonal is the former)."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []
+    linears = [(p, m) for p, m in lm.named_modules() if isinstance(m, torch.nn.Linear) and unit_of(p) is not None]
+    if full and sum(8 * m.in_features ** 2 for _, m in linears) > HESSIAN_BYTES:
+        raise UserError(f"--quantize int4-gptq would hold {sum(8 * m.in_features ** 2 for _, m in linears) / 2**30:.1f} "
+                        f"GiB of input Hessians for this model, over {HESSIAN_BYTES / 2**30:.0f} GiB; choose "
+                        "--quantize int4-auto-zp (the same grid, fitted under their diagonal)")
 
     def hook(path: str) -> Any:
         def gather(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0].detach().double().reshape(-1, args[0].shape[-1])
-            sums[path] = sums.get(path, 0) + (x * x).sum(0)
+            sums[path] = sums.get(path, 0) + (x.T @ x if full else (x * x).sum(0))
             counts[path] = counts.get(path, 0) + x.shape[0]
         return gather
 
-    for path, module in lm.named_modules():
-        if isinstance(module, torch.nn.Linear) and unit_of(path) is not None:
-            hooks.append(module.register_forward_pre_hook(hook(path)))
+    for path, module in linears:
+        hooks.append(module.register_forward_pre_hook(hook(path)))
     try:
         with torch.inference_mode():
             for window in windows:
@@ -175,15 +186,21 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     recipe = quantization.recipe
     four, eight = recipe.width("o", 0, 1), recipe.upgrade
     quantizer = WeightQuantizer(quantization.block_size)
-    moments = input_moments(lm, windows)
-    units = measure_units(lm, moments, quantizer, four, eight)
+    gptq = four.method == "gptq"
+    hessians = input_moments(lm, windows, full=True) if gptq else None
+    moments = ({path: torch.diagonal(h).clone() for path, h in hessians.items()} if hessians is not None
+               else input_moments(lm, windows))
+    # GPTQ's units are chosen by the fit it starts each block from (its error spreading, per weight, is slower)
+    units = measure_units(lm, moments, quantizer, dataclasses.replace(four, method="fitzp") if gptq else four, eight)
     budget = q4_k_m_budget(units, four, eight, quantization.block_size)
     choose(units, four, eight, quantization.block_size, budget)
     record = {"calibration": source, "tokens": sum(len(w) for w in windows),
               "proxy": "relative expected output error under the mean squared input per feature",
               "budget": "the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)",
               "budget_bytes": round(budget), "units": [u.to_dict() for u in units],
-              "fit": "each 4-bit block's least squares weighted by the mean squared input per feature"}
+              "fit": ("GPTQ: each 4-bit block's rounding error spread over the features after it through the "
+                      "inverse of the input's second moments" if gptq else
+                      "each 4-bit block's least squares weighted by the mean squared input per feature")}
     upgrades = tuple((u.unit, u.layer) for u in units if u.upgraded)
-    importance = {path: m.double().numpy() for path, m in moments.items()}
+    importance = {path: m.double().numpy() for path, m in (hessians or moments).items()}
     return dataclasses.replace(quantization, upgrades=upgrades, measurement=record, importance=importance)

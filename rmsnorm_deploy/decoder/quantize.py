@@ -271,6 +271,50 @@ def fit_zero_point_blocks(weight_kn: np.ndarray, bits: int, block_size: int, imp
     return q.astype(np.uint8), scale, zero.astype(np.uint8)
 
 
+#: GPTQ's dampening: this share of the Hessian's mean diagonal added to its diagonal (the paper's 0.01).
+GPTQ_DAMP = 0.01
+
+
+def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ (Frantar et al. 2022) in MatMulNBits' zero-point grid: the input features are
+    quantized in order, one block at a time; each block's scale and integer zero point per output
+    are fitted (:func:`fit_zero_point_blocks`, under the Hessian's diagonal) to the weights as
+    updated so far, and each rounding's error is spread over the features not yet quantized through
+    the upper Cholesky factor of the inverse Hessian, so the output error ``E|x (W - Q)|^2`` under
+    the calibration inputs is what is minimized, not the weights'. ``hessian`` [K, K]: ``E[x x^T]``
+    over the calibration text (``quant_sensitivity.input_statistics``); dampened by
+    :data:`GPTQ_DAMP`; a feature the text never drove is quantized on its own. Returns what
+    :func:`fit_zero_point_blocks` returns (q [N, blocks, block] uint8, s [N, blocks], z [N, blocks])."""
+    dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
+    k, n = weight_kn.shape
+    h = np.array(hessian, np.float64)
+    if h.shape != (k, k) or not np.all(np.isfinite(h)):
+        raise ValueError(f"a Hessian of shape {h.shape} for K={k}: not K x K finite values")
+    blocks = -(-k // block_size)
+    w = np.asarray(weight_kn, np.float64).T.copy()  # [N, K]: rows independent, features in order
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    h[np.diag_indices(k)] += GPTQ_DAMP * float(np.mean(np.diag(h)))
+    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U
+    q = np.zeros((n, blocks * block_size), np.float64)
+    scales, zeros = np.zeros((n, blocks), dtype), np.zeros((n, blocks), np.uint8)
+    for b in range(blocks):
+        i0, i1 = b * block_size, min((b + 1) * block_size, k)
+        _, s, z = fit_zero_point_blocks(np.ascontiguousarray(w[:, i0:i1].T).astype(dtype), bits, block_size,
+                                        np.diag(h)[i0:i1])
+        scales[:, b], zeros[:, b] = s[:, 0], z[:, 0]
+        step, zero = s[:, 0].astype(np.float64), z[:, 0].astype(np.float64)
+        errors = np.zeros((n, i1 - i0))
+        for j in range(i0, i1):
+            q[:, j] = np.clip(np.rint(w[:, j] / step + zero), 0, levels)
+            errors[:, j - i0] = (w[:, j] - (q[:, j] - zero) * step) / upper[j, j]
+            w[:, j + 1:i1] -= np.outer(errors[:, j - i0], upper[j, j + 1:i1])
+        w[:, i1:] -= errors @ upper[i0:i1, i1:]
+    q[:, k:] = zeros[:, -1:]  # the last block's padding: its zero point, a weight of 0
+    return q.reshape(n, blocks, block_size).astype(np.uint8), scales, zeros
+
+
 def _blocks_of(weight_kn: np.ndarray, block_size: int, importance: np.ndarray | None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What the fits read: the weights [N, blocks, block] in float64 (K padded with zeros), each
@@ -359,8 +403,12 @@ class WeightQuantizer:
             if width.bits == 4:
                 q = q[..., 0::2] | (q[..., 1::2] << 4)
             return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, None, offsets)
-        if width.method == "fitzp":
-            q, scales, zero = fit_zero_point_blocks(weight_kn, width.bits, self.block_size, importance)
+        if width.method in ("fitzp", "gptq"):
+            if width.method == "gptq" and (importance is None or np.ndim(importance) != 2):
+                raise ValueError("GPTQ quantizes under the calibration inputs' Hessian [K, K]; none was measured")
+            q, scales, zero = (fit_zero_point_blocks(weight_kn, width.bits, self.block_size, importance)
+                               if width.method == "fitzp" else gptq_blocks(weight_kn, width.bits, self.block_size,
+                                                                           importance))
             if width.bits == 4:
                 q = q[..., 0::2] | (q[..., 1::2] << 4)
             return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, pack_zero_points(zero, width.bits))
@@ -530,7 +578,8 @@ QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.
               "hqq": "HQQWeightOnlyQuantizer's half-quadratic scale and zero, as a float offset per block",
               "fit": "rmsnorm_deploy's least-squares float scale and offset per block (quantize.fit_blocks)",
               "fitzp": "rmsnorm_deploy's least-squares float scale and integer zero point per block "
-                       "(quantize.fit_zero_point_blocks)"}
+                       "(quantize.fit_zero_point_blocks)",
+              "gptq": "GPTQ under the calibration text's Hessian, in the integer-zero-point grid (quantize.gptq_blocks)"}
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
@@ -585,6 +634,13 @@ class WeightCheck:
     worst_scale: float = 1.0  # the |scale| / (ONNX Runtime's rule) farthest from 1 (round-to-nearest)
     worst: str = ""
     clipped: int = 0  # weights outside their block's grid (k-quant), set to its nearest end
+    #: GPTQ moves weights off their nearest grid point on purpose (each rounding's error is spread
+    #: over the features after it), so its Linears are held to their relative distance
+    #: ``|dequantized - model's| / |model's|`` instead: 4 bits measure 0.1-0.2, a wrong packing or
+    #: another tensor's weights about 1.4
+    gptq_spread: float = 0.0
+    gptq_weights: int = 0
+    GPTQ_RELATIVE = 0.5
 
     #: float rounding of the scale and of the dequantized product
     SLACK = 1e-5
@@ -621,13 +677,21 @@ class WeightCheck:
                 self.worst_scale = far
         if not np.all(np.isfinite(dequantized)):  # a NaN or Inf scale or offset is never within a step
             self.max_steps, self.worst = float("inf"), path
+        elif width.method == "gptq":
+            spread = float(np.linalg.norm(dequantized - w) / max(float(np.linalg.norm(w)), 1e-30))
+            if spread > self.gptq_spread:
+                self.gptq_spread = spread
+                self.worst = path if spread > self.GPTQ_RELATIVE else self.worst
+            self.gptq_weights += w.size
+            return
         elif steps.size and float(steps.max()) > self.max_steps:
             self.max_steps, self.worst = float(steps.max()), path
         self.weights += w.size
 
     @property
     def passed(self) -> bool:
-        return self.max_steps <= 1.0 + self.STEP_SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
+        return (self.max_steps <= 1.0 + self.STEP_SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
+                and self.gptq_spread <= self.GPTQ_RELATIVE)
 
     def __bool__(self) -> bool:
         return self.passed
@@ -636,7 +700,9 @@ class WeightCheck:
         return (f"{self.name}: {'PASS' if self.passed else 'FAIL'} {self.weights:,} weights each within "
                 f"{self.max_steps / 2:.3g} quantization steps of its block's nearest grid point (at most 0.5)"
                 f"{f' (worst: {self.worst})' if self.worst else ''}, {self.clipped:,} clipped to the grid's end; "
-                f"every round-to-nearest step ONNX Runtime's (farthest ratio {self.worst_scale:.6g})")
+                f"every round-to-nearest step ONNX Runtime's (farthest ratio {self.worst_scale:.6g})"
+                + (f"; {self.gptq_weights:,} GPTQ weights {self.gptq_spread:.3g} from the model's, relative (at "
+                   f"most {self.GPTQ_RELATIVE:g})" if self.gptq_weights else ""))
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "passed": self.passed}

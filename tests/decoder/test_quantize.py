@@ -141,6 +141,61 @@ def test_hqq_blocks_are_onnx_runtimes_hqq_written_as_offsets(bits, block):
     assert np.abs(got - weight).mean() < np.abs(nearest - weight).mean()
 
 
+def test_gptq_spreads_each_rounding_error_so_the_output_error_drops():
+    """GPTQ under correlated calibration inputs: the output error ``E|x (W - Q)|^2`` well below the
+    diagonal-weighted fit's, in the same grid (integer zero points, padding at its zero point);
+    under an identity Hessian (no correlation: nothing to spread) it rounds as that fit does."""
+    from rmsnorm_deploy.decoder.quantize import fit_zero_point_blocks, gptq_blocks, pack_zero_points
+
+    rng = np.random.default_rng(0)
+    k, n, block = 200, 48, 32  # K not whole blocks: the last padded
+    x = rng.standard_normal((4096, 16)) @ rng.standard_normal((16, k)) + 0.3 * rng.standard_normal((4096, k))
+    hessian = x.T @ x / len(x)
+    weight = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+
+    def output_error(q, s, z):
+        w = dequantize(q[..., 0::2] | (q[..., 1::2] << 4), s, pack_zero_points(z, 4), bits=4, block_size=block, k=k)
+        return float(((x @ (w - weight)) ** 2).mean())
+
+    gptq = gptq_blocks(weight, 4, block, hessian)
+    assert gptq[0].shape == (n, 7, block) and np.array_equal(gptq[0][:, -1, k % block:],
+                                                             np.repeat(gptq[2][:, -1:], block - k % block, 1))
+    assert output_error(*gptq) < 0.2 * output_error(*fit_zero_point_blocks(weight, 4, block, np.diag(hessian)))
+    plain, fit = gptq_blocks(weight, 4, block, np.eye(k)), fit_zero_point_blocks(weight, 4, block, np.ones(k))
+    assert np.array_equal(plain[0], fit[0]) and np.array_equal(plain[2], fit[2])
+    np.testing.assert_allclose(plain[1], fit[1], rtol=1e-6)
+    with pytest.raises(ValueError, match="Hessian"):
+        WeightQuantizer(block)(weight, Width(4, False, "gptq"), np.diag(hessian))
+    # The weight check holds GPTQ's weights to their distance from the model's: another tensor fails.
+    from rmsnorm_deploy.decoder.quantize import WeightCheck
+
+    deq = dequantize(gptq[0][..., 0::2] | (gptq[0][..., 1::2] << 4), gptq[1], pack_zero_points(gptq[2], 4), bits=4,
+                     block_size=block, k=k).T
+    for weights, passed in ((weight.T, True), (np.roll(weight.T, 1, axis=0), False)):
+        check = WeightCheck()
+        check.add("w", torch.from_numpy(np.ascontiguousarray(weights)), deq, gptq[1], gptq[2].astype(np.float32),
+                  Width(4, False, "gptq"), block)
+        assert check.passed == passed and check.gptq_weights == k * n, check.summary()
+
+
+def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(llama):
+    """int4-gptq: int4-auto-zp's measurement with each Linear's full input second moments kept, its
+    4-bit blocks by GPTQ in the zero-point grid (the fast kernel, no offsets); the graph holds the
+    dequantized model's parity and its greedy tokens."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    windows = np.random.default_rng(7).integers(0, llama.vocab_size, (2, 12)).tolist()
+    q = sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, windows)
+    assert all(np.ndim(h) == 2 and h.shape[0] == h.shape[1] for h in q.importance.values())
+    assert "GPTQ" in q.measurement["fit"]
+    dec = build_decoder(llama, quantization=q, max_length=32)
+    entry = ModelMetadata.read(dec.model).quantization
+    four = [lin for lin in entry["linears"] if lin["bits"] == 4]
+    assert four and all(lin["method"] == "gptq" and lin["zero_points"] and not lin["offsets"] for lin in four)
+    parity = decode_parity(llama, dec.model, batch=2, prompt=5, steps=2)
+    assert not parity.failed and parity.tokens_equal, parity.table()
+
+
 def test_recipes_widths():
     """int4-mixed is llama.cpp Q4_K_M's layout (src/llama-quant.cpp): the head 8 bits, Q/K/V and down
     (and, measured, the output projection) 8 bits in the layers use_more_bits picks (14 of 30),
@@ -153,7 +208,7 @@ def test_recipes_widths():
     assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
     assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
     assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym", "int4-fit", "int4-fit-mixed",
-                            "int4-auto", "int4-auto-zp", "int4-hqq"}
+                            "int4-auto", "int4-auto-zp", "int4-hqq", "int4-gptq"}
     assert Quantization("int4-hqq").width("up", 3, 30) == Width(4, False, "hqq")
     assert Quantization("int4-hqq").width("down", 0, 30) == Width(8)
     fit = Width(4, False, "fit")
