@@ -72,6 +72,7 @@ RECIPES: dict[str, tuple[str, int, int] | None] = {
     "int4-auto": ("int4-auto", 32, 4),
     "int4-auto-zp": ("int4-auto-zp", 32, 4),
     "int4-gptq": ("int4-gptq", 32, 4),
+    "int4-gptq block 64": ("int4-gptq", 64, 4),
     "int4-auto block 64": ("int4-auto", 64, 4),
 }
 LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
@@ -396,7 +397,8 @@ def markdown(results: dict[str, Any]) -> str:
         if any(row.get("decode_kept") for row in r["ours"].values()):
             lines += ["", "† Exported and scored again after a change to what the file stores (the rotary tables, "
                       "now folded by ONNX Runtime at load), which leaves the step it runs the same; the decode "
-                      "times are those of the earlier interleaved rounds."]
+                      "times are those of the earlier interleaved rounds, on a busier machine: compare them with "
+                      "each other, not with the rows timed since."]
         lines.append("")
     lines += ["## The grid artifact", "",
               "Both checkpoints are dequantized GGUFs, so their weights lie on grids that a recipe may re-encode "
