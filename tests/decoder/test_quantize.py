@@ -196,6 +196,15 @@ def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(lla
     assert not parity.failed and parity.tokens_equal, parity.table()
 
 
+def test_int4_gptq_refuses_a_model_whose_hessians_do_not_fit(llama, monkeypatch):
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    monkeypatch.setattr(sens, "HESSIAN_BYTES", 1 << 10)
+    with pytest.raises(UserError, match=r"int4-gptq would hold .* GiB of input Hessians .* choose --quantize "
+                                        r"int4-auto-zp"):
+        sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, [[1, 2, 3]])
+
+
 def test_recipes_widths():
     """int4-mixed is llama.cpp Q4_K_M's layout (src/llama-quant.cpp): the head 8 bits, Q/K/V and down
     (and, measured, the output projection) 8 bits in the layers use_more_bits picks (14 of 30),
