@@ -98,8 +98,9 @@ def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full
     counts: dict[str, int] = {}
     hooks = []
     linears = [(p, m) for p, m in lm.named_modules() if isinstance(m, torch.nn.Linear) and unit_of(p) is not None]
-    if full and sum(8 * m.in_features ** 2 for _, m in linears) > HESSIAN_BYTES:
-        raise UserError(f"--quantize int4-gptq would hold {sum(8 * m.in_features ** 2 for _, m in linears) / 2**30:.1f} "
+    hessian_bytes = sum(8 * m.in_features ** 2 for _, m in linears)
+    if full and hessian_bytes > HESSIAN_BYTES:
+        raise UserError(f"--quantize int4-gptq would hold {hessian_bytes / 2**30:.1f} "
                         f"GiB of input Hessians for this model, over {HESSIAN_BYTES / 2**30:.0f} GiB; choose "
                         "--quantize int4-auto-zp (the same grid, fitted under their diagonal)")
 
@@ -119,7 +120,12 @@ def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full
     finally:
         for h in hooks:
             h.remove()
-    return {path: sums[path] / counts[path] for path in sums}
+    moments = {path: sums[path] / counts[path] for path in sums}
+    broken = [path for path, m in moments.items() if not bool(torch.isfinite(m).all())]
+    if broken:
+        raise UserError(f"the calibration text drove {broken[0]}'s input to non-finite values ({len(broken)} Linear(s)): "
+                        "the model overflows or its weights are damaged; check it with `validate` before quantizing")
+    return moments
 
 
 def measure_units(lm: torch.nn.Module, moments: dict[str, torch.Tensor], quantizer: Any, four: Width,

@@ -283,7 +283,7 @@ def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.n
     updated so far, and each rounding's error is spread over the features not yet quantized through
     the upper Cholesky factor of the inverse Hessian, so the output error ``E|x (W - Q)|^2`` under
     the calibration inputs is what is minimized, not the weights'. ``hessian`` [K, K]: ``E[x x^T]``
-    over the calibration text (``quant_sensitivity.input_statistics``); dampened by
+    over the calibration text (``quant_sensitivity.input_moments``); dampened by
     :data:`GPTQ_DAMP`; a feature the text never drove is quantized on its own. Returns what
     :func:`fit_zero_point_blocks` returns (q [N, blocks, block] uint8, s [N, blocks], z [N, blocks])."""
     dtype, levels = weight_kn.dtype, float((1 << bits) - 1)

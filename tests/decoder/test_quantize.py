@@ -205,6 +205,25 @@ def test_int4_gptq_refuses_a_model_whose_hessians_do_not_fit(llama, monkeypatch)
         sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, [[1, 2, 3]])
 
 
+@pytest.mark.parametrize("scheme", ["int4-gptq", "int4-auto"])
+def test_a_measured_recipe_refuses_non_finite_calibration_inputs(llama, scheme):
+    """A weight that overflows the forward (here one Inf) makes the calibration statistics non-finite:
+    refused in one line naming the Linear, never a traceback from the fit or the Cholesky."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    lm = llama.module.model
+    weight = lm.model.layers[0].mlp.up_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[0, 0] = float("inf")
+        with pytest.raises(UserError, match=r"drove model\.layers\.0\.mlp\.down_proj's input to non-finite"):
+            sens.measured(Quantization(scheme, 32, 1), lm, [[1, 2, 3, 4]])
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
 def test_recipes_widths():
     """int4-mixed is llama.cpp Q4_K_M's layout (src/llama-quant.cpp): the head 8 bits, Q/K/V and down
     (and, measured, the output projection) 8 bits in the layers use_more_bits picks (14 of 30),
