@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -170,7 +171,8 @@ def quality(out: Path, windows: np.ndarray, reference: list[np.ndarray], text_to
         d = divergence(session_logits(model, CONTEXT), lambda _w: next(cached), windows, text_tokens=text_tokens,
                        bos_token_id=bos)
     return {"perplexity": d.perplexity, "kl_mean": d.kl_mean, "kl_p99": d.kl_p99, "same_top": d.same_top,
-            "scored": d.scored_tokens, "ppl_seconds": round(d.seconds)}
+            "log_ratio": d.log_ratio, "log_ratio_stderr": d.log_ratio_stderr, "scored": d.scored_tokens,
+            "ppl_seconds": round(d.seconds)}
 
 
 def ours_decode_ms(out: Path, prompt: np.ndarray) -> float:
@@ -254,6 +256,9 @@ def llama_quality(llama: Path, files: dict[str, Path], work: Path, chunks: int) 
             found = re.search(pattern, text)
             if found:
                 row[key] = float(found.group(1)) / (100.0 if key == "same_top" else 1.0)
+        found = re.search(r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s*(-?[0-9.]+)\s*±\s*([0-9.]+)", text)
+        if found:
+            row["log_ratio"], row["log_ratio_stderr"] = float(found.group(1)), float(found.group(2))
         rows[f"llama.cpp {t}"] = row
         log(f"llama.cpp {t}: {row}")
     return rows
@@ -360,7 +365,10 @@ def markdown(results: dict[str, Any]) -> str:
              f"(chunks of {CONTEXT} tokens, the second half of each scored) over the first chunks of {TEXT} (the "
              "count per checkpoint below); KL(float32 || model) mean and p99 per scored position and the share of "
              "positions whose top token is the float32 model's, each side against its own float32 (ours: our "
-             "float32 export, logits in full; llama.cpp: its F32 GGUF, `--kl-divergence`, logits stored 16-bit). "
+             "float32 export, logits in full; llama.cpp: its F32 GGUF, `--kl-divergence`, logits stored 16-bit); "
+             "± is the standard error of the perplexity ratio from the per-position log-likelihood differences "
+             "(llama-perplexity's `Mean PPL(Q)/PPL(base)` uncertainty, computed alike on our side): two rows whose "
+             "changes differ by less than about twice it are not told apart by this text. "
              f"Decode: ms/token at 1 thread after a {PROMPT}-token prompt, {STEPS} steps (ours: exported with "
              "`--share-buffer`, our loop, median step; onnxruntime-genai: its builder's folder (`-p int4 -e cpu`), "
              "its own Generator at 1 thread, median step, quality against our float32 of the same folder; "
@@ -383,6 +391,8 @@ def markdown(results: dict[str, Any]) -> str:
                                    for k, v in r.get("onnxruntime-genai", {}).items()]):
             ppl = row.get("perplexity")
             rel = f"{(ppl / ref - 1) * 100:+.2f} %" if ppl and ref else "-"
+            if rel != "-" and row.get("log_ratio_stderr"):  # llama-perplexity's PPL(Q)/PPL(base) uncertainty
+                rel += f" ± {math.exp(row['log_ratio']) * row['log_ratio_stderr'] * 100:.2f}"
             exact = row.get("exact_share", {})
             exact_text = " / ".join(f"{exact[k] * 100:.1f} %" for k in ("projections", "head") if k in exact) or "-"
             decode = (", ".join(f"{v:.1f}" for v in row.get("decode_ms", [])) or "-") + (

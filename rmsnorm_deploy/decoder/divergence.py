@@ -11,7 +11,13 @@ tokens); both models read the same token ids. At each scored position, with
   llama.cpp's ``percentile``, numpy's default) and its maximum;
 * top-1 agreement: the share of positions where the two argmax tokens are the same (llama.cpp's
   "Same top p");
-* each model's perplexity over the same positions (llama.cpp's "Mean PPL(Q)" and "Mean PPL(base)").
+* each model's perplexity over the same positions (llama.cpp's "Mean PPL(Q)" and "Mean PPL(base)");
+* ``ln(PPL(model) / PPL(reference))``, the mean over the positions of the two negative
+  log-likelihoods' difference, and its standard error, from that difference's spread over the
+  positions (llama.cpp's "Mean ln(PPL(Q)/PPL(base))" and its ``±``: the same value, since its
+  covariance form is this paired difference's variance). Two models scored against one
+  reference on one text differ in perplexity by more than noise only when their log ratios are
+  several of these apart.
 
 llama.cpp stores the reference's log-probabilities in 16 bits and leaves out reference
 probabilities below ``e^-16``; here both are full float64, so ``KL`` of a model against itself is 0
@@ -77,13 +83,16 @@ class Divergence:
     bos_token_id: int | None
     seconds: float
     stride: int | None = None  # sliding windows (``perplexity.sliding``); None: llama-perplexity's chunks
+    log_ratio: float = 0.0  # ln(perplexity / reference_perplexity): the mean per-position NLL difference
+    log_ratio_stderr: float = 0.0  # its standard error over the positions (0 for fewer than 2)
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "seconds": round(self.seconds, 3)}
 
     def summary(self) -> str:
         return (f"perplexity {self.perplexity:.4f} (reference {self.reference_perplexity:.4f}, ratio "
-                f"{self.perplexity / self.reference_perplexity:.4f}); KL divergence mean {self.kl_mean:.6f}, "
+                f"{self.perplexity / self.reference_perplexity:.4f}, ln ratio {self.log_ratio:+.5f} ± "
+                f"{self.log_ratio_stderr:.5f}); KL divergence mean {self.kl_mean:.6f}, "
                 f"median {self.kl_median:.6f}, p99 {self.kl_p99:.6f}, max {self.kl_max:.6f}; same top token "
                 f"{self.same_top:.2%} of {self.scored_tokens} positions")
 
@@ -92,6 +101,7 @@ class Divergence:
 class _Chunk:
     nll: float  # the model's summed negative log-likelihood over the scored positions
     reference_nll: float
+    nll_difference: np.ndarray  # the model's minus the reference's negative log-likelihood, per scored position
     kl: np.ndarray  # KL(reference || model) per scored position
     same_top: np.ndarray  # whether the two argmax tokens agree, per scored position
 
@@ -114,7 +124,8 @@ def _chunk(logits: np.ndarray, reference: np.ndarray, window: np.ndarray, stride
         picked[1].append(log_p[np.arange(len(wanted)), wanted])
         kl.append((np.exp(log_p) * (log_p - log_q)).sum(axis=-1))
         same.append(np.argmax(log_q, axis=-1) == np.argmax(log_p, axis=-1))
-    return _Chunk(float(-np.concatenate(picked[0]).sum()), float(-np.concatenate(picked[1]).sum()),
+    model_ll, reference_ll = np.concatenate(picked[0]), np.concatenate(picked[1])
+    return _Chunk(float(-model_ll.sum()), float(-reference_ll.sum()), reference_ll - model_ll,
                   np.concatenate(kl), np.concatenate(same))
 
 
@@ -136,11 +147,14 @@ def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray,
         total_ref += chunk.reference_nll
     kl = np.concatenate([c.kl for c in chunks])
     count = len(kl)
+    difference = np.concatenate([c.nll_difference for c in chunks])
+    stderr = float(difference.std(ddof=1) / math.sqrt(count)) if count > 1 else 0.0
     return Divergence(perplexity=math.exp(total / count), reference_perplexity=math.exp(total_ref / count),
                       kl_mean=float(kl.mean()), kl_median=float(np.median(kl)), kl_p99=float(np.percentile(kl, 99)),
                       kl_max=float(kl.max()), same_top=float(np.concatenate([c.same_top for c in chunks]).mean()),
                       scored_tokens=count, chunks=len(windows), context=len(windows[0]), text_tokens=text_tokens,
-                      bos_token_id=bos_token_id, seconds=time.perf_counter() - start, stride=stride)
+                      bos_token_id=bos_token_id, seconds=time.perf_counter() - start, stride=stride,
+                      log_ratio=(total - total_ref) / count, log_ratio_stderr=stderr)
 
 
 def torch_logits(lm: Any) -> LogitsOf:
@@ -178,6 +192,7 @@ def text_cost_line(cost: dict[str, Any]) -> str:
     """One line of :func:`quantization_text_cost`'s result, for the export's output."""
     if not cost.get("measured"):
         return f"not measured: {cost.get('why')}"
-    return (f"perplexity {cost['perplexity']:.4f} vs {cost['reference_perplexity']:.4f} unquantized; KL divergence "
+    return (f"perplexity {cost['perplexity']:.4f} vs {cost['reference_perplexity']:.4f} unquantized (ln ratio "
+            f"{cost['log_ratio']:+.4f} ± {cost['log_ratio_stderr']:.4f}); KL divergence "
             f"mean {cost['kl_mean']:.4g}, p99 {cost['kl_p99']:.4g}; same top token {cost['same_top']:.1%} "
             f"({cost['scored_tokens']} positions: {cost['chunks_of_text']})")

@@ -13,6 +13,7 @@ import collections
 import hashlib
 import importlib.util
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -26,7 +27,8 @@ tokenizers = pytest.importorskip("tokenizers", reason="the folders' tokenizer.js
 
 from rmsnorm_deploy.cli import main  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel  # noqa: E402
-from rmsnorm_deploy.decoder.perplexity import SHIPPED_TEXT, perplexity  # noqa: E402
+from rmsnorm_deploy.decoder.divergence import divergence  # noqa: E402
+from rmsnorm_deploy.decoder.perplexity import SHIPPED_TEXT, log_softmax64, perplexity, scored_positions  # noqa: E402
 
 CONTEXT = 16
 BOS = 1  # the tiny Llama config's bos_token_id
@@ -107,6 +109,7 @@ def test_a_model_against_itself_diverges_by_nothing(capsys, folders, token_file)
     plain = _json(capsys, [str(folder["float32"]), "--tokens", str(path), "--context", str(CONTEXT)])
     assert got["kl_mean"] == got["kl_max"] == 0.0 and got["same_top"] == 1.0
     assert got["perplexity"] == got["reference_perplexity"] == plain["perplexity"]
+    assert got["log_ratio"] == got["log_ratio_stderr"] == 0.0
 
 
 def test_int4_against_float32_diverges(capsys, folders, token_file):
@@ -120,6 +123,29 @@ def test_int4_against_float32_diverges(capsys, folders, token_file):
     assert 0.0 < got["same_top"] <= 1.0 and got["scored_tokens"] == 21
     assert got["perplexity"] == alone["int4"]["perplexity"]
     assert got["reference_perplexity"] == alone["float32"]["perplexity"]
+    assert got["log_ratio"] == pytest.approx(math.log(got["perplexity"] / got["reference_perplexity"]), abs=1e-12)
+    assert got["log_ratio_stderr"] > 0.0
+
+
+def test_the_log_ratio_uncertainty_is_llama_perplexity_s():
+    """The paired standard error equals llama-perplexity's covariance form of it (perplexity.cpp,
+    ``log_ppl_ratio_unc``), computed here from its running sums."""
+    rng = np.random.default_rng(3)
+    vocab, window = 11, np.asarray(rng.integers(0, 11, 40), np.int64)
+    model, reference = rng.normal(size=(40, vocab)), rng.normal(size=(40, vocab))
+    got = divergence(lambda _w: model, lambda _w: reference, [window], text_tokens=40)
+    rows = scored_positions(len(window), None)
+    targets = window[rows.start + 1:]
+    nll = -log_softmax64(model[rows])[np.arange(len(targets)), targets]
+    nll_base = -log_softmax64(reference[rows])[np.arange(len(targets)), targets]
+    n = len(nll)
+
+    def spread(a, b):
+        return ((a * b).sum() / n - a.sum() / n * (b.sum() / n)) / (n - 1)
+
+    unc = math.sqrt(spread(nll, nll) + spread(nll_base, nll_base) - 2 * spread(nll, nll_base))
+    assert got.scored_tokens == n and got.log_ratio == pytest.approx(nll.mean() - nll_base.mean(), abs=1e-12)
+    assert got.log_ratio_stderr == pytest.approx(unc, rel=1e-9)
 
 
 def test_the_shipped_text_is_read_with_the_folder_tokenizer(capsys, folders, tmp_path):
