@@ -43,10 +43,6 @@ a fused projection (Q/K/V together) gets one width.
   (``quantize.gptq_blocks``): each rounding's error spread over the input features not yet
   quantized, under the calibration text's full input second moments (the Hessian), which the
   export holds in memory (refused over ``quant_sensitivity.HESSIAN_BYTES``).
-- ``int4-gptq-small``: ``int4-gptq``'s blocks with no 8-bit projection (the head and tied embedding
-  still 8 bits): the bytes Q4_K_M's layout adds, 12 MB on SmolLM2-135M, are not spent, so the file
-  is smaller than Q4_K_M's and decodes faster, at a larger error than ``int4-gptq``'s (as llama.cpp
-  users pick Q4_K_S over Q4_K_M; measured in ``benchmarks/results/quant_quality.md``).
 """
 
 from __future__ import annotations
@@ -117,8 +113,6 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 
 Rule = Callable[[str, int, int], "Width | None"]
-#: What a measured recipe may spend on 8-bit units: the bytes Q4_K_M's layout adds, or nothing.
-BUDGETS = ("q4_k_m", "none")
 
 
 def _uniform(bits: int) -> Rule:
@@ -171,12 +165,6 @@ class Recipe:
     #: the recipe's 8-bit units are chosen by measuring the model (``quant_sensitivity``), at ``upgrade``
     measured: bool = False
     upgrade: Width = Width(8)
-    #: what a measured recipe may spend on 8-bit units: the bytes Q4_K_M's layout adds, or none
-    budget: str = "q4_k_m"
-
-    def __post_init__(self) -> None:
-        if self.budget not in BUDGETS:
-            raise ValueError(f"{self.name}: no 8-bit budget {self.budget!r}")
 
     def width(self, role: str, layer: int, layers: int) -> Width:
         if role not in ROLES:
@@ -209,7 +197,4 @@ RECIPES = {r.name: r for r in (
     Recipe("int4-gptq", _gptq_head8, True,
            "int4-auto-zp's units and grid, each 4-bit block by GPTQ: its rounding errors spread over the features "
            "after it under the calibration text's input Hessian", measured=True),
-    Recipe("int4-gptq-small", _gptq_head8, True,
-           "int4-gptq's 4-bit blocks for every projection, no 8-bit units: smaller and faster than Q4_K_M's file, "
-           "at a larger error than int4-gptq's", measured=True, budget="none"),
 )}

@@ -17,8 +17,6 @@ measures it, cheaply, as llama.cpp's importance matrix does:
    ``int4-auto`` and ``int4-fit-mixed`` are the same size and differ only in which tensors are
    widened (measured on Gemma 3 270M: KL 0.061 against 0.088, ``benchmarks/results/quant_quality.md``).
    A unit 8 bits would not improve is never widened (a checkpoint already on a 4-bit grid).
-   A recipe with no budget (``int4-gptq-small``) skips steps 2 and 3: it gathers the inputs for
-   its fit only.
 
 The measurement, the proxy's values and the choice are recorded in the model's metadata.
 """
@@ -91,8 +89,8 @@ def unit_of(path: str) -> tuple[str, int] | None:
 HESSIAN_BYTES = 4 << 30
 
 
-def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full: bool = False,
-                  scheme: str = "int4-gptq") -> dict[str, torch.Tensor]:
+def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full: bool = False
+                  ) -> dict[str, torch.Tensor]:
     """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows),
     or with ``full`` its input's second moments ``E[x x^T]`` [K, K] (GPTQ's Hessian, whose
     diagonal is the former)."""
@@ -102,7 +100,7 @@ def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full
     linears = [(p, m) for p, m in lm.named_modules() if isinstance(m, torch.nn.Linear) and unit_of(p) is not None]
     hessian_bytes = sum(8 * m.in_features ** 2 for _, m in linears)
     if full and hessian_bytes > HESSIAN_BYTES:
-        raise UserError(f"--quantize {scheme} would hold {hessian_bytes / 2**30:.1f} "
+        raise UserError(f"--quantize int4-gptq would hold {hessian_bytes / 2**30:.1f} "
                         f"GiB of input Hessians for this model, over {HESSIAN_BYTES / 2**30:.0f} GiB; choose "
                         "--quantize int4-auto-zp (the same grid, fitted under their diagonal)")
 
@@ -195,21 +193,16 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     four, eight = recipe.width("o", 0, 1), recipe.upgrade
     quantizer = WeightQuantizer(quantization.block_size)
     gptq = four.method == "gptq"
-    hessians = input_moments(lm, windows, full=True, scheme=quantization.scheme) if gptq else None
+    hessians = input_moments(lm, windows, full=True) if gptq else None
     moments = ({path: torch.diagonal(h).clone() for path, h in hessians.items()} if hessians is not None
                else input_moments(lm, windows))
-    units: list[Unit] = []
-    budget = 0.0
-    if recipe.budget == "q4_k_m":
-        # GPTQ's units are chosen by the fit it starts each block from (its error spreading, per weight, is slower)
-        units = measure_units(lm, moments, quantizer, dataclasses.replace(four, method="fitzp") if gptq else four,
-                              eight)
-        budget = q4_k_m_budget(units, four, eight, quantization.block_size)
-        choose(units, four, eight, quantization.block_size, budget)
+    # GPTQ's units are chosen by the fit it starts each block from (its error spreading, per weight, is slower)
+    units = measure_units(lm, moments, quantizer, dataclasses.replace(four, method="fitzp") if gptq else four, eight)
+    budget = q4_k_m_budget(units, four, eight, quantization.block_size)
+    choose(units, four, eight, quantization.block_size, budget)
     record = {"calibration": source, "tokens": sum(len(w) for w in windows),
               "proxy": "relative expected output error under the mean squared input per feature",
-              "budget": ("the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)" if recipe.budget == "q4_k_m"
-                         else "none: every projection 4 bits"),
+              "budget": "the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)",
               "budget_bytes": round(budget), "units": [u.to_dict() for u in units],
               "fit": ("GPTQ: each 4-bit block's rounding error spread over the features after it through the "
                       "inverse of the input's second moments" if gptq else

@@ -178,26 +178,20 @@ def test_gptq_spreads_each_rounding_error_so_the_output_error_drops():
         assert check.passed == passed and check.gptq_weights == k * n, check.summary()
 
 
-@pytest.mark.parametrize("scheme", ["int4-gptq", "int4-gptq-small"])
-def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(llama, scheme):
+def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(llama):
     """int4-gptq: int4-auto-zp's measurement with each Linear's full input second moments kept, its
-    4-bit blocks by GPTQ in the zero-point grid (the fast kernel, no offsets); int4-gptq-small the
-    same blocks with no unit measured or widened (every projection 4 bits, the head 8); the graph
-    holds the dequantized model's parity and its greedy tokens."""
+    4-bit blocks by GPTQ in the zero-point grid (the fast kernel, no offsets); the graph holds the
+    dequantized model's parity and its greedy tokens."""
     from rmsnorm_deploy.decoder import quant_sensitivity as sens
 
     windows = np.random.default_rng(7).integers(0, llama.vocab_size, (2, 12)).tolist()
-    q = sens.measured(Quantization(scheme, 32, 1), llama.module.model, windows)
+    q = sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, windows)
     assert all(np.ndim(h) == 2 and h.shape[0] == h.shape[1] for h in q.importance.values())
     assert "GPTQ" in q.measurement["fit"]
-    small = scheme == "int4-gptq-small"
-    assert (q.measurement["budget_bytes"] == 0 and not q.measurement["units"] and not q.upgrades) == small
     dec = build_decoder(llama, quantization=q, max_length=32)
     entry = ModelMetadata.read(dec.model).quantization
     four = [lin for lin in entry["linears"] if lin["bits"] == 4]
     assert four and all(lin["method"] == "gptq" and lin["zero_points"] and not lin["offsets"] for lin in four)
-    eight = [lin for lin in entry["linears"] if lin["bits"] == 8]
-    assert eight and (all("lm_head" in str(lin["parts"]) for lin in eight) if small else True), eight
     parity = decode_parity(llama, dec.model, batch=2, prompt=5, steps=2)
     assert not parity.failed and parity.tokens_equal, parity.table()
 
@@ -206,10 +200,9 @@ def test_int4_gptq_refuses_a_model_whose_hessians_do_not_fit(llama, monkeypatch)
     from rmsnorm_deploy.decoder import quant_sensitivity as sens
 
     monkeypatch.setattr(sens, "HESSIAN_BYTES", 1 << 10)
-    for scheme in ("int4-gptq", "int4-gptq-small"):
-        with pytest.raises(UserError, match=rf"--quantize {scheme} would hold .* GiB of input Hessians .* choose "
-                                            r"--quantize int4-auto-zp"):
-            sens.measured(Quantization(scheme, 32, 1), llama.module.model, [[1, 2, 3]])
+    with pytest.raises(UserError, match=r"int4-gptq would hold .* GiB of input Hessians .* choose --quantize "
+                                        r"int4-auto-zp"):
+        sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, [[1, 2, 3]])
 
 
 @pytest.mark.parametrize("scheme", ["int4-gptq", "int4-auto"])
@@ -243,7 +236,7 @@ def test_recipes_widths():
     assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
     assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
     assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym", "int4-fit", "int4-fit-mixed",
-                            "int4-auto", "int4-auto-zp", "int4-hqq", "int4-gptq", "int4-gptq-small"}
+                            "int4-auto", "int4-auto-zp", "int4-hqq", "int4-gptq"}
     assert Quantization("int4-hqq").width("up", 3, 30) == Width(4, False, "hqq")
     assert Quantization("int4-hqq").width("down", 0, 30) == Width(8)
     fit = Width(4, False, "fit")
