@@ -7,7 +7,7 @@ tokens); both models read the same token ids. At each scored position, with
 ``P`` the reference's distribution and ``Q`` the model's (log-softmax of the logits in float64):
 
 * ``KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))`` in nats; reported as its mean over the
-  positions, its median, its 99th percentile (linear between the two nearest sorted values, as
+  positions (and that mean's standard error, llama.cpp's ``Mean KLD`` ``±``), its median, its 99th percentile (linear between the two nearest sorted values, as
   llama.cpp's ``percentile``, numpy's default) and its maximum;
 * top-1 agreement: the share of positions where the two argmax tokens are the same (llama.cpp's
   "Same top p");
@@ -72,6 +72,7 @@ class Divergence:
     perplexity: float  # the model's, over the scored positions
     reference_perplexity: float  # the reference's, over the same positions
     kl_mean: float  # nats per scored position, KL(reference || model)
+    kl_stderr: float  # the standard error of that mean over the positions (0 for fewer than 2)
     kl_median: float
     kl_p99: float
     kl_max: float
@@ -92,7 +93,7 @@ class Divergence:
     def summary(self) -> str:
         return (f"perplexity {self.perplexity:.4f} (reference {self.reference_perplexity:.4f}, ratio "
                 f"{self.perplexity / self.reference_perplexity:.4f}, ln ratio {self.log_ratio:+.5f} ± "
-                f"{self.log_ratio_stderr:.5f}); KL divergence mean {self.kl_mean:.6f}, "
+                f"{self.log_ratio_stderr:.5f}); KL divergence mean {self.kl_mean:.6f} ± {self.kl_stderr:.6f}, "
                 f"median {self.kl_median:.6f}, p99 {self.kl_p99:.6f}, max {self.kl_max:.6f}; same top token "
                 f"{self.same_top:.2%} of {self.scored_tokens} positions")
 
@@ -149,8 +150,10 @@ def divergence(logits_of: LogitsOf, reference_of: LogitsOf, windows: np.ndarray,
     count = len(kl)
     difference = np.concatenate([c.nll_difference for c in chunks])
     stderr = float(difference.std(ddof=1) / math.sqrt(count)) if count > 1 else 0.0
+    kl_stderr = float(kl.std(ddof=1) / math.sqrt(count)) if count > 1 else 0.0
     return Divergence(perplexity=math.exp(total / count), reference_perplexity=math.exp(total_ref / count),
-                      kl_mean=float(kl.mean()), kl_median=float(np.median(kl)), kl_p99=float(np.percentile(kl, 99)),
+                      kl_mean=float(kl.mean()), kl_stderr=kl_stderr, kl_median=float(np.median(kl)),
+                      kl_p99=float(np.percentile(kl, 99)),
                       kl_max=float(kl.max()), same_top=float(np.concatenate([c.same_top for c in chunks]).mean()),
                       scored_tokens=count, chunks=len(windows), context=len(windows[0]), text_tokens=text_tokens,
                       bos_token_id=bos_token_id, seconds=time.perf_counter() - start, stride=stride,

@@ -164,7 +164,7 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
         with progress.stage(f"loading the PyTorch model to measure its weights (--quantize {quantization.scheme})"):
             reference = hf.load_folder(loaded.folder, dtype)
     with progress.stage(f"measuring each projection's 4-bit error on {quant_sensitivity.CALIBRATION_TEXT.name} "
-                        f"({quant_sensitivity.CALIBRATION_CHUNKS} x {quant_sensitivity.CALIBRATION_CONTEXT} "
+                        f"({len(windows)} x {quant_sensitivity.CALIBRATION_CONTEXT} "
                         "tokens)") as st:
         result = quant_sensitivity.measured(quantization, causal_lm(reference), windows)
         st.note(f"{len(result.upgrades)} units in 8 bits: "

@@ -5,8 +5,8 @@ which tensors a given model needs widened is a property of its weights and activ
 measures it, cheaply, as llama.cpp's importance matrix does:
 
 1. run the model in PyTorch over :data:`CALIBRATION_TEXT` (the Apache License 2.0, shipped verbatim:
-   never the text quality is measured on), :data:`CALIBRATION_CHUNKS` windows of
-   :data:`CALIBRATION_CONTEXT` tokens, and gather each Linear's mean squared input per input
+   never the text quality is measured on), every whole window of :data:`CALIBRATION_CONTEXT`
+   tokens of it (8 with SmolLM2's tokenizer: 2,224 tokens), and gather each Linear's mean squared input per input
    feature, ``E[x_k^2]``;
 2. quantize each weight at the recipe's 4 bits and at 8, and take the expected squared output error
    under that diagonal input (``sum_k E[x_k^2] * sum_n (W - Q(W))_nk^2``) relative to the output's
@@ -37,7 +37,10 @@ from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.optional import require
 
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "texts" / "Apache-2.0"
-CALIBRATION_CHUNKS, CALIBRATION_CONTEXT = 4, 256
+#: Windows of the calibration text, all of it: GPTQ's Hessian of a 1,536-wide input is rank-deficient
+#: from 4 windows (1,024 tokens); the whole text (8 on SmolLM2-135M) measured KL 0.072 against 0.089
+#: (``benchmarks/results/quant_quality.md``).
+CALIBRATION_CONTEXT = 256
 #: The Linear modules a unit holds, by their attribute name (fused or not, the same unit).
 UNIT_OF_MODULE = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "qkv_proj": "qkv", "o_proj": "o",
                   "gate_proj": "gate_up", "up_proj": "gate_up", "gate_up_proj": "gate_up", "down_proj": "down"}
@@ -169,7 +172,8 @@ def q4_k_m_budget(units: list[Unit], four: Width, eight: Width, block_size: int)
 
 
 def calibration_windows(tokenizer_folder: Any) -> list[list[int]]:
-    """:data:`CALIBRATION_CHUNKS` windows of the calibration text, tokenized by the model's tokenizer."""
+    """Every whole window of :data:`CALIBRATION_CONTEXT` tokens of the calibration text, tokenized by the
+    model's tokenizer."""
     transformers = require("transformers", "reading the calibration text (--quantize int4-auto)")
     if tokenizer_folder is None or not any(Path(tokenizer_folder, f).is_file()
                                            for f in ("tokenizer.json", "tokenizer.model")):
@@ -178,7 +182,7 @@ def calibration_windows(tokenizer_folder: Any) -> list[list[int]]:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
     ids = [int(t) for t in tokenizer(CALIBRATION_TEXT.read_text(encoding="utf-8"))["input_ids"]]
     windows = [ids[i:i + CALIBRATION_CONTEXT] for i in range(0, len(ids) - CALIBRATION_CONTEXT + 1,
-                                                             CALIBRATION_CONTEXT)][:CALIBRATION_CHUNKS]
+                                                             CALIBRATION_CONTEXT)]
     if not windows:
         raise UserError(f"the calibration text is {len(ids)} tokens, shorter than one window of "
                         f"{CALIBRATION_CONTEXT}")

@@ -109,7 +109,7 @@ def test_a_model_against_itself_diverges_by_nothing(capsys, folders, token_file)
     plain = _json(capsys, [str(folder["float32"]), "--tokens", str(path), "--context", str(CONTEXT)])
     assert got["kl_mean"] == got["kl_max"] == 0.0 and got["same_top"] == 1.0
     assert got["perplexity"] == got["reference_perplexity"] == plain["perplexity"]
-    assert got["log_ratio"] == got["log_ratio_stderr"] == 0.0
+    assert got["log_ratio"] == got["log_ratio_stderr"] == got["kl_stderr"] == 0.0
 
 
 def test_int4_against_float32_diverges(capsys, folders, token_file):
@@ -146,6 +146,8 @@ def test_the_log_ratio_uncertainty_is_llama_perplexity_s():
     unc = math.sqrt(spread(nll, nll) + spread(nll_base, nll_base) - 2 * spread(nll, nll_base))
     assert got.scored_tokens == n and got.log_ratio == pytest.approx(nll.mean() - nll_base.mean(), abs=1e-12)
     assert got.log_ratio_stderr == pytest.approx(unc, rel=1e-9)
+    kl = [(np.exp(p) * (p - q)).sum() for p, q in zip(log_softmax64(reference[rows]), log_softmax64(model[rows]))]
+    assert got.kl_stderr == pytest.approx(math.sqrt(spread(np.array(kl), np.array(kl))), rel=1e-9)
 
 
 def test_the_shipped_text_is_read_with_the_folder_tokenizer(capsys, folders, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import onnx
@@ -619,3 +620,22 @@ def test_cli_export_audit_and_generate(hf_folder, tmp_path, capsys):
         ("MatMulNBits", "int8", 16, 1)}
     assert main(["generate", str(out), "--input-ids", "5,6,7", "--max-new-tokens", "4", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["tokens"][0]) == 4
+
+
+def test_calibration_reads_every_whole_window_of_the_shipped_text(tmp_path):
+    """The measured recipes calibrate on all of the shipped Apache License 2.0, not its first windows:
+    GPTQ's Hessian of a wide input needs the tokens (module comment of ``CALIBRATION_CONTEXT``)."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the test tokenizer is built with tokenizers")
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    text = sens.CALIBRATION_TEXT.read_text(encoding="utf-8")
+    words = sorted(set(re.findall(r"\w+|[^\w\s]+", text)))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}},
+                                                           unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    tokens = len(re.findall(r"\w+|[^\w\s]+", text))
+    windows = sens.calibration_windows(tmp_path)
+    assert len(windows) == tokens // sens.CALIBRATION_CONTEXT == 7  # 1,935 word tokens
+    assert all(len(w) == sens.CALIBRATION_CONTEXT for w in windows) and 0 not in windows[-1]
