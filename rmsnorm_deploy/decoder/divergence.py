@@ -7,7 +7,8 @@ tokens); both models read the same token ids. At each scored position, with
 ``P`` the reference's distribution and ``Q`` the model's (log-softmax of the logits in float64):
 
 * ``KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))`` in nats; reported as its mean over the
-  positions (and that mean's standard error, llama.cpp's ``Mean KLD`` ``±``), its median, its 99th percentile (linear between the two nearest sorted values, as
+  positions (and that mean's standard error, llama.cpp's ``Mean KLD`` ``±``), its median, its
+  99th percentile (linear between the two nearest sorted values, as
   llama.cpp's ``percentile``, numpy's default) and its maximum;
 * top-1 agreement: the share of positions where the two argmax tokens are the same (llama.cpp's
   "Same top p");
