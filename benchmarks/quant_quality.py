@@ -123,7 +123,9 @@ def export(loaded: Any, folder: Path, recipe: tuple[str, int, int] | None, out: 
     clock = time.perf_counter()
     row: dict[str, Any] = {}
     if q is not None and q.recipe.measured:
-        q = quant_sensitivity.measured(q, causal_lm(loaded), quant_sensitivity.calibration_windows(folder))
+        lm = causal_lm(loaded)
+        windows, source = quant_sensitivity.calibration_set(lm, folder)
+        q = quant_sensitivity.measured(q, lm, windows, source=source)
         row["upgraded"] = [f"{u}.{layer}" for u, layer in q.upgrades]
     dec = write_ort_decoder(loaded, out / "model.onnx", force=True, quantization=q, max_length=512, share_buffer=True)
     meta = ModelMetadata.read(dec.model)
@@ -305,7 +307,7 @@ def run_checkpoint(name: str, folder: Path, args: argparse.Namespace, earlier: d
         except RuntimeError as exc:  # recorded: a peer that cannot build this model is a result too
             genai_rows[g] = {"not_run": str(exc)}
             log(f"{name} genai {g}: {exc}")
-    genai_todo = [g for g in genai_outs if "perplexity" not in genai_rows.get(g, {})]
+    genai_todo = [g for g in genai_outs if args.rescore or "perplexity" not in genai_rows.get(g, {})]
     with KVCacheModel(outs["float32"]) as model:
         ids, bos = text_ids(model, read_text(args.text))
         windows = chunked(ids, CONTEXT, bos)[:chunks]
@@ -458,9 +460,10 @@ def main() -> int:
                                                               "(default: only rows not timed yet)")
     parser.add_argument("--fresh", action="store_true", help="measure every row again (default: rows in the "
                                                              "results file on the same chunks are kept)")
-    parser.add_argument("--rescore", action="store_true", help="export and score --recipes again, keeping the "
-                                                               "peers' rows and, unless --retime, the recipes' "
-                                                               "decode times (for a change to what the file stores)")
+    parser.add_argument("--rescore", action="store_true", help="score --recipes (and the --genai rows) again, "
+                                                               "keeping llama.cpp's rows and, unless --retime, the "
+                                                               "recipes' decode times (an export whose folder is in "
+                                                               "--work is reused: remove it to export again)")
     parser.add_argument("--text", type=Path, default=TEXT,
                         help="the text scored (default the GNU GPL v3); another one writes quant_quality_<its name>.*")
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"), help="llama.cpp tree with build/bin")

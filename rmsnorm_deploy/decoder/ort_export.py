@@ -153,7 +153,7 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
              progress: Progress) -> tuple[Quantization, LoadedModel]:
     """A measured recipe's widths (``quant_sensitivity``): the model run whole on the calibration text
     (loaded from its folder when streamed, if it fits); returns the quantization and the model run."""
-    windows = quant_sensitivity.calibration_windows(loaded.folder)
+    quant_sensitivity.calibration_windows(loaded.folder)  # no tokenizer: refused before any model is loaded
     reference = loaded
     if _is_streamed(loaded):
         why = reference_fits(loaded)
@@ -163,10 +163,14 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
                             "choose --quantize int4-mixed")
         with progress.stage(f"loading the PyTorch model to measure its weights (--quantize {quantization.scheme})"):
             reference = hf.load_folder(loaded.folder, dtype)
+    lm = causal_lm(reference)
+    with progress.stage(f"sampling {quant_sensitivity.GENERATED_WINDOWS} x {quant_sensitivity.CALIBRATION_CONTEXT} "
+                        "calibration tokens from the model"):
+        windows, source = quant_sensitivity.calibration_set(lm, loaded.folder)
     with progress.stage(f"measuring each projection's 4-bit error on {quant_sensitivity.CALIBRATION_TEXT.name} "
-                        f"({len(windows)} x {quant_sensitivity.CALIBRATION_CONTEXT} "
+                        f"and the model's samples ({len(windows)} x {quant_sensitivity.CALIBRATION_CONTEXT} "
                         "tokens)") as st:
-        result = quant_sensitivity.measured(quantization, causal_lm(reference), windows)
+        result = quant_sensitivity.measured(quantization, lm, windows, source=source)
         st.note(f"{len(result.upgrades)} units in 8 bits: "
                 + ", ".join(f"{unit}.{layer}" for unit, layer in result.upgrades))
     return result, reference

@@ -6,9 +6,12 @@ greedy tokens; the cost against the unquantized model reported beside it."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -622,20 +625,67 @@ def test_cli_export_audit_and_generate(hf_folder, tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["tokens"][0]) == 4
 
 
-def test_calibration_reads_every_whole_window_of_the_shipped_text(tmp_path):
-    """The measured recipes calibrate on all of the shipped Apache License 2.0, not its first windows:
-    GPTQ's Hessian of a wide input needs the tokens (module comment of ``CALIBRATION_CONTEXT``)."""
+def _word_tokenizer_folder(folder: Path, vocab: int | None = None) -> None:
+    """A word-level tokenizer of the calibration text's words (the ``vocab - 1`` most frequent, the rest
+    ``<unk>``: id 0) saved into ``folder`` as transformers reads it."""
     tokenizers = pytest.importorskip("tokenizers", reason="the test tokenizer is built with tokenizers")
     from rmsnorm_deploy.decoder import quant_sensitivity as sens
 
-    text = sens.CALIBRATION_TEXT.read_text(encoding="utf-8")
-    words = sorted(set(re.findall(r"\w+|[^\w\s]+", text)))
+    counts = collections.Counter(re.findall(r"\w+|[^\w\s]+", sens.CALIBRATION_TEXT.read_text(encoding="utf-8")))
+    words = [w for w, _ in counts.most_common(None if vocab is None else vocab - 1)]
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}},
                                                            unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def test_calibration_reads_every_whole_window_of_the_shipped_text(tmp_path):
+    """The measured recipes calibrate on all of the shipped Apache License 2.0, not its first windows:
+    GPTQ's Hessian of a wide input needs the tokens (module comment of ``CALIBRATION_CONTEXT``)."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    _word_tokenizer_folder(tmp_path)
+    text = sens.CALIBRATION_TEXT.read_text(encoding="utf-8")
     tokens = len(re.findall(r"\w+|[^\w\s]+", text))
     windows = sens.calibration_windows(tmp_path)
     assert len(windows) == tokens // sens.CALIBRATION_CONTEXT == 7  # 1,935 word tokens
     assert all(len(w) == sens.CALIBRATION_CONTEXT for w in windows) and 0 not in windows[-1]
+
+
+def test_the_model_samples_seeded_windows_from_its_bos(llama):
+    """Beside the text, the model's own samples: ``count`` windows of ``context`` tokens from its BOS,
+    in its vocabulary, the same for the same seed and model, others for another seed."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    lm = llama.module.model
+    windows = sens.generated_windows(lm, 3, context=12)
+    assert np.shape(windows) == (3, 12) and {w[0] for w in windows} == {lm.config.bos_token_id}
+    assert all(0 <= t < llama.vocab_size for w in windows for t in w)
+    assert windows == sens.generated_windows(lm, 3, context=12)
+    assert windows != sens.generated_windows(lm, 3, context=12, seed=1)
+    assert len({tuple(w) for w in windows}) == 3  # sampled, not the greedy path thrice
+
+
+def test_cli_int4_gptq_calibrates_on_the_text_and_the_models_samples(hf_folder, llama, tmp_path, capsys):
+    """The export of a measured recipe from a folder with a tokenizer: the text's windows and the
+    model's samples, both named in the metadata's measurement, and the parity of its dequantized model."""
+    from rmsnorm_deploy.cli import main
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    folder = tmp_path / "llama"
+    shutil.copytree(hf_folder, folder)
+    _word_tokenizer_folder(folder, llama.vocab_size)
+    out = tmp_path / "out"
+    assert main(["export", str(folder), "--kv-cache", "--target", "onnxruntime", "--quantize", "int4-gptq",
+                 "-o", str(out)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    said = printed.err + printed.out
+    assert f"sampling {sens.GENERATED_WINDOWS} x {sens.CALIBRATION_CONTEXT} calibration tokens" in said
+    measurement = ModelMetadata.read(onnx.load(str(out / "model.onnx"), load_external_data=False)).quantization[
+        "measured"]
+    text = len(sens.calibration_windows(folder))
+    assert measurement["tokens"] == (text + sens.GENERATED_WINDOWS) * sens.CALIBRATION_CONTEXT
+    assert measurement["calibration"].startswith(sens.CALIBRATION_SOURCE)
+    assert f"{sens.GENERATED_WINDOWS} windows the model sampled from its BOS token" in measurement["calibration"]
+    assert json.loads((out / "report.json").read_text())["parity"]["status"] == "pass"
