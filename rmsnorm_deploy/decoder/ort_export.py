@@ -151,7 +151,7 @@ def export_ort_decoder(loaded: LoadedModel, plan: Any, *, progress: Progress | N
 
 def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
              progress: Progress) -> tuple[Quantization, LoadedModel]:
-    """A measured recipe's widths (``quant_sensitivity``): the model run whole on the calibration text
+    """A measured recipe's widths (``quant_sensitivity``): the model run whole on the calibration set
     (loaded from its folder when streamed, if it fits); returns the quantization and the model run."""
     quant_sensitivity.calibration_windows(loaded.folder)  # no tokenizer: refused before any model is loaded
     reference = loaded

@@ -33,15 +33,16 @@ a fused projection (Q/K/V together) gets one width.
   embedding 8 bits.
 - ``int4-fit-mixed``: ``int4-mixed``'s layout with ``int4-fit``'s 4-bit blocks.
 - ``int4-auto``: ``int4-fit``, with the projections that lose the most per byte at 4 bits in 8 bits,
-  measured on the model over a calibration text (``quant_sensitivity``) within the bytes Q4_K_M's
-  layout adds; each 4-bit block fitted under the text's mean squared input per feature.
+  measured on the model over a calibration set (``quant_sensitivity``: a shipped text and the
+  model's own samples) within the bytes Q4_K_M's layout adds; each 4-bit block fitted under the
+  set's mean squared input per feature.
 - ``int4-auto-zp``: ``int4-auto`` with an integer zero point per block instead of a float offset
   (``quantize.fit_zero_point_blocks``): the grid MatMulNBits' fast kernel reads as it is, no
   offsets to add (``int4-mixed``'s speed), at a larger error than the offsets' (measured on Gemma 3
   270M: 1.56x their expected output error, 0.58x round-to-nearest's).
 - ``int4-gptq``: ``int4-auto-zp``'s 8-bit units and grid, its 4-bit blocks by GPTQ
   (``quantize.gptq_blocks``): each rounding's error spread over the input features not yet
-  quantized, under the calibration text's full input second moments (the Hessian), which the
+  quantized, under the calibration set's full input second moments (the Hessian), which the
   export holds in memory (refused over ``quant_sensitivity.HESSIAN_BYTES``).
 """
 
@@ -190,11 +191,11 @@ RECIPES = {r.name: r for r in (
            "int4-mixed's layout (llama.cpp Q4_K_M's 8-bit tensors) with int4-fit's 4-bit blocks"),
     Recipe("int4-auto", _fit_head8, True,
            "int4-fit's blocks; the Q/K/V, output, gate+up or down projections of the layers that lose the most "
-           "to 4 bits per byte, measured on a calibration text, in 8 bits within Q4_K_M's added bytes", measured=True),
+           "to 4 bits per byte, measured on a calibration set, in 8 bits within Q4_K_M's added bytes", measured=True),
     Recipe("int4-auto-zp", _fitzp_head8, True,
            "int4-auto with integer zero points instead of offsets: the fast kernel alone, each block's scale and "
            "zero point fitted under the measured inputs", measured=True),
     Recipe("int4-gptq", _gptq_head8, True,
            "int4-auto-zp's units and grid, each 4-bit block by GPTQ: its rounding errors spread over the features "
-           "after it under the calibration text's input Hessian", measured=True),
+           "after it under the calibration set's input Hessian", measured=True),
 )}

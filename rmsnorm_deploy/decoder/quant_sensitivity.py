@@ -4,10 +4,11 @@ A recipe like llama.cpp's Q4_K_M widens a fixed set of tensors (``quant_recipes.
 which tensors a given model needs widened is a property of its weights and activations. This
 measures it, cheaply, as llama.cpp's importance matrix does:
 
-1. run the model in PyTorch over :data:`CALIBRATION_TEXT` (the Apache License 2.0, shipped verbatim:
-   never the text quality is measured on), every whole window of :data:`CALIBRATION_CONTEXT`
-   tokens of it (8 with SmolLM2's tokenizer: 2,224 tokens), and gather each Linear's mean squared input per input
-   feature, ``E[x_k^2]``;
+1. run the model in PyTorch over its calibration set (:func:`calibration_set`): every whole window
+   of :data:`CALIBRATION_CONTEXT` tokens of :data:`CALIBRATION_TEXT` (the Apache License 2.0, shipped
+   verbatim: never the text quality is measured on; 8 windows with SmolLM2's tokenizer) and
+   :data:`GENERATED_WINDOWS` windows the model samples itself (:func:`generated_windows`), and
+   gather each Linear's mean squared input per input feature, ``E[x_k^2]``;
 2. quantize each weight at the recipe's 4 bits and at 8, and take the expected squared output error
    under that diagonal input (``sum_k E[x_k^2] * sum_n (W - Q(W))_nk^2``) relative to the output's
    own (``sum_k E[x_k^2] * sum_n W_nk^2``), per unit a MatMulNBits holds (``UNITS``: Q/K/V, the
@@ -126,7 +127,8 @@ def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full
     moments = {path: sums[path] / counts[path] for path in sums}
     broken = [path for path, m in moments.items() if not bool(torch.isfinite(m).all())]
     if broken:
-        raise UserError(f"the calibration text drove {broken[0]}'s input to non-finite values ({len(broken)} Linear(s)): "
+        raise UserError(f"the calibration set drove {broken[0]}'s input to non-finite values "
+                        f"({len(broken)} Linear(s)): "
                         "the model overflows or its weights are damaged; check it with `validate` before quantizing")
     return moments
 
@@ -190,8 +192,9 @@ def calibration_windows(tokenizer_folder: Any) -> list[list[int]]:
 
 
 #: Windows sampled from the model itself, beside the text: the calibration then also covers what the model
-#: writes, not only legal English. Measured on SmolLM2-135M's int4-gptq: KL 0.072 -> 0.068 on the GPL and
-#: 0.070 -> 0.056 on a Vim manual chapter (``benchmarks/results/quant_quality*.md``).
+#: writes, not only legal English. Measured on SmolLM2-135M's int4-gptq: KL 0.070 -> 0.057 on a Vim manual
+#: chapter, 0.072 on the GPL either way; Gemma 3 270M's 0.062 -> 0.058 on the GPL
+#: (``benchmarks/results/quant_quality*.md``).
 GENERATED_WINDOWS, GENERATION_SEED, GENERATION_TOP_P = 8, 0, 0.95
 CALIBRATION_SOURCE = "the shipped Apache License 2.0 (decoder/texts/Apache-2.0)"
 
