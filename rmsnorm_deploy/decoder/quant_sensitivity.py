@@ -207,15 +207,20 @@ def generated_windows(lm: torch.nn.Module, count: int = GENERATED_WINDOWS, *, se
     config = lm.config
     start = next((t for t in (config.bos_token_id, config.eos_token_id, config.pad_token_id)
                   if isinstance(t, int)), 0)
-    transformers = require("transformers", "sampling calibration windows from the model")
     generator = torch.Generator().manual_seed(seed)
     ids = torch.full((count, 1), start, dtype=torch.long)
-    cache = transformers.DynamicCache(config=config)  # passed as ``cache=``: transformers 5's name
     with torch.inference_mode():
+        # the first step makes the family's own cache (a hybrid model's is not a DynamicCache); then it is
+        # passed as ``cache=``, transformers 5's name
+        out = lm(input_ids=ids, use_cache=True)
         for step in range(context - 1):
-            out = lm(input_ids=ids if step == 0 else ids[:, -1:], cache=cache, use_cache=True)
-            cache = out.cache
-            probs, order = torch.softmax(out.logits[:, -1].double(), dim=-1).sort(dim=-1, descending=True)
+            if step:
+                out = lm(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+            logits = out.logits[:, -1].double()
+            if not bool(torch.isfinite(logits).all()):
+                raise UserError("sampling calibration windows from the model gave non-finite logits: the model "
+                                "overflows or its weights are damaged; check it with `validate` before quantizing")
+            probs, order = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
             probs[probs.cumsum(-1) - probs > GENERATION_TOP_P] = 0.0
             ids = torch.cat([ids, order.gather(-1, torch.multinomial(probs, 1, generator=generator))], dim=1)
     return ids.tolist()

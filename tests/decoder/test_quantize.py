@@ -667,6 +667,24 @@ def test_the_model_samples_seeded_windows_from_its_bos(llama):
     assert len({tuple(w) for w in windows}) == 3  # sampled, not the greedy path thrice
 
 
+def test_sampling_from_a_model_that_overflows_is_refused_in_one_line(llama):
+    """A damaged weight makes the logits non-finite: refused by name of the cause, not torch's multinomial
+    error as a traceback."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    lm = llama.module.model
+    weight = lm.model.layers[0].mlp.up_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[0, 0] = float("inf")
+        with pytest.raises(UserError, match=r"sampling calibration windows from the model gave non-finite logits"):
+            sens.generated_windows(lm, 2, context=8)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
 def test_cli_int4_gptq_calibrates_on_the_text_and_the_models_samples(hf_folder, llama, tmp_path, capsys):
     """The export of a measured recipe from a folder with a tokenizer: the text's windows and the
     model's samples, both named in the metadata's measurement, and the parity of its dequantized model."""
