@@ -7,6 +7,7 @@ greedy tokens; the cost against the unquantized model reported beside it."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import re
@@ -209,23 +210,29 @@ def test_int4_gptq_refuses_a_model_whose_hessians_do_not_fit(llama, monkeypatch)
         sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, [[1, 2, 3]])
 
 
+@contextlib.contextmanager
+def _one_inf_weight(lm: torch.nn.Module):
+    """``lm`` with one Inf in its first up projection (a damaged weight that overflows the forward), restored after."""
+    weight = lm.model.layers[0].mlp.up_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight[0, 0] = float("inf")
+        yield lm
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+
+
 @pytest.mark.parametrize("scheme", ["int4-gptq", "int4-auto"])
 def test_a_measured_recipe_refuses_non_finite_calibration_inputs(llama, scheme):
     """A weight that overflows the forward (here one Inf) makes the calibration statistics non-finite:
     refused in one line naming the Linear, never a traceback from the fit or the Cholesky."""
     from rmsnorm_deploy.decoder import quant_sensitivity as sens
 
-    lm = llama.module.model
-    weight = lm.model.layers[0].mlp.up_proj.weight
-    saved = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight[0, 0] = float("inf")
+    with _one_inf_weight(llama.module.model) as lm:
         with pytest.raises(UserError, match=r"drove model\.layers\.0\.mlp\.down_proj's input to non-finite"):
             sens.measured(Quantization(scheme, 32, 1), lm, [[1, 2, 3, 4]])
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
 
 
 def test_recipes_widths():
@@ -672,17 +679,9 @@ def test_sampling_from_a_model_that_overflows_is_refused_in_one_line(llama):
     error as a traceback."""
     from rmsnorm_deploy.decoder import quant_sensitivity as sens
 
-    lm = llama.module.model
-    weight = lm.model.layers[0].mlp.up_proj.weight
-    saved = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight[0, 0] = float("inf")
+    with _one_inf_weight(llama.module.model) as lm:
         with pytest.raises(UserError, match=r"sampling calibration windows from the model gave non-finite logits"):
             sens.generated_windows(lm, 2, context=8)
-    finally:
-        with torch.no_grad():
-            weight.copy_(saved)
 
 
 def test_cli_int4_gptq_calibrates_on_the_text_and_the_models_samples(hf_folder, llama, tmp_path, capsys):
