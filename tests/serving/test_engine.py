@@ -299,6 +299,28 @@ def test_not_ready_before_start(engine_exports):
         engine.drain(0)
 
 
+@pytest.mark.parametrize("kind", ["ort", "portable"])
+def test_a_stream_is_counted_and_its_slot_freed_before_anyone_sees_it_end(engine_exports, kind, monkeypatch):
+    """The engine frees the slot (slow here) and counts the stream before the stream is done: the
+    warm-up's last stream is not counted after ``start`` cleared the counts, and a client that saw its
+    answer end reads statistics that include it."""
+    with KVCacheModel(engine_exports(kind)) as model:
+        engine = Engine(model, EngineOptions(max_batch=2))
+        release = engine.batch.release
+
+        def slow_release(stream):
+            time.sleep(0.05)
+            release(stream)
+
+        monkeypatch.setattr(engine.batch, "release", slow_release)
+        engine.start()
+        assert engine.stats() == {"running": 0, "waiting": 0}
+        stream = engine.submit([5, 6, 7], max_new_tokens=3, eos_token_id=None)
+        assert len(stream.result(TIMEOUT_S)) == 3 and stream.finish_reason == "length"
+        assert engine.stats() == {"running": 0, "waiting": 0, "length": 1}
+        engine.drain(10)
+
+
 # -- asyncio --------------------------------------------------------------------------------------
 
 def test_streams_from_an_event_loop(engine_exports):

@@ -99,9 +99,16 @@ def test_each_example_runs_as_written(server, language, code):
     code = code.replace(DOC_ADDRESS, _served_address(server))
     argv = [sys.executable, "-c", code] if language == "python" else ["bash", "-c", "set -euo pipefail\n" + code]
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    before = server.engine.stats()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() and "Traceback" not in done.stderr and '"error"' not in done.stdout
+    assert "Traceback" not in done.stderr and '"error"' not in done.stdout
+    after = server.engine.stats()
+    ended = {k: after[k] - before.get(k, 0) for k in after if k not in ("running", "waiting")}
+    ended = {k: n for k, n in ended.items() if n}
+    assert ended and set(ended) <= {"stop", "length"}, f"the example's streams ended as {ended}"
+    # an example that samples (no temperature: 1) may draw end-of-sequence at once: an empty answer, rightly
+    assert done.stdout.strip() or ended.get("stop"), "the example printed nothing, and no stream ended on its own"
 
 
 def test_curl_no_buffer_prints_each_event_as_it_comes(server, text_exports):

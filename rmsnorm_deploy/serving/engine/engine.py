@@ -141,6 +141,7 @@ class Stream:
         self._cond = threading.Condition()
         self._wakers: list[Callable[[], None]] = []
         self.cancel_requested = False
+        self.ending: str | None = None  # "stop" or "length" once a pushed token ends it (finish_reason on retiring)
         self.sampling: Sampling | None = None  # set by the engine: speculation's (None: none)
         self.follows: Stream | None = None  # the stream of the same prompt whose prefill this one shares
 
@@ -150,7 +151,8 @@ class Stream:
 
     # -- the engine's side ----------------------------------------------------------------------
     def _push(self, token: int) -> bool:
-        """Hand out a token; True when it ends the stream."""
+        """Hand out a token; True when it ends the stream. The stream is not done yet: the engine
+        frees its slot and counts it first (``Engine._retire``), so whoever waits for the end sees both."""
         with self._cond:
             if self.finish_reason is not None:  # ended meanwhile (a drain that ran out of time)
                 return True
@@ -161,7 +163,7 @@ class Stream:
             self.last_token_at = now
             ended = token in self.eos or len(self.tokens) >= self.max_new_tokens
             if ended:
-                self.finish_reason = "stop" if token in self.eos else "length"
+                self.ending = "stop" if token in self.eos else "length"
         self.engine._token_out(now - self.submitted_at if last is None else None, None if last is None else now - last)
         self._wake()
         return ended
@@ -481,7 +483,7 @@ class Engine:
                     for stream in streams:
                         self._retire(stream, "error", StreamFailed(f"generation failed: {failure}"))
                 elif streams[0].cancel_requested or streams[0]._push(token):
-                    self._retire(streams[0], streams[0].finish_reason or "cancelled", StreamCancelled("cancelled"))
+                    self._retire(streams[0], streams[0].ending or "cancelled", StreamCancelled("cancelled"))
         except Exception as exc:  # noqa: BLE001 - the engine outlives any one iteration
             for stream in list(self._running):
                 self._retire(stream, "error", StreamFailed(f"generation failed: {one_line(exc)}"))
