@@ -151,16 +151,13 @@ class Stream:
 
     # -- the engine's side ----------------------------------------------------------------------
     def _push(self, token: int) -> bool:
-        """Hand out a token; True when it ends the stream. The stream is not done yet: the engine
-        frees its slot and counts it first (``Engine._retire``), so whoever waits for the end sees both."""
+        """Hand out a token; True when it ends the stream (which ``Engine._retire`` frees and counts, then ends)."""
         with self._cond:
             if self.finish_reason is not None:  # ended meanwhile (a drain that ran out of time)
                 return True
             self.tokens.append(token)
             now, last = time.perf_counter(), self.last_token_at
-            if self.first_token_at is None:
-                self.first_token_at = now
-            self.last_token_at = now
+            self.first_token_at, self.last_token_at = self.first_token_at or now, now
             ended = token in self.eos or len(self.tokens) >= self.max_new_tokens
             if ended:
                 self.ending = "stop" if token in self.eos else "length"
