@@ -192,10 +192,11 @@ def calibration_windows(tokenizer_folder: Any) -> list[list[int]]:
 
 
 #: Windows sampled from the model itself, beside the text: the calibration then also covers what the model
-#: writes, not only legal English. Measured on SmolLM2-135M's int4-gptq: KL 0.070 -> 0.057 on a Vim manual
-#: chapter, 0.072 on the GPL either way; Gemma 3 270M's 0.062 -> 0.058 on the GPL
-#: (``benchmarks/results/quant_quality*.md``).
-GENERATED_WINDOWS, GENERATION_SEED, GENERATION_TOP_P = 8, 0, 0.95
+#: writes, not only legal English. Measured on SmolLM2-135M's int4-gptq: 8 windows took KL from 0.070 to
+#: 0.057 on a Vim manual chapter (0.072 on the GPL either way; Gemma 3 270M's 0.062 -> 0.058 on the GPL);
+#: 16 (with GPTQ's act order) from 0.053 to 0.050 on the Vim chapter and 0.063 to 0.062 on the GPL, for
+#: about 30 s more export on 2 cores (``benchmarks/results/quant_quality*.md``).
+GENERATED_WINDOWS, GENERATION_SEED, GENERATION_TOP_P = 16, 0, 0.95
 CALIBRATION_SOURCE = "the shipped Apache License 2.0 (decoder/texts/Apache-2.0)"
 
 
@@ -256,7 +257,7 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
               "budget": "the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)",
               "budget_bytes": round(budget), "units": [u.to_dict() for u in units],
               "fit": ("GPTQ: each 4-bit block's rounding error spread over the features after it through the "
-                      "inverse of the input's second moments" if gptq else
+                      "inverse of the input's second moments, the most driven blocks and features first" if gptq else
                       "each 4-bit block's least squares weighted by the mean squared input per feature")}
     upgrades = tuple((u.unit, u.layer) for u in units if u.upgraded)
     importance = {path: m.double().numpy() for path, m in (hessians or moments).items()}

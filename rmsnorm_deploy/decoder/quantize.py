@@ -275,42 +275,62 @@ def fit_zero_point_blocks(weight_kn: np.ndarray, bits: int, block_size: int, imp
 GPTQ_DAMP = 0.01
 
 
-def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.ndarray, *,
+                by_importance: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPTQ (Frantar et al. 2022) in MatMulNBits' zero-point grid: the input features are
-    quantized in order, one block at a time; each block's scale and integer zero point per output
-    are fitted (:func:`fit_zero_point_blocks`, under the Hessian's diagonal) to the weights as
-    updated so far, and each rounding's error is spread over the features not yet quantized through
-    the upper Cholesky factor of the inverse Hessian, so the output error ``E|x (W - Q)|^2`` under
-    the calibration inputs is what is minimized, not the weights'. ``hessian`` [K, K]: ``E[x x^T]``
-    over the calibration text (``quant_sensitivity.input_moments``); dampened by
-    :data:`GPTQ_DAMP`; a feature the text never drove is quantized on its own. Returns what
-    :func:`fit_zero_point_blocks` returns (q [N, blocks, block] uint8, s [N, blocks], z [N, blocks])."""
+    quantized one block at a time; each block's scale and integer zero point per output are fitted
+    (:func:`fit_zero_point_blocks`, under the Hessian's diagonal) to the weights as updated so far,
+    and each rounding's error is spread over the features not yet quantized through the upper
+    Cholesky factor of the inverse Hessian, so the output error ``E|x (W - Q)|^2`` under the
+    calibration inputs is what is minimized, not the weights'. ``by_importance``: the blocks most
+    driven (the largest sum of the Hessian's diagonal) go first, and in each block its most driven
+    features (GPTQ's act order, kept within the grid's contiguous blocks), so the features that
+    matter most are rounded before they absorb others' errors; else in the graph's order. Measured
+    on SmolLM2-135M: KL to the float model 0.063 against 0.072 on the GPL, 0.053 against 0.057 on
+    another text (``benchmarks/quant_quality.py``). ``hessian`` [K, K]: ``E[x x^T]`` over the
+    calibration set (``quant_sensitivity.input_moments``); dampened by :data:`GPTQ_DAMP`; a feature
+    the set never drove is quantized on its own. Returns what :func:`fit_zero_point_blocks` returns
+    (q [N, blocks, block] uint8, s [N, blocks], z [N, blocks])."""
     dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
     k, n = weight_kn.shape
     h = np.array(hessian, np.float64)
     if h.shape != (k, k) or not np.all(np.isfinite(h)):
         raise ValueError(f"a Hessian of shape {h.shape} for K={k}: not K x K finite values")
     blocks = -(-k // block_size)
-    w = np.asarray(weight_kn, np.float64).T.copy()  # [N, K]: rows independent, features in order
     dead = np.diag(h) <= 0
     h[dead, dead] = 1.0
     h[np.diag_indices(k)] += GPTQ_DAMP * float(np.mean(np.diag(h)))
-    upper = np.linalg.cholesky(np.linalg.inv(h)).T  # H^-1 = U^T U
-    q = np.zeros((n, blocks * block_size), np.float64)
+    # the order the features are quantized in: whole blocks (each keeps its own scale and zero point),
+    # the most driven first, and in each its most driven features first (GPTQ's "act order" within
+    # the grid's blocks); later features absorb the earlier ones' errors
+    drive = np.diag(h)
+    spans = [np.arange(b * block_size, min((b + 1) * block_size, k)) for b in range(blocks)]
+    order = sorted(range(blocks), key=lambda b: -float(drive[spans[b]].sum())) if by_importance else range(blocks)
+    columns = [spans[b][np.argsort(-drive[spans[b]], kind="stable")] if by_importance else spans[b] for b in order]
+    perm = np.concatenate(columns)
+    hp = h[np.ix_(perm, perm)]
+    w = np.asarray(weight_kn, np.float64).T[:, perm].copy()  # [N, K] in the order quantized
+    upper = np.linalg.cholesky(np.linalg.inv(hp)).T  # H^-1 = U^T U
+    qp = np.zeros((n, k), np.float64)
     scales, zeros = np.zeros((n, blocks), dtype), np.zeros((n, blocks), np.uint8)
-    for b in range(blocks):
-        i0, i1 = b * block_size, min((b + 1) * block_size, k)
-        _, s, z = fit_zero_point_blocks(np.ascontiguousarray(w[:, i0:i1].T).astype(dtype), bits, block_size,
-                                        np.diag(h)[i0:i1])
+    start = 0
+    for b, inside in zip(order, columns):
+        i0, i1 = start, start + len(inside)
+        start = i1
+        # the block's scale and zero point: fitted in the graph's feature order (the padding, if any, last)
+        natural = np.argsort(inside)
+        _, s, z = fit_zero_point_blocks(np.ascontiguousarray(w[:, i0:i1][:, natural].T).astype(dtype), bits,
+                                        block_size, np.diag(hp)[i0:i1][natural])
         scales[:, b], zeros[:, b] = s[:, 0], z[:, 0]
         step, zero = s[:, 0].astype(np.float64), z[:, 0].astype(np.float64)
         errors = np.zeros((n, i1 - i0))
         for j in range(i0, i1):
-            q[:, j] = np.clip(np.rint(w[:, j] / step + zero), 0, levels)
-            errors[:, j - i0] = (w[:, j] - (q[:, j] - zero) * step) / upper[j, j]
+            qp[:, j] = np.clip(np.rint(w[:, j] / step + zero), 0, levels)
+            errors[:, j - i0] = (w[:, j] - (qp[:, j] - zero) * step) / upper[j, j]
             w[:, j + 1:i1] -= np.outer(errors[:, j - i0], upper[j, j + 1:i1])
         w[:, i1:] -= errors @ upper[i0:i1, i1:]
+    q = np.zeros((n, blocks * block_size), np.float64)
+    q[:, perm] = qp
     q[:, k:] = zeros[:, -1:]  # the last block's padding: its zero point, a weight of 0
     return q.reshape(n, blocks, block_size).astype(np.uint8), scales, zeros
 

@@ -183,6 +183,29 @@ def test_gptq_spreads_each_rounding_error_so_the_output_error_drops():
         assert check.passed == passed and check.gptq_weights == k * n, check.summary()
 
 
+def test_gptq_rounds_the_most_driven_blocks_and_features_first():
+    """Inputs driven unevenly, as a norm's outputs are: GPTQ in the order of the Hessian's diagonal
+    (whole blocks, then the features in each) leaves a fraction of the output error the graph's
+    order leaves, in the same grid (each block its own scale and zero point, in the graph's order)."""
+    from rmsnorm_deploy.decoder.quantize import gptq_blocks, pack_zero_points
+
+    rng = np.random.default_rng(0)
+    k, n, block = 192, 48, 32
+    drive = np.exp(rng.standard_normal(k))
+    x = (rng.standard_normal((4096, 16)) @ rng.standard_normal((16, k)) + 0.3 * rng.standard_normal((4096, k))) * drive
+    hessian = x.T @ x / len(x)
+    weight = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+
+    def output_error(q, s, z):
+        w = dequantize(q[..., 0::2] | (q[..., 1::2] << 4), s, pack_zero_points(z, 4), bits=4, block_size=block, k=k)
+        return float(((x @ (w - weight)) ** 2).mean())
+
+    ordered, natural = (gptq_blocks(weight, 4, block, hessian, by_importance=b) for b in (True, False))
+    assert output_error(*ordered) < 0.4 * output_error(*natural)
+    # the grid is the graph's: each block's scale fits the weights it holds, wherever it was quantized
+    assert ordered[1].shape == natural[1].shape == (n, k // block) and not np.array_equal(ordered[0], natural[0])
+
+
 def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(llama):
     """int4-gptq: int4-auto-zp's measurement with each Linear's full input second moments kept, its
     4-bit blocks by GPTQ in the zero-point grid (the fast kernel, no offsets); the graph holds the
