@@ -61,10 +61,11 @@ CHECKPOINTS = {
 }
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 CONTEXT, PROMPT, STEPS = 256, 128, 32
-#: recipe row -> (--quantize, block size, accuracy level); None: float32
-RECIPES: dict[str, tuple[str, int, int] | None] = {
+#: recipe row -> (--quantize, block size, accuracy level[, --quantize-lm-head]); None: float32
+RECIPES: dict[str, tuple[str, int, int] | tuple[str, int, int, bool] | None] = {
     "float32": None,
     "int8": ("int8", 32, 4),
+    "int8 with the head": ("int8", 32, 4, True),
     "int8 block 16": ("int8", 16, 4),
     "int8 float compute": ("int8", 32, 1),
     "int4-mixed": ("int4-mixed", 32, 4),
@@ -105,7 +106,7 @@ def slug(name: str) -> str:
 
 
 # -- ours ------------------------------------------------------------------------------------------
-def export(loaded: Any, folder: Path, recipe: tuple[str, int, int] | None, out: Path) -> dict[str, Any]:
+def export(loaded: Any, folder: Path, recipe: tuple[Any, ...] | None, out: Path) -> dict[str, Any]:
     """The recipe's export (as ``export`` writes it), its parity, bytes and exact share."""
     from rmsnorm_deploy.decoder import quant_sensitivity
     from rmsnorm_deploy.decoder.convention import KVCacheLayout
@@ -448,8 +449,8 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/quant_quality", help="where the exports and GGUFs are written")
     parser.add_argument("--checkpoints", nargs="*", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
     parser.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
-    parser.add_argument("--timed", nargs="*", default=["float32", "int8", "int8 block 16", "int4-mixed", "int4-fit",
-                                                        "int4-fit-mixed", "int4-auto", "int4-auto block 64"],
+    parser.add_argument("--timed", nargs="*", default=["float32", "int8", "int8 with the head", "int8 block 16",
+                                                        "int4-mixed", "int4-auto", "int4-auto-zp", "int4-gptq"],
                         help="the recipes whose decode is timed")
     parser.add_argument("--genai", nargs="*", default=list(GENAI), choices=list(GENAI),
                         help="onnxruntime-genai builder rows (each against our float32, the same folder)")
