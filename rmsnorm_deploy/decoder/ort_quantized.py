@@ -13,6 +13,15 @@ against the dequantized weights (both kernels compute ``(q - zero_point) * scale
 A fitted width's block offsets are added after its MatMulNBits: the input's sums over each block
 (Reshape, ReduceSum) times the offsets [K / block, N] (MatMul), the input padded to whole blocks
 first where K is not a multiple of the block.
+
+A per-channel width (``Width.per_channel``) is int8 rows [N, K] with a scale per row and a smoothing
+factor per input feature, multiplied by ``MatMulInteger`` on the input rounded to int8 per row
+(``quantize.channel_head`` is the same arithmetic, node for node); the rows are stored as the lookup
+reads them, and the MatMul reads them through a Transpose that ONNX Runtime folds into a constant
+when the session loads. The lookup is Gather, Cast, times the row's scale, times the smoothing.
+ONNX Runtime's int8 GEMM runs u8 x s8 products, which saturate in int16 on x86-64 CPUs without
+VNNI unless the session sets ``session.x64quantprecision`` (our runners always do:
+``runners.onnxruntime.EXACT_INTEGER_MATMUL``).
 """
 
 from __future__ import annotations
@@ -24,7 +33,10 @@ import torch
 
 from rmsnorm_deploy.decoder.ort_model import EMBED_OUTPUT, MS_DOMAIN
 from rmsnorm_deploy.decoder.quant_recipes import Width
-from rmsnorm_deploy.decoder.quantize import QuantizedLinear
+from onnx import TensorProto
+
+from rmsnorm_deploy.contract.dtypes import onnx_type
+from rmsnorm_deploy.decoder.quantize import CHANNEL_INVERSE_127, CHANNEL_TINY, QuantizedLinear, quantize_channel
 
 
 class QuantizedWeights:
@@ -47,14 +59,78 @@ class QuantizedWeights:
     _emit: Any
     i64: Any
 
+    def _lm_path(self, module: torch.nn.Module) -> str:
+        """``module``'s path in the causal LM (the keys of the measured tables)."""
+        if self._lm_paths is None:
+            self._lm_paths = {id(m): p for p, m in self.lm.named_modules()}
+        return self._lm_paths.get(id(module), "")
+
     def _importance(self, linears: list[torch.nn.Module]) -> np.ndarray | None:
         """The measured mean squared input of these Linears (one input: fused ones share it), if any."""
         table = self.quantization.importance if self.quantization is not None else None
         if not table or not linears:
             return None
-        if self._lm_paths is None:
-            self._lm_paths = {id(m): p for p, m in self.lm.named_modules()}
-        return table.get(self._lm_paths.get(id(linears[0]), ""))
+        return table.get(self._lm_path(linears[0]))
+
+    def _smoothing(self, linear: torch.nn.Module, k: int) -> np.ndarray:
+        """The measured smoothing factor [K] of a per-channel Linear's input; ones where none was measured."""
+        table = self.quantization.smoothing if self.quantization is not None else None
+        got = (table or {}).get(self._lm_path(linear))
+        if got is None:
+            return np.ones(k, np.float32)
+        got = np.asarray(got, np.float32)
+        if got.shape != (k,) or not np.all(np.isfinite(got)) or not np.all(got > 0):
+            raise ValueError(f"the smoothing of {self._lm_path(linear)} is not {k} positive finite factors")
+        return got
+
+    def _channel_weight(self, name: str, names: list[str], sizes: list[int], k: int,
+                        smoothing: np.ndarray) -> tuple[str, str, str]:
+        """The int8 rows [N, K] (streamed to the sink), their scales [N] and the smoothing [K], float32."""
+        scales: list[np.ndarray] = []
+
+        def rows_of() -> Iterator[np.ndarray]:
+            for _, rows in self._row_blocks(names, sizes, k):
+                q, s = quantize_channel(rows.detach().float().numpy(), smoothing)
+                scales.append(s)
+                yield q
+
+        table = self.w.blocks(f"{name}_Q8c", (sum(sizes), k), np.int8, rows_of())
+        return (table, self.w.init(f"{name}_channel_scales", np.concatenate(scales).astype(np.float32)),
+                self.w.init(f"{name}_smoothing", np.ascontiguousarray(smoothing, np.float32)))
+
+    def _matmul_channel(self, name: str, x: str, linears: list[torch.nn.Linear], names: list[str], base: str,
+                        out: str | None, width: Width) -> str:
+        """``quantize.channel_head`` as nodes: the input times the smoothing, rounded to int8 per row
+        (its scale ``max(max|row| / 127, tiny)``), MatMulInteger with the int8 rows (transposed, folded
+        at load), cast to float32, times the row's scale, times each output's; in float32 whatever the
+        graph's dtype (cast at both ends)."""
+        k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
+        shared = self.shared_head
+        if shared is not None and [self._path(lin) for lin in linears] == [shared.parts[0][0]]:
+            lin = shared
+        else:
+            table, scales, smooth = self._channel_weight(name, names, sizes, k, self._smoothing(linears[0], k))
+            lin = QuantizedLinear(table, scales, k, sum(sizes), tuple(
+                (self._path(m), size) for m, size in zip(linears, sizes)), width, smoothing=smooth)
+        self.quantized.append(lin)
+        one = self.w.one
+        f32 = self.w.np_dtype == np.float32
+        x32 = x if f32 else one("Cast", [x], f"{base}/to_float32", to=TensorProto.FLOAT)
+        xs = one("Mul", [x32, lin.smoothing], f"{base}/smoothed")
+        top = one("ReduceMax", [one("Abs", [xs], f"{base}/abs"), self.i64(f"{base}/last", [-1])], f"{base}/row_max",
+                  keepdims=1)
+        step = one("Max", [one("Mul", [top, self.w.init(f"{base}/inverse_127", CHANNEL_INVERSE_127)],
+                               f"{base}/row_scale"), self.w.init(f"{base}/tiny", CHANNEL_TINY)], f"{base}/row_step")
+        rounded = one("Round", [one("Div", [xs, step], f"{base}/divided")], f"{base}/rounded")
+        q = one("Cast", [one("Add", [rounded, self.w.init(f"{base}/offset", np.float32(128))], f"{base}/offset")],
+                f"{base}/int8_rows", to=TensorProto.UINT8)
+        rows_t = one("Transpose", [lin.packed], f"{base}/rows_t", perm=[1, 0])
+        acc = one("MatMulInteger", [q, rows_t, self.w.init(f"{base}/zero", np.uint8(128))], f"{base}/int32")
+        scaled_rows = one("Mul", [one("Cast", [acc], f"{base}/sums", to=TensorProto.FLOAT), step], f"{base}/times_row")
+        if f32:
+            return self._emit("Mul", [scaled_rows, lin.scales], base, out)
+        y = one("Mul", [scaled_rows, lin.scales], f"{base}/times_column")
+        return self._emit("Cast", [y], base, out, to=onnx_type(self.w.dtype))
 
     def _quantized_weight(self, name: str, names: list[str], sizes: list[int], k: int, width: Width, *,
                           flat: bool = False, linears: list[torch.nn.Module] = ()) -> tuple[str, str, str, str]:  # type: ignore[assignment]
@@ -96,6 +172,8 @@ class QuantizedWeights:
         weight, viewed [N, K/block, block*bits/8] by a Reshape (MatMulNBits takes no other shape;
         ONNX Runtime folds the Reshape of a constant when it loads the graph)."""
         assert self.quantization is not None
+        if width.per_channel:
+            return self._matmul_channel(name, x, linears, names, base, out, width)
         k, sizes = int(linears[0].in_features), [int(lin.out_features) for lin in linears]
         n, block = sum(sizes), self.quantization.block_size
         shared = self.shared_head
@@ -143,7 +221,8 @@ class QuantizedWeights:
         if self.quantization is None or getattr(head, "weight", None) is not embed.weight:
             return None
         width = self.quantization.width("head", self.dims.layers, self.dims.layers)
-        if width is None or int(embed.weight.shape[1]) % self.quantization.block_size or width.offsets:
+        if width is None or width.offsets or (
+                not width.per_channel and int(embed.weight.shape[1]) % self.quantization.block_size):
             return None
         return width
 
@@ -151,6 +230,8 @@ class QuantizedWeights:
         """The embedding quantized once at the head's width, looked up by GatherBlockQuantized;
         the head (``_matmul_nbits``) reads the same packed weight."""
         vocab, hidden = (int(d) for d in embed.weight.shape)
+        if width.per_channel:
+            return self._channel_lookup(embed, name, width)
         packed, scales, zero, _ = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
                                                       hidden, width, flat=True)
         head = self.lm.get_output_embeddings()
@@ -159,3 +240,22 @@ class QuantizedWeights:
         return self.w.one("GatherBlockQuantized", [packed, self.ids, scales] + ([zero] if zero else []), EMBED_OUTPUT,
                           domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=self.quantization.block_size,
                           bits=width.bits)
+
+    def _channel_lookup(self, embed: torch.nn.Module, name: str, width: Width) -> str:
+        """The embedding quantized once per channel (the head's rows, smoothed as the head's input is):
+        Gather of the int8 rows, Cast, times the row's scale, times the smoothing (``quantize.dequantize_channel``);
+        the head (``_matmul_channel``) reads the same rows."""
+        vocab, hidden = (int(d) for d in embed.weight.shape)
+        head = self.lm.get_output_embeddings()
+        table, scales, smooth = self._channel_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab], hidden,
+                                                     self._smoothing(head, hidden))
+        self.shared_head = QuantizedLinear(table, scales, hidden, vocab, ((self._path(head), vocab),), width,
+                                           embedding=self._path(embed), smoothing=smooth)
+        one = self.w.one
+        rows = one("Cast", [one("Gather", [table, self.ids], "embed/int8_rows")], "embed/rows", to=TensorProto.FLOAT)
+        row_scales = one("Unsqueeze", [one("Gather", [scales, self.ids], "embed/row_scales"),
+                                       self.i64("embed/last", [-1])], "embed/row_scales_3d")
+        scaled = one("Mul", [rows, row_scales], "embed/times_row")
+        if self.w.np_dtype == np.float32:
+            return one("Mul", [scaled, smooth], EMBED_OUTPUT)
+        return one("Cast", [one("Mul", [scaled, smooth], "embed/smoothed")], EMBED_OUTPUT, to=onnx_type(self.w.dtype))

@@ -29,7 +29,7 @@ from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS,
 from rmsnorm_deploy.decoder.loop import Generation, decode_loop
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.optional import require
-from rmsnorm_deploy.runners.onnxruntime import optimization_level, ortvalue_to_numpy
+from rmsnorm_deploy.runners.onnxruntime import exact_integer_matmuls, optimization_level, ortvalue_to_numpy
 
 #: ONNX Runtime's graph optimization level for decoding on CPU (GPU sessions keep ``all``: not
 #: measured there). ``extended`` writes the same
@@ -254,6 +254,7 @@ class KVDecoderRunner:
             so = ort.SessionOptions()
             so.graph_optimization_level = optimization_level(DECODE_OPTIMIZATION)
         so.intra_op_num_threads = threads
+        exact_integer_matmuls(so)
         source = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
         self.session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
         if layout is None:

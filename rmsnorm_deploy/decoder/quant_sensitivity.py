@@ -93,11 +93,11 @@ def unit_of(path: str) -> tuple[str, int] | None:
 HESSIAN_BYTES = 4 << 30
 
 
-def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full: bool = False
-                  ) -> dict[str, torch.Tensor]:
+def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full: bool = False,
+                  head_inputs: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows),
     or with ``full`` its input's second moments ``E[x x^T]`` [K, K] (GPTQ's Hessian, whose
-    diagonal is the former)."""
+    diagonal is the former); the LM head's input rows appended to ``head_inputs`` when given."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []
@@ -117,6 +117,9 @@ def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full
 
     for path, module in linears:
         hooks.append(module.register_forward_pre_hook(hook(path)))
+    if head_inputs is not None:
+        hooks.append(lm.get_output_embeddings().register_forward_pre_hook(
+            lambda _m, args: head_inputs.append(args[0].detach().float().reshape(-1, args[0].shape[-1]))))
     try:
         with torch.inference_mode():
             for window in windows:
@@ -245,9 +248,10 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     four, eight = recipe.width("o", 0, 1), recipe.upgrade
     quantizer = WeightQuantizer(quantization.block_size)
     gptq = four.method == "gptq"
-    hessians = input_moments(lm, windows, full=True) if gptq else None
+    head_rows: list[torch.Tensor] | None = [] if recipe.width("head", 0, 1).per_channel else None
+    hessians = input_moments(lm, windows, full=True, head_inputs=head_rows) if gptq else None
     moments = ({path: torch.diagonal(h).clone() for path, h in hessians.items()} if hessians is not None
-               else input_moments(lm, windows))
+               else input_moments(lm, windows, head_inputs=head_rows))
     # GPTQ's units are chosen by the fit it starts each block from (its error spreading, per weight, is slower)
     units = measure_units(lm, moments, quantizer, dataclasses.replace(four, method="fitzp") if gptq else four, eight)
     budget = q4_k_m_budget(units, four, eight, quantization.block_size)
@@ -259,6 +263,68 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
               "fit": ("GPTQ: each 4-bit block's rounding error spread over the features after it through the "
                       "inverse of the input's second moments, the most driven blocks and features first" if gptq else
                       "each 4-bit block's least squares weighted by the mean squared input per feature")}
+    smoothing = None
+    if head_rows:
+        head = lm.get_output_embeddings()
+        factors, record["head"] = head_smoothing(head, torch.cat(head_rows))
+        smoothing = {next(p for p, m in lm.named_modules() if m is head): factors}
     upgrades = tuple((u.unit, u.layer) for u in units if u.upgraded)
     importance = {path: m.double().numpy() for path, m in (hessians or moments).items()}
-    return dataclasses.replace(quantization, upgrades=upgrades, measurement=record, importance=importance)
+    return dataclasses.replace(quantization, upgrades=upgrades, measurement=record, importance=importance,
+                               smoothing=smoothing)
+
+
+#: SmoothQuant's migration strengths a per-channel head's smoothing is chosen from (0: none): the head's
+#: input has a few features tens of times larger than the rest (SmolLM2-135M's final norm: 53 against a
+#: median 4), which would set every row's int8 step; dividing feature k by ``max|x_k|^a / max|W_k|^(1-a)``
+#: and multiplying the weight's column by it moves them into the weight's per-row scales.
+SMOOTHING_STRENGTHS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6)
+#: How many of the calibration set's head input rows the strengths are compared on (evenly spaced).
+SMOOTHING_ROWS = 256
+
+
+def smoothing_factors(x_absmax: np.ndarray, w_absmax: np.ndarray, strength: float) -> np.ndarray:
+    """The factor [K] the head's input is multiplied by (``1 / s_k``, SmoothQuant's
+    ``s_k = max|x_k|^a / max|W_k|^(1-a)``, scaled to a geometric mean of 1); 1 where a feature or its
+    weight column is never non-zero."""
+    x = np.asarray(x_absmax, np.float64)
+    w = np.asarray(w_absmax, np.float64)
+    live = (x > 0) & (w > 0)
+    s = np.ones_like(x)
+    s[live] = x[live] ** strength / w[live] ** (1.0 - strength)
+    if live.any():
+        s[live] /= np.exp(np.mean(np.log(s[live])))
+    return (1.0 / s).astype(np.float32)
+
+
+def head_smoothing(head: torch.nn.Linear, rows: torch.Tensor) -> tuple[np.ndarray, dict[str, Any]]:
+    """The smoothing of a per-channel head (``quantize.channel_head``) with the least mean KL divergence
+    of its token distributions from the float head's, over :data:`SMOOTHING_ROWS` of the calibration
+    set's head inputs ``rows`` [T, K], among :data:`SMOOTHING_STRENGTHS`; and what was measured."""
+    from rmsnorm_deploy.decoder.quantize import channel_head, quantize_channel
+
+    if not bool(torch.isfinite(rows).all()):
+        raise UserError("the calibration set drove the LM head's input to non-finite values: the model overflows "
+                        "or its weights are damaged; check it with `validate` before quantizing")
+    weight = head.weight.detach().float()
+    sample = rows[torch.linspace(0, len(rows) - 1, min(SMOOTHING_ROWS, len(rows))).long()]
+    x_absmax, w_absmax = rows.abs().amax(0).numpy(), weight.abs().amax(0).numpy()
+    reference = [torch.log_softmax(chunk @ weight.T, dim=-1) for chunk in sample.split(64)]
+    kl: dict[float, float] = {}
+    best: tuple[float, np.ndarray] | None = None
+    for strength in SMOOTHING_STRENGTHS:
+        factors = smoothing_factors(x_absmax, w_absmax, strength)
+        q, scales = quantize_channel(weight.numpy(), factors)
+        table, scale, smooth = torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(factors)
+        total = 0.0
+        for chunk, ref in zip(sample.split(64), reference):
+            got = torch.log_softmax(channel_head(chunk, table, scale, smooth, exact=False), dim=-1)
+            total += float((ref.exp() * (ref - got)).sum())
+        kl[strength] = total / len(sample)
+        if best is None or kl[strength] < kl[best[0]]:
+            best = (strength, factors)
+    assert best is not None
+    return best[1], {"smoothing_strength": best[0], "rows": len(sample),
+                     "kl_by_strength": {f"{a:g}": round(v, 6) for a, v in kl.items()},
+                     "proxy": "mean KL divergence of the per-channel head's token distributions from the float "
+                              "head's on the calibration set's head inputs"}

@@ -23,7 +23,11 @@ What the kernel multiplies by, and so the reference a quantized graph is held to
 - at ``accuracy_level`` 0 or 1 the input as it is (float32 compute);
 - at ``accuracy_level`` 4 (int8 compute) the input rounded per row and block of ``block_size`` to
   int8, with the scale ``max|x| / 127`` of its block (:func:`round_activations`), before the int8
-  dot products are summed in int32; the offsets' block sums read the input as it is.
+  dot products are summed in int32; the offsets' block sums read the input as it is;
+- for a per-channel width (``Width.per_channel``, not MatMulNBits: ``MatMulInteger``), the weight
+  int8 [N, K] with one scale per output row, the input multiplied by a smoothing factor per feature
+  and rounded to int8 per row, the int32 products scaled back (:func:`channel_head`, step for step
+  as the graph's nodes; its lookup :func:`dequantize_channel`).
 
 :func:`dequantized_reference` puts exactly that into a PyTorch model in place of its Linear
 weights (and, at int8 compute, on their inputs), for the time of a comparison.
@@ -78,6 +82,9 @@ class Quantization:
     #: the measured mean squared input per feature [K] of each Linear (its path in the causal LM), which
     #: weights a fitted width's least squares (llama.cpp's importance matrix); not in the metadata
     importance: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    #: a per-channel width's measured smoothing (``quant_sensitivity.head_smoothing``): the factor [K] its
+    #: input is multiplied by (and its weight divided by) before rounding, per Linear path; none: ones
+    smoothing: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scheme not in RECIPES:
@@ -417,6 +424,8 @@ class WeightQuantizer:
         """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype;
         ``importance`` [K] weights a fitted width's least squares (:func:`fit_blocks`)."""
         weight_kn = np.ascontiguousarray(weight_kn)
+        if width.per_channel:
+            raise ValueError("a per-channel width is not MatMulNBits' packing; quantize it with quantize_channel")
         if width.method in OFFSET_METHODS:
             q, scales, offsets = (fit_blocks(weight_kn, width.bits, self.block_size, importance) if width.method == "fit"
                                   else _hqq(weight_kn, width.bits, self.block_size))
@@ -491,6 +500,44 @@ def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return padded.reshape(*x.shape[:-1], blocks, block_size).sum(-1)
 
 
+#: The floor of a row's int8 scale: an all-zero row rounds to zeros instead of dividing by zero.
+CHANNEL_TINY = np.float32(1e-30)
+CHANNEL_INVERSE_127 = np.float32(1.0 / 127.0)
+
+
+def quantize_channel(weight_nk: np.ndarray, smoothing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [N, K] of a weight quantized per output row: the row divided by ``smoothing`` [K] (what
+    its input is multiplied by), then rounded to int8 with the scale ``max|row| / 127`` (an all-zero
+    row: scale 1). Returns (q [N, K] int8, scales [N] float32)."""
+    w = np.asarray(weight_nk, np.float32) / np.asarray(smoothing, np.float32)
+    amax = np.abs(w).max(axis=1)
+    scales = np.where(amax > 0, amax * CHANNEL_INVERSE_127, np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def dequantize_channel(table: np.ndarray, scales: np.ndarray, smoothing: np.ndarray) -> np.ndarray:
+    """The [N, K] float32 rows a per-channel weight stands for, as the lookup computes them:
+    ``(q * scale_n) * smoothing_k`` (Cast, Mul, Mul)."""
+    return (table.astype(np.float32) * scales.astype(np.float32)[:, None]) * smoothing.astype(np.float32)[None, :]
+
+
+def channel_head(x: torch.Tensor, table: torch.Tensor, scales: torch.Tensor, smoothing: torch.Tensor, *,
+                 exact: bool = True) -> torch.Tensor:
+    """What the graph's per-channel MatMul computes, node for node, in float32: ``x * smoothing``; each
+    row's scale ``max(max|row| * (1/127), tiny)``; the row divided by it and rounded half to even
+    (int8); the int8 products summed exactly (int32) and cast to float32; times the row's scale, then
+    each output's. ``table`` [N, K] int8, ``scales`` [N], ``smoothing`` [K]. ``exact``: the sums in
+    float64 (exact for any K a model has); else float32 (a search that does not need the last bit)."""
+    xs = x.float() * smoothing.float()
+    step = torch.clamp(xs.abs().amax(dim=-1, keepdim=True) * torch.tensor(CHANNEL_INVERSE_127),
+                       min=float(CHANNEL_TINY))
+    q = torch.round(xs / step)
+    wide = torch.float64 if exact else torch.float32
+    acc = (q.to(wide) @ table.to(wide).T).float()
+    return ((acc * step) * scales.float()).to(x.dtype)
+
+
 # -- what the graph records, and the reference built from it -------------------------------------
 @dataclasses.dataclass(frozen=True)
 class QuantizedLinear:
@@ -498,7 +545,9 @@ class QuantizedLinear:
     width, and the Linear modules (paths in the exported module tree) whose weights it holds side
     by side, with their output rows; ``embedding``: the Embedding module whose lookup
     (GatherBlockQuantized) reads the same packed weight, when the head is tied to it; ``offsets``:
-    a fitted width's block offsets, stored [K / block, N] for the MatMul that adds them."""
+    a fitted width's block offsets, stored [K / block, N] for the MatMul that adds them. A per-channel
+    width (MatMulInteger, not MatMulNBits): ``packed`` the int8 rows [N, K], ``scales`` [N], and
+    ``smoothing`` the factor [K] its input is multiplied by (:func:`channel_head`)."""
 
     packed: str
     scales: str
@@ -509,11 +558,12 @@ class QuantizedLinear:
     zero_points: str = ""
     embedding: str = ""
     offsets: str = ""
+    smoothing: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"packed": self.packed, "scales": self.scales, "zero_points": self.zero_points, "K": self.k,
                 "N": self.n, "parts": [list(p) for p in self.parts], **self.width.to_dict(),
-                "embedding": self.embedding, "offsets": self.offsets}
+                "embedding": self.embedding, "offsets": self.offsets, "smoothing": self.smoothing}
 
 
 def expert_rows(w: torch.Tensor, *, transposed: bool, halves: bool) -> torch.Tensor:
@@ -589,7 +639,8 @@ def widths_summary(linears: list[QuantizedLinear]) -> str:
         counts[lin.width.describe()] = counts.get(lin.width.describe(), 0) + 1
     shared = [lin for lin in linears if lin.embedding]
     return ", ".join(f"{n}x {w}" for w, n in counts.items()) + (
-        f"; the head and {shared[0].embedding} share one int{shared[0].width.bits} weight (GatherBlockQuantized)"
+        f"; the head and {shared[0].embedding} share one int{shared[0].width.bits} weight "
+        f"({'Gather' if shared[0].width.per_channel else 'GatherBlockQuantized'})"
         if shared else "")
 
 
@@ -599,7 +650,8 @@ QUANTIZERS = {"rtn": "DefaultWeightOnlyQuantizer", "kquant": "neural_compressor.
               "fit": "rmsnorm_deploy's least-squares float scale and offset per block (quantize.fit_blocks)",
               "fitzp": "rmsnorm_deploy's least-squares float scale and integer zero point per block "
                        "(quantize.fit_zero_point_blocks)",
-              "gptq": "GPTQ under the calibration text's Hessian, in the integer-zero-point grid (quantize.gptq_blocks)"}
+              "gptq": "GPTQ under the calibration text's Hessian, in the integer-zero-point grid (quantize.gptq_blocks)",
+              "channel": "rmsnorm_deploy's per-channel int8 on smoothed int8 rows (quantize.quantize_channel)"}
 
 
 def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
@@ -614,7 +666,7 @@ def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
                           str(item.get("method", "rtn")))
             linear = QuantizedLinear(str(item["packed"]), str(item["scales"]), int(item["K"]), int(item["N"]), parts,
                                      width, str(item.get("zero_points", "")), str(item.get("embedding", "")),
-                                     str(item.get("offsets", "")))
+                                     str(item.get("offsets", "")), str(item.get("smoothing", "")))
             if sum(rows for _, rows in parts) != linear.n or linear.k < 1:
                 raise ValueError(f"{linear.packed}: its parts' rows do not add up to N={linear.n}")
             if bool(linear.zero_points) != width.zero_points:
@@ -622,6 +674,8 @@ def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
                                  f"{width.describe()} width")
             if bool(linear.offsets) != width.offsets:
                 raise ValueError(f"{linear.packed}: offsets {linear.offsets!r} for a {width.describe()} width")
+            if bool(linear.smoothing) != width.per_channel:
+                raise ValueError(f"{linear.packed}: smoothing {linear.smoothing!r} for a {width.describe()} width")
             linears.append(linear)
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"the model's quantization metadata is damaged ({exc}); export it again") from None
@@ -678,7 +732,9 @@ class WeightCheck:
         padded = np.zeros((rows, blocks * block_size), np.float32)
         padded[:, :k] = w
         padded = padded.reshape(rows, blocks, block_size)
-        if width.symmetric:
+        if width.per_channel:
+            expected = np.abs(padded).max(-1) / 127.0
+        elif width.symmetric:
             expected = np.abs(padded).max(-1) / float(1 << (width.bits - 1))
         else:
             expected = (np.maximum(padded.max(-1), 0) - np.minimum(padded.min(-1), 0)) / float((1 << width.bits) - 1)
@@ -688,10 +744,12 @@ class WeightCheck:
         nearest = np.clip(w, expand(ends.min(0)), expand(ends.max(0)))
         step = np.abs(scale)
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(expected > 0, step / expected, np.where(step > 0, np.inf, 1.0))
+            # an all-zero row: round-to-nearest's scale is 0, a per-channel one's 1 (its int8 values are 0 either way)
+            empty = 1.0 if width.per_channel else np.where(step > 0, np.inf, 1.0)
+            ratio = np.where(expected > 0, step / expected, empty)
             steps = 2.0 * np.abs(dequantized - nearest) / expand(np.maximum(step, 1e-30))
         self.clipped += int(np.count_nonzero(np.abs(nearest - w) > self.SLACK * expand(step)))
-        if width.method == "rtn":
+        if width.method in ("rtn", "channel"):
             far = float(ratio.flat[np.argmax(np.abs(ratio - 1.0))])
             if abs(far - 1.0) > abs(self.worst_scale - 1.0):
                 self.worst_scale = far
@@ -757,6 +815,9 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
     dequantized: dict[str, torch.Tensor] = {}
     with contextlib.ExitStack() as stack:
         for lin in linears:
+            if lin.width.per_channel:
+                _channel_reference(stack, modules, model, base_dir, lin, check, dequantized)
+                continue
             scales = read_initializer(model, lin.scales, base_dir)
             zero = read_initializer(model, lin.zero_points, base_dir) if lin.zero_points else None
             offsets = read_initializer(model, lin.offsets, base_dir).T if lin.offsets else None
@@ -770,10 +831,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
             zeros = zero_points_of(zero, lin.width.bits, scales.shape, offsets, scales)
             start = 0
             for path, rows in lin.parts:
-                module = modules.get(path)
-                if not isinstance(module, torch.nn.Linear) or tuple(module.weight.shape) != (rows, lin.k):
-                    raise UserError(f"the quantization metadata names {path!r} [{rows}, {lin.k}], which is not a "
-                                    "Linear of that shape in the model; export it again")
+                module = _linear_module(modules, path, rows, lin.k)
                 dequantized[path] = torch.from_numpy(np.ascontiguousarray(whole[:, start:start + rows].T))
                 check.add(path, module.weight, dequantized[path].numpy(), scales[start:start + rows],
                           zeros[start:start + rows], lin.width, q.block_size)
@@ -786,14 +844,65 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                         lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])).remove)
                 start += rows
             if lin.embedding:  # the lookup reads the same packed weight: the dequantized rows, exactly
-                embedding = modules.get(lin.embedding)
-                if not isinstance(embedding, torch.nn.Embedding) or tuple(embedding.weight.shape) != (lin.n, lin.k):
-                    raise UserError(f"the quantization metadata names {lin.embedding!r} [{lin.n}, {lin.k}], which "
-                                    "is not an Embedding of that shape in the model; export it again")
-                stack.enter_context(_replaced(embedding, "weight", torch.from_numpy(np.ascontiguousarray(weight.T))))
+                stack.enter_context(_replaced(_embedding_module(modules, lin), "weight",
+                                              torch.from_numpy(np.ascontiguousarray(weight.T))))
         for item in experts:
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
         yield Reference(q.compute, check, dequantized)
+
+
+def _linear_module(modules: dict[str, torch.nn.Module], path: str, rows: int, k: int) -> torch.nn.Linear:
+    module = modules.get(path)
+    if not isinstance(module, torch.nn.Linear) or tuple(module.weight.shape) != (rows, k):
+        raise UserError(f"the quantization metadata names {path!r} [{rows}, {k}], which is not a "
+                        "Linear of that shape in the model; export it again")
+    return module
+
+
+def _embedding_module(modules: dict[str, torch.nn.Module], lin: QuantizedLinear) -> torch.nn.Embedding:
+    embedding = modules.get(lin.embedding)
+    if not isinstance(embedding, torch.nn.Embedding) or tuple(embedding.weight.shape) != (lin.n, lin.k):
+        raise UserError(f"the quantization metadata names {lin.embedding!r} [{lin.n}, {lin.k}], which "
+                        "is not an Embedding of that shape in the model; export it again")
+    return embedding
+
+
+def _channel_reference(stack: contextlib.ExitStack, modules: dict[str, torch.nn.Module], model: Any, base_dir: Any,
+                       lin: QuantizedLinear, check: WeightCheck, dequantized: dict[str, torch.Tensor]) -> None:
+    """A per-channel weight read back: each Linear it holds computing :func:`channel_head` on its rows,
+    its weight (and a tied embedding's) the dequantized rows; checked in the smoothed space, where
+    each int8 value is the nearest step of its row's grid to ``weight / smoothing``."""
+    table = read_initializer(model, lin.packed, base_dir)
+    scales = read_initializer(model, lin.scales, base_dir)
+    smoothing = read_initializer(model, lin.smoothing, base_dir)
+    if (table.dtype != np.int8 or table.shape != (lin.n, lin.k) or scales.shape != (lin.n,)
+            or smoothing.shape != (lin.k,)):
+        raise UserError(f"the per-channel weight {lin.packed!r} is {table.dtype} {list(table.shape)} with scales "
+                        f"{list(scales.shape)} and smoothing {list(smoothing.shape)}, not int8 [{lin.n}, {lin.k}], "
+                        f"[{lin.n}] and [{lin.k}]; export it again")
+    whole = dequantize_channel(table, scales, smoothing)
+    smooth = torch.from_numpy(np.array(smoothing, np.float32))
+    start = 0
+    for path, rows in lin.parts:
+        module = _linear_module(modules, path, rows, lin.k)
+        mine = slice(start, start + rows)
+        dequantized[path] = torch.from_numpy(np.ascontiguousarray(whole[mine]))
+        grid = table[mine].astype(np.float32) * scales[mine, None].astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            check.add(path, module.weight.detach().float() / smooth, grid, scales[mine, None],
+                      np.full((rows, 1), 127.0, np.float32), lin.width, lin.k)
+        stack.enter_context(_replaced(module, "weight", dequantized[path]))
+        rows_t = torch.from_numpy(np.array(table[mine]))
+        scales_t = torch.from_numpy(np.array(scales[mine], np.float32))
+
+        def forward(x: torch.Tensor, m: torch.nn.Linear = module, t: torch.Tensor = rows_t,
+                    s: torch.Tensor = scales_t) -> torch.Tensor:
+            y = channel_head(x, t, s, smooth)
+            return y if m.bias is None else y + m.bias
+        stack.enter_context(_forward_of(module, forward))
+        start += rows
+    if lin.embedding:
+        stack.enter_context(_replaced(_embedding_module(modules, lin), "weight", torch.from_numpy(whole)))
 
 
 @contextlib.contextmanager
@@ -808,6 +917,13 @@ def _with_offsets(module: torch.nn.Linear, offsets: np.ndarray, q: Quantization)
         y = torch.nn.functional.linear(grid, module.weight, module.bias)
         return y + (block_sums(x.float(), q.block_size) @ table).to(y.dtype)
 
+    with _forward_of(module, forward):
+        yield
+
+
+@contextlib.contextmanager
+def _forward_of(module: torch.nn.Module, forward: Any) -> Iterator[None]:
+    """``module`` calling ``forward`` for the time of the block."""
     saved = module.__dict__.get("forward")
     module.forward = forward
     try:

@@ -279,6 +279,10 @@ def test_recipes_widths():
     assert Quantization("int4-fit-mixed").width("qkv", 5, 30) == Width(8)
     with pytest.raises(ValueError, match="no quantizer for"):
         Width(8, True, "fit")
+    assert RECIPES["int4-gptq"].width("head", 0, 1) == Width(8, method="channel") and Width(8, method="channel").per_channel
+    for bits, symmetric in ((4, True), (8, False)):
+        with pytest.raises(ValueError, match="no quantizer for"):
+            Width(bits, symmetric, "channel")
     with pytest.raises(UserError, match="chooses its widths by measuring the model; measure it first"):
         Quantization("int4-auto").width("o", 0, 30)
 
@@ -729,3 +733,202 @@ def test_cli_int4_gptq_calibrates_on_the_text_and_the_models_samples(hf_folder, 
     assert measurement["calibration"].startswith(sens.CALIBRATION_SOURCE)
     assert f"{sens.GENERATED_WINDOWS} windows the model sampled from its BOS token" in measurement["calibration"]
     assert json.loads((out / "report.json").read_text())["parity"]["status"] == "pass"
+
+
+# -- int4-gptq's head: 8 bits per channel on int8 rows (MatMulInteger) ---------------------------------
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def channel_decoder(request):
+    """A tiny model (llama: its own head; gemma3: the head tied to the embedding) exported int4-gptq,
+    measured on random windows."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    loaded = hf.from_config(hf.TINY_CONFIGS[request.param], "float32", seed=0)
+    windows = np.random.default_rng(7).integers(0, loaded.vocab_size, (2, 12)).tolist()
+    q = sens.measured(Quantization("int4-gptq", 32, 4), loaded.module.model, windows)
+    return loaded, q, build_decoder(loaded, quantization=q, max_length=32)
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    extra = onnx.ModelProto()
+    extra.CopyFrom(model)
+    extra.graph.output.extend(helper.make_empty_tensor_value_info(name) for name in names)
+    return extra
+
+
+def _channel_linear(dec) -> dict:
+    entry = ModelMetadata.read(dec.model).quantization
+    (head,) = [lin for lin in entry["linears"] if lin["method"] == "channel"]
+    return head
+
+
+def test_per_channel_head_is_channel_head_bit_for_bit(channel_decoder):
+    """The graph's head (int8 rows, smoothing, per-row int8 input, MatMulInteger, two scales) computes
+    exactly what ``quantize.channel_head`` computes on the same input, every logit equal; a row's logits
+    do not depend on the other rows of the batch (each row is rounded on its own scale)."""
+    loaded, _, dec = channel_decoder
+    head = _channel_linear(dec)
+    table, scales, smoothing = _channel_arrays(dec, head)
+    assert table.dtype == np.int8 and table.shape == (head["N"], head["K"]) and smoothing.shape == (head["K"],)
+    sess = KVDecoderRunner(_with_outputs(dec.model, ["final_norm/to_original"])).session
+    names = [o.name for o in sess.get_outputs()]
+    first, _ = random_left_padded(2, 7, loaded.vocab_size, seed=4)
+    got = []
+    for seed in (4, 5):  # the same first row beside two different second rows
+        ids, _ = random_left_padded(2, 7, loaded.vocab_size, seed=seed)
+        ids[0] = first[0]
+        mask = np.ones_like(ids)
+        feed = _prefill_feed(sess, ids, mask)
+        out = dict(zip(names, sess.run(None, feed)))
+        x = torch.from_numpy(out["final_norm/to_original"])
+        want = quantize.channel_head(x, torch.from_numpy(table), torch.from_numpy(scales), torch.from_numpy(smoothing))
+        np.testing.assert_array_equal(out["logits"], want.numpy())
+        got.append(out["logits"])
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+
+
+def _prefill_feed(sess, ids: np.ndarray, mask: np.ndarray) -> dict:
+    """A prefill feed for any KV graph input: the ids and mask, positions from the mask, empty past."""
+    feed = {}
+    for i in sess.get_inputs():
+        if i.name == "input_ids":
+            feed[i.name] = ids.astype(np.int64)
+        elif i.name == "attention_mask":
+            feed[i.name] = mask.astype(np.int64)
+        elif i.name == "position_ids":
+            feed[i.name] = np.clip(np.cumsum(mask, axis=1) - 1, 0, None).astype(np.int64)
+        else:
+            shape = [d if isinstance(d, int) else (ids.shape[0] if n == 0 else 0) for n, d in enumerate(i.shape)]
+            feed[i.name] = np.zeros(shape, np.float32)
+    return feed
+
+
+def _channel_arrays(dec, head: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    inits = {i.name: i for i in dec.model.graph.initializer}
+    return tuple(np.array(numpy_helper.to_array(inits[head[name]])) for name in ("packed", "scales", "smoothing"))
+
+
+def test_a_tied_per_channel_head_is_stored_once_and_looked_up_exactly(channel_decoder):
+    """Tied (Gemma 3), the int8 rows are one initializer the lookup gathers and the head multiplies
+    (through a Transpose ONNX Runtime folds at load); no float copy of the table is left, and the
+    lookup returns the dequantized rows ``(q * scale) * smoothing`` exactly."""
+    loaded, _, dec = channel_decoder
+    head = _channel_linear(dec)
+    graph = dec.model.graph
+    if not head["embedding"]:
+        assert not any(n.op_type == "Gather" and n.input[0] == head["packed"] for n in graph.node)
+        return
+    vocab, hidden = head["N"], head["K"]
+    (lookup,) = [n for n in graph.node if n.op_type == "Gather" and n.input[0] == head["packed"]]
+    (rows_t,) = [n for n in graph.node if n.op_type == "Transpose" and n.input[0] == head["packed"]]
+    assert any(n.op_type == "MatMulInteger" and n.input[1] == rows_t.output[0] for n in graph.node)
+    assert not [i for i in graph.initializer if i.data_type == TensorProto.FLOAT and list(i.dims)[:1] == [vocab]
+                and len(i.dims) == 2]
+    table, scales, smoothing = _channel_arrays(dec, head)
+    sess = KVDecoderRunner(_with_outputs(dec.model, ["embed"])).session
+    ids = np.array([[0, 5, vocab - 1, 3]], np.int64)
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, _prefill_feed(sess, ids, np.ones_like(ids)))))
+    np.testing.assert_array_equal(out["embed"][0], quantize.dequantize_channel(table, scales, smoothing)[ids[0]])
+    assert lookup.output[0] != "embed"  # Cast, the row's scale and the smoothing follow
+
+
+def test_per_channel_head_measures_its_smoothing(channel_decoder):
+    """The smoothing is chosen on the calibration set's head inputs among SmoothQuant's strengths by the
+    KL of the head's token distributions, recorded in the metadata; the factors the graph stores are
+    the measured ones."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    _, q, dec = channel_decoder
+    found = ModelMetadata.read(dec.model).quantization["measured"]["head"]
+    assert found["smoothing_strength"] in sens.SMOOTHING_STRENGTHS
+    assert set(found["kl_by_strength"]) == {f"{a:g}" for a in sens.SMOOTHING_STRENGTHS}
+    assert min(found["kl_by_strength"].values()) == found["kl_by_strength"][f"{found['smoothing_strength']:g}"]
+    (factors,) = q.smoothing.values()
+    np.testing.assert_array_equal(_channel_arrays(dec, _channel_linear(dec))[2], factors)
+
+
+def test_smoothing_moves_an_outlier_feature_into_the_weights():
+    """``1 / s_k`` with ``s_k = max|x_k|^a / max|W_k|^(1-a)``, geometric mean 1: a feature 50x the others
+    is divided the most; strength 0 leaves the input's scale to the weights alone; a dead feature gets 1."""
+    from rmsnorm_deploy.decoder.quant_sensitivity import smoothing_factors
+
+    x = np.array([1.0, 1.0, 50.0, 0.0, 1.0])
+    w = np.array([0.5, 0.5, 0.5, 0.5, 0.0])
+    f = smoothing_factors(x, w, 0.5)
+    assert f[2] < f[0] == f[1] and f[3] == f[4] == 1.0
+    assert np.isclose(np.exp(np.log(f[:3]).mean()), 1.0, rtol=1e-6)
+    assert np.allclose(smoothing_factors(x, w, 0.0)[:3], 1.0)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda lin: lin.update(smoothing=""), "smoothing '' for a int8 per channel"),
+    (lambda lin: lin.update(method="rtn"), "smoothing '.*' for a int8 symmetric rtn width"),
+])
+def test_damaged_per_channel_metadata_is_one_line(channel_decoder, damage, message):
+    _, _, dec = channel_decoder
+    entry = json.loads(json.dumps(ModelMetadata.read(dec.model).quantization))
+    damage(next(lin for lin in entry["linears"] if lin["method"] == "channel"))
+    with pytest.raises(UserError, match=message):
+        quantization_of(entry)
+
+
+def test_a_per_channel_weight_of_the_wrong_shape_is_refused(channel_decoder):
+    loaded, _, dec = channel_decoder
+    head = _channel_linear(dec)
+    model = onnx.ModelProto()
+    model.CopyFrom(dec.model)
+    (smoothing,) = [i for i in model.graph.initializer if i.name == head["smoothing"]]
+    smoothing.CopyFrom(numpy_helper.from_array(np.ones(head["K"] + 1, np.float32), head["smoothing"]))
+    with pytest.raises(UserError, match=rf"per-channel weight .* smoothing \[{head['K'] + 1}\], not int8"):
+        with dequantized_reference(loaded.module, model, ModelMetadata.read(model).quantization):
+            pass
+
+
+def test_a_wrong_per_channel_table_fails_the_weight_check(channel_decoder):
+    """Rows moved by one (another channel's values under this one's scale) are more than half a step from
+    the model's weights: the weight check fails; the graph's own rows pass it."""
+    loaded, _, dec = channel_decoder
+    head = _channel_linear(dec)
+    model = onnx.ModelProto()
+    model.CopyFrom(dec.model)
+    (table,) = [i for i in model.graph.initializer if i.name == head["packed"]]
+    rows = np.array(numpy_helper.to_array(table))
+    entry = ModelMetadata.read(model).quantization
+    with dequantized_reference(loaded.module, model, entry) as ref:
+        assert ref.weights.passed, ref.weights.summary()
+    table.CopyFrom(numpy_helper.from_array(np.roll(rows, 1, axis=0), head["packed"]))
+    with dequantized_reference(loaded.module, model, entry) as ref:
+        assert not ref.weights.passed and "lm_head" in ref.weights.worst
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_every_session_we_open_multiplies_int8_exactly(llama, tmp_path, monkeypatch, vnni):
+    """ONNX Runtime's u8 x s8 GEMM saturates on x86-64 without VNNI unless ``session.x64quantprecision``
+    is set: both our session makers set it there, and leave a VNNI CPU its fast (exact) kernel."""
+    from rmsnorm_deploy.runners import onnxruntime as runners
+
+    monkeypatch.setattr(runners, "cpu_has_vnni", lambda: vnni)
+    dec = build_decoder(llama, quantization=Quantization("int8"), max_length=16)
+    path = tmp_path / "model.onnx"
+    onnx.save(dec.model, str(path))
+
+    def entry(options) -> str:
+        try:
+            return options.get_session_config_entry(runners.EXACT_INTEGER_MATMUL)
+        except Exception:  # noqa: BLE001 - onnxruntime raises for an entry never set
+            return ""
+
+    want = "" if vnni else "1"
+    with runners.OnnxRuntimeRunner(str(path), ["cpu"]) as runner:
+        assert entry(runner.session.get_session_options()) == want
+    assert entry(KVDecoderRunner(dec.model).session.get_session_options()) == want
+
+
+@pytest.mark.parametrize("flags, vnni", [("fpu sse avx2 avx512f", False), ("fpu avx2 avx512f avx512_vnni", True),
+                                         ("fpu avx2 avx_vnni", True), (None, False)])
+def test_vnni_is_read_from_the_cpu_flags(tmp_path, flags, vnni):
+    from rmsnorm_deploy.runners.onnxruntime import cpu_has_vnni
+
+    path = tmp_path / "cpuinfo"
+    if flags is not None:
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert cpu_has_vnni(str(path)) is vnni
