@@ -23,8 +23,8 @@ ort_moe             a mixture-of-experts MLP: the router's MatMul and one ``com.
                     when quantized), what their CPU kernels compute and where they are exact
 ort_rotary          the rotary tables GroupQueryAttention reads: partial rotary, LongRoPE's two tables and
                     the run's rows sliced from the one its switch picks
-ort_quantized       the builder's quantized weights: MatMulNBits per the recipe's widths, and a tied
-                    quantized head and embedding stored once (GatherBlockQuantized + MatMulNBits)
+ort_quantized       the builder's quantized weights: MatMulNBits per the recipe's widths, a per-channel head
+                    by MatMulInteger on int8 rows, and a tied quantized head and embedding stored once
 ort_writer          ``GraphWriter``: unique names, and the initializers kept in memory or appended to
                     the external-data file block by block (``ExternalData``)
 weights             tensor sources the builder reads: the modules, or a checkpoint's safetensors files
@@ -32,7 +32,7 @@ weights             tensor sources the builder reads: the modules, or a checkpoi
 quant_recipes       ``--quantize`` recipes: each weight's width (bits, zero points, quantizer) by its
                     role and layer (int8, int4, int4-mixed: llama.cpp Q4_K_M's layout, ...)
 quant_sensitivity   ``--quantize int4-auto``: each projection's 4-bit output error measured on a
-                    calibration text, and the 8-bit units chosen within a size budget
+                    calibration text, the 8-bit units chosen within a size budget, a head's smoothing
 quantize            ``--quantize``: ONNX Runtime's weight-only quantizers per tensor, what MatMulNBits
                     computes (dequantized weights, int8 activations) and the reference built from it
 streaming           a Hugging Face folder opened without its weights (parameters on the meta device,

@@ -38,11 +38,19 @@ from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.tolerances import tolerance_at_scale
 from rmsnorm_deploy.decoder.convention import empty_past, layout_of
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, causal_lm, embedding_output, residual_output
-from rmsnorm_deploy.decoder.ort_parity import LAYER_CHECKS, REFERENCES, ParityVerdict, decisive_tokens_equal
+from rmsnorm_deploy.decoder.ort_parity import (
+    LAYER_CHECKS,
+    PER_CHANNEL_REFERENCE,
+    REFERENCES,
+    ParityVerdict,
+    decisive_tokens_equal,
+)
 from rmsnorm_deploy.decoder.quantize import (
+    channel_head,
     dequantize,
     dequantized_reference,
     quantization_of,
+    reference_compute,
     WeightCheck,
     read_initializer,
     round_activations,
@@ -162,6 +170,8 @@ class _LayerByLayer:
         linears = quantization_of(self.entry)[1] if self.entry is not None else []
         quantized = next((lin for lin in linears if lin.parts[0][0] == path), None)
         q = quantization_of(self.entry)[0] if quantized is not None else None
+        if quantized is not None and quantized.width.per_channel:
+            return self._channel_logits(x, head, path, quantized)
         if q is not None and q.compute == "int8":
             x = round_activations(x, q.block_size)
         packed = read_initializer(self.proto, quantized.packed, self.folder) if quantized else None
@@ -185,6 +195,26 @@ class _LayerByLayer:
             blocks.append((x @ w.to(x.dtype).T).float())
         return torch.cat(blocks, dim=-1).numpy()
 
+    def _channel_logits(self, x: torch.Tensor, head: torch.nn.Module, path: str, lin: Any) -> np.ndarray:
+        """A per-channel head (``quantize.channel_head``) in blocks of its rows, each block's int8 rows
+        checked against the model's weights in the smoothed space."""
+        table = read_initializer(self.proto, lin.packed, self.folder)
+        scales = read_initializer(self.proto, lin.scales, self.folder)
+        smoothing = np.array(read_initializer(self.proto, lin.smoothing, self.folder), np.float32)
+        if table.shape != (lin.n, lin.k) or scales.shape != (lin.n,) or smoothing.shape != (lin.k,):
+            raise UserError(f"the per-channel head {lin.packed!r} is {list(table.shape)} with scales "
+                            f"{list(scales.shape)} and smoothing {list(smoothing.shape)}; export it again")
+        smooth = torch.from_numpy(smoothing)
+        blocks = []
+        for start in range(0, int(head.out_features), HEAD_BLOCK_ROWS):
+            stop = min(int(head.out_features), start + HEAD_BLOCK_ROWS)
+            w = self.tensors.rows(self.names[id(head.weight)], start, stop)
+            rows, s = np.array(table[start:stop]), np.array(scales[start:stop], np.float32)
+            self.weights.add(path, w.float() / smooth, rows.astype(np.float32) * s[:, None], s[:, None],
+                             np.full((stop - start, 1), 127.0, np.float32), lin.width, lin.k)
+            blocks.append(channel_head(x, torch.from_numpy(rows), torch.from_numpy(s), smooth).float())
+        return torch.cat(blocks, dim=-1).numpy()
+
 
 def layer_parity(loaded: LoadedModel, tensors: TensorSource, model_path: str | os.PathLike, *, prompt: int = 8,
                  seed: int = 0) -> LayerParity:
@@ -206,7 +236,7 @@ def layer_parity(loaded: LoadedModel, tensors: TensorSource, model_path: str | o
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": positions, **past}
     names = [embedding_output(proto), *(residual_output(prefix, i) for i in range(layout.num_layers - 1))]
     graph = _graph_outputs(path, proto, names, feed, dtype)
-    compute = quantization_of(meta.quantization)[0].compute if meta.quantization is not None else None
+    compute = reference_compute(*quantization_of(meta.quantization)) if meta.quantization is not None else None
     key = (LAYER_CHECKS[compute], "onnxruntime", dtype)
     check = _LayerByLayer(loaded, tensors, proto, path.parent, graph, key, prefix)
     handles = []
@@ -231,4 +261,6 @@ def layer_parity(loaded: LoadedModel, tensors: TensorSource, model_path: str | o
         same = decisive_tokens_equal(logits[:, -1:], graph["logits"][:, -1:].argmax(-1), 2 * tolerance.atol)[0]
     else:
         same = bool(np.array_equal(graph["logits"][:, -1].argmax(-1), logits[:, -1].argmax(-1)))
-    return LayerParity(results, same, REFERENCES[compute], key, prompt)
+    per_channel = meta.quantization is not None and any(lin.width.per_channel
+                                                          for lin in quantization_of(meta.quantization)[1])
+    return LayerParity(results, same, REFERENCES[compute] + (PER_CHANNEL_REFERENCE if per_channel else ""), key, prompt)

@@ -59,6 +59,9 @@ REFERENCES = {
             "to int8 per block (MatMulNBits computes in int8; a fitted width's block offsets multiply the input's "
             "block sums as they are)",
 }
+#: Added to the reference's name when a Linear is quantized per channel (``quantize.channel_head``).
+PER_CHANNEL_REFERENCE = ("; a per-channel MatMulInteger's input times its smoothing, rounded to int8 per row, "
+                         "its int8 sums exact")
 #: The check of the tolerance table (an accuracy bound at float compute) for each whole-model reference.
 CHECKS = {None: "model_vs_float64", "float32": "quantized_model_vs_float64", "int8": "quantized_model_int8"}
 #: The same for one layer compared alone on the graph's own input (``layer_parity``): no depth to drift over.
@@ -173,12 +176,12 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
     meta = ModelMetadata.read(proto)
     entry = meta.quantization if meta is not None else None
     names = [f"logits step {i}" if i else "logits prefill" for i in range(len(got.step_logits))]
-    cost, compute, results = None, None, []
+    cost, compute, results, per_channel = None, None, [], False
     with contextlib.ExitStack() as stack:
         if entry is not None:
             cost = quantization_cost(lm, ids, mask, got)
             reference = stack.enter_context(dequantized_reference(loaded.module, proto, entry, base_dir=folder))
-            compute = reference.compute
+            compute, per_channel = reference.compute, reference.per_channel
             results.append(reference.weights)
         key = (CHECKS[compute], "onnxruntime", dtype)
         # the reference is fed the graph's own tokens, so every step compares the same inputs
@@ -193,7 +196,8 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
             results += [compare(g, e, tolerance, name=n, dtype=dtype)
                         for n, g, e in zip(names, got.step_logits, same.step_logits)]
             equal, ties = decisive_tokens_equal(np.stack(same.step_logits, axis=1), got.tokens, 2 * tolerance.atol)
-            return DecodeParity(results, equal, REFERENCES[compute], key, cost, ties)
+            return DecodeParity(results, equal, REFERENCES[compute] + (PER_CHANNEL_REFERENCE if per_channel else ""),
+                                key, cost, ties)
     allowed = accuracy_bound_for(*key).tolerance(level)
     margins = []
     for name, g, w in zip(names, got.step_logits, wide.step_logits):

@@ -21,7 +21,7 @@ reads them, and the MatMul reads them through a Transpose that ONNX Runtime fold
 when the session loads. The lookup is Gather, Cast, times the row's scale, times the smoothing.
 ONNX Runtime's int8 GEMM runs u8 x s8 products, which saturate in int16 on x86-64 CPUs without
 VNNI unless the session sets ``session.x64quantprecision`` (our runners always do:
-``runners.onnxruntime.EXACT_INTEGER_MATMUL``).
+``runners.int8_gemm``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from rmsnorm_deploy.decoder.convention import ATTENTION_MASK, INPUT_IDS, LOGITS,
 from rmsnorm_deploy.decoder.loop import Generation, decode_loop
 from rmsnorm_deploy.errors import InputError, UserError, one_line
 from rmsnorm_deploy.optional import require
-from rmsnorm_deploy.runners.onnxruntime import exact_integer_matmuls, optimization_level, ortvalue_to_numpy
+from rmsnorm_deploy.runners.int8_gemm import exact_integer_matmuls
+from rmsnorm_deploy.runners.onnxruntime import optimization_level, ortvalue_to_numpy
 
 #: ONNX Runtime's graph optimization level for decoding on CPU (GPU sessions keep ``all``: not
 #: measured there). ``extended`` writes the same

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from rmsnorm_deploy.decoder.quant_recipes import UNIT_OF_ROLE, Width, use_more_bits
-from rmsnorm_deploy.decoder.quantize import WeightQuantizer, dequantize
+from rmsnorm_deploy.decoder.quantize import WeightQuantizer, channel_head, dequantize, quantize_channel
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.optional import require
 
@@ -301,8 +301,6 @@ def head_smoothing(head: torch.nn.Linear, rows: torch.Tensor) -> tuple[np.ndarra
     """The smoothing of a per-channel head (``quantize.channel_head``) with the least mean KL divergence
     of its token distributions from the float head's, over :data:`SMOOTHING_ROWS` of the calibration
     set's head inputs ``rows`` [T, K], among :data:`SMOOTHING_STRENGTHS`; and what was measured."""
-    from rmsnorm_deploy.decoder.quantize import channel_head, quantize_channel
-
     if not bool(torch.isfinite(rows).all()):
         raise UserError("the calibration set drove the LM head's input to non-finite values: the model overflows "
                         "or its weights are damaged; check it with `validate` before quantizing")

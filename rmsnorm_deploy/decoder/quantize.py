@@ -786,14 +786,22 @@ class WeightCheck:
         return {**dataclasses.asdict(self), "passed": self.passed}
 
 
+def reference_compute(q: Quantization, linears: list[QuantizedLinear]) -> str:
+    """The dtype the quantized graph's MatMuls compute in, as its reference is checked: ``int8`` when
+    MatMulNBits rounds its inputs to int8 or any per-channel MatMulInteger does; else ``float32``."""
+    return "int8" if q.compute == "int8" or any(lin.width.per_channel for lin in linears) else q.compute
+
+
 @dataclasses.dataclass
 class Reference:
     """What :func:`dequantized_reference` put into the model: the compute dtype, the weights' check,
-    and each quantized Linear's whole dequantized weight by module path (offsets included)."""
+    and each quantized Linear's whole dequantized weight by module path (offsets included);
+    ``per_channel``: some Linear computes :func:`channel_head`."""
 
     compute: str
     weights: WeightCheck
     dequantized: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    per_channel: bool = False
 
 
 @contextlib.contextmanager
@@ -848,7 +856,8 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                                               torch.from_numpy(np.ascontiguousarray(weight.T))))
         for item in experts:
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
-        yield Reference(q.compute, check, dequantized)
+        yield Reference(reference_compute(q, linears), check, dequantized,
+                        any(lin.width.per_channel for lin in linears))
 
 
 def _linear_module(modules: dict[str, torch.nn.Module], path: str, rows: int, k: int) -> torch.nn.Linear:

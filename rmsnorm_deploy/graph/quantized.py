@@ -22,6 +22,8 @@ from rmsnorm_deploy.errors import UserError
 #: kernel's default, float32; 4: the input rounded to int8 per block, int8 dot products).
 ACCURACY_COMPUTE = {0: "float32", 1: "float32", 4: "int8"}
 NBITS_OP = "MatMulNBits"
+#: ONNX's int8 x int8 -> int32 MatMul: a per-channel quantized weight on int8 rows (``decoder.quantize.channel_head``).
+INTEGER_OP = "MatMulInteger"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,8 @@ class QuantizedMatMul:
 
     @property
     def compute(self) -> str:
+        if self.op == INTEGER_OP:
+            return "int8"
         if self.accuracy_level is None:
             return self.weights.removesuffix(f" {OFFSETS}")
         return ACCURACY_COMPUTE.get(self.accuracy_level, f"accuracy_level {self.accuracy_level}")
@@ -63,11 +67,21 @@ OFFSETS = "block offsets"
 
 
 def matmul_weights(model: onnx.ModelProto) -> list[QuantizedMatMul]:
-    """Every MatMulNBits, and every MatMul whose second input is an initializer, in graph order."""
+    """Every MatMulNBits, every MatMulInteger on a constant (or a constant's Transpose), and every
+    MatMul whose second input is an initializer, in graph order."""
     inits = {i.name: i for i in model.graph.initializer}
     producer = {out: node.op_type for node in model.graph.node for out in node.output}
+    transposed = {node.output[0]: node.input[0] for node in model.graph.node
+                  if node.op_type == "Transpose" and node.input and node.input[0] in inits}
     found = []
     for node in model.graph.node:
+        if node.op_type == INTEGER_OP and len(node.input) > 1 and (node.input[1] in inits or node.input[1] in transposed):
+            weight = inits[transposed.get(node.input[1], node.input[1])]
+            dims = [int(d) for d in weight.dims]
+            k, n = (dims[::-1] if node.input[1] in transposed else dims) if len(dims) == 2 else (None, None)
+            found.append(QuantizedMatMul(node.name or node.output[0], INTEGER_OP,
+                                         f"{_weight_dtype(weight.data_type)} per channel", k=k, n=n))
+            continue
         name = node.name or node.output[0]
         if node.op_type == NBITS_OP and node.domain == "com.microsoft":
             attrs = _ints(node)

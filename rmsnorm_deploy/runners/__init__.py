@@ -9,6 +9,7 @@ so a missing optional dependency is a clear error at activation, not at import.
 base               ``Runner``: the activate/infer/deactivate template every runner follows
 onnxruntime        ``OnnxRuntimeRunner``: CPU, CUDA and TensorRT providers, bf16 through IOBinding,
                    never a silent provider fallback
+int8_gemm          when a session asks for ONNX Runtime's exact int8 GEMM (CPUs without VNNI)
 torch              ``TorchRunner``: a PyTorch module (a rebuilt source) in its dtype or float64
 =================  ==========================================================================
 """

@@ -10,9 +10,8 @@ ONNX Runtime may also place single nodes on the CPU provider while the session r
 1.32) into :attr:`OnnxRuntimeRunner.node_assignment`; with ``require_all_nodes_on_provider`` any
 compute node off the requested providers is a :class:`ProviderError` naming the nodes.
 
-Before a CUDA or TensorRT session, ``onnxruntime.preload_dlls()`` (where it exists) loads the
-CUDA and cuDNN libraries of NVIDIA's pip wheels, which ONNX Runtime finds only then (or after
-torch was imported).
+Before a CUDA or TensorRT session, ``onnxruntime.preload_dlls()`` (where it exists) loads the CUDA and
+cuDNN libraries of NVIDIA's pip wheels, which ONNX Runtime finds only then (or after torch was imported).
 
 bfloat16 has no numpy dtype in ONNX Runtime's Python API: inputs go in as ``OrtValue``s made
 from a uint16 view, outputs come back through an ``IOBinding`` and are read from memory.
@@ -40,6 +39,7 @@ from rmsnorm_deploy.errors import InputError, ProviderError, UserError, one_line
 from rmsnorm_deploy.graph.onnx_file import check_model_file
 from rmsnorm_deploy.optional import require
 from rmsnorm_deploy.runners.base import Runner
+from rmsnorm_deploy.runners.int8_gemm import exact_integer_matmuls
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -68,34 +68,6 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 #: The session option that makes ONNX Runtime keep each node's provider for
 #: ``InferenceSession.get_provider_graph_assignment_info()``.
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
-#: ONNX Runtime's int8 GEMM (MatMulInteger: a per-channel quantized head) sums u8 x s8 pairs in saturating
-#: int16 (``vpmaddubsw``) on x86-64 CPUs without VNNI (AVX2, AVX-512 before VNNI): wrong sums. This session
-#: option rewrites the weights to u8 for its U8U8 kernel (exact) on every x86-64 CPU, VNNI or not, and costs
-#: a VNNI CPU (exact already: ``vpdpbusd`` sums in int32) 1.6x the head's time (measured here, [576, 49152]),
-#: so every session we open sets it unless the CPU has VNNI (:func:`cpu_has_vnni`).
-EXACT_INTEGER_MATMUL = "session.x64quantprecision"
-#: /proc/cpuinfo flags of the instructions ONNX Runtime's U8S8 VNNI kernels use (AVX512-VNNI, AVX-VNNI).
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
-
-
-def cpu_has_vnni(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU's flags (Linux's /proc/cpuinfo) name a VNNI extension; False where they cannot be read
-    (then the exact, slower int8 GEMM is asked for)."""
-    try:
-        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in VNNI_FLAGS)
-
-
-def exact_integer_matmuls(options: Any, *, vnni: bool | None = None) -> Any:
-    """``options`` (a SessionOptions) with :data:`EXACT_INTEGER_MATMUL` set unless the CPU has VNNI."""
-    if not (cpu_has_vnni() if vnni is None else vnni):
-        options.add_session_config_entry(EXACT_INTEGER_MATMUL, "1")
-    return options
-
-
 #: Session options that write the optimized model's initializers of 1 KB and more to a file beside it.
 OPTIMIZED_DATA = "session.optimized_model_external_initializers_file_name"
 OPTIMIZED_DATA_MIN_BYTES = "session.optimized_model_external_initializers_min_size_in_bytes"

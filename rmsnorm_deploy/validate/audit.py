@@ -23,7 +23,7 @@ from rmsnorm_deploy.graph.audit import audit_model
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.graph.onnx_file import load_onnx
 from rmsnorm_deploy.graph.placement import Finding, assign_placements, contract_findings
-from rmsnorm_deploy.graph.quantized import NBITS_OP, QuantizedMatMul, matmul_rows, matmul_weights
+from rmsnorm_deploy.graph.quantized import INTEGER_OP, NBITS_OP, QuantizedMatMul, matmul_rows, matmul_weights
 from rmsnorm_deploy.graph.reductions import Reduction, broken_reductions, low_precision_reductions
 from rmsnorm_deploy.runners.onnxruntime import optimized_graph, set_onnxruntime_log_level
 from rmsnorm_deploy.table import format_table
@@ -83,7 +83,7 @@ class AuditReport:
                  "-" if r.epsilon is None else f"{r.epsilon:.3g}", r.axes,
                  "; ".join(t for t in (r.note, "BROKEN" if r.problem else "") if t)] for r in self.reductions]
         lines = [format_table(headers, rows) if rows else "no normalization reduction found"]
-        if any(m.op == NBITS_OP for m in self.matmuls):  # a quantized graph: its MatMuls beside its norms
+        if any(m.op in (NBITS_OP, INTEGER_OP) for m in self.matmuls):  # a quantized graph: its MatMuls beside its norms
             lines.append(format_table(["matmuls", "op", "weights", "block size", "accuracy_level", "computes in"],
                                       matmul_rows(self.matmuls)))
         lines += [f"error: {error}" for error in self.errors]

@@ -904,21 +904,22 @@ def test_a_wrong_per_channel_table_fails_the_weight_check(channel_decoder):
 def test_every_session_we_open_multiplies_int8_exactly(llama, tmp_path, monkeypatch, vnni):
     """ONNX Runtime's u8 x s8 GEMM saturates on x86-64 without VNNI unless ``session.x64quantprecision``
     is set: both our session makers set it there, and leave a VNNI CPU its fast (exact) kernel."""
-    from rmsnorm_deploy.runners import onnxruntime as runners
+    from rmsnorm_deploy.runners import int8_gemm
+    from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner
 
-    monkeypatch.setattr(runners, "cpu_has_vnni", lambda: vnni)
+    monkeypatch.setattr(int8_gemm, "cpu_has_vnni", lambda: vnni)
     dec = build_decoder(llama, quantization=Quantization("int8"), max_length=16)
     path = tmp_path / "model.onnx"
     onnx.save(dec.model, str(path))
 
     def entry(options) -> str:
         try:
-            return options.get_session_config_entry(runners.EXACT_INTEGER_MATMUL)
+            return options.get_session_config_entry(int8_gemm.EXACT_INTEGER_MATMUL)
         except Exception:  # noqa: BLE001 - onnxruntime raises for an entry never set
             return ""
 
     want = "" if vnni else "1"
-    with runners.OnnxRuntimeRunner(str(path), ["cpu"]) as runner:
+    with OnnxRuntimeRunner(str(path), ["cpu"]) as runner:
         assert entry(runner.session.get_session_options()) == want
     assert entry(KVDecoderRunner(dec.model).session.get_session_options()) == want
 
@@ -926,7 +927,7 @@ def test_every_session_we_open_multiplies_int8_exactly(llama, tmp_path, monkeypa
 @pytest.mark.parametrize("flags, vnni", [("fpu sse avx2 avx512f", False), ("fpu avx2 avx512f avx512_vnni", True),
                                          ("fpu avx2 avx_vnni", True), (None, False)])
 def test_vnni_is_read_from_the_cpu_flags(tmp_path, flags, vnni):
-    from rmsnorm_deploy.runners.onnxruntime import cpu_has_vnni
+    from rmsnorm_deploy.runners.int8_gemm import cpu_has_vnni
 
     path = tmp_path / "cpuinfo"
     if flags is not None:
