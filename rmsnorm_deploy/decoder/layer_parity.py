@@ -52,6 +52,7 @@ from rmsnorm_deploy.decoder.quantize import (
     quantization_of,
     reference_compute,
     WeightCheck,
+    read_channel,
     read_initializer,
     round_activations,
     zero_points_of,
@@ -198,12 +199,7 @@ class _LayerByLayer:
     def _channel_logits(self, x: torch.Tensor, head: torch.nn.Module, path: str, lin: Any) -> np.ndarray:
         """A per-channel head (``quantize.channel_head``) in blocks of its rows, each block's int8 rows
         checked against the model's weights in the smoothed space."""
-        table = read_initializer(self.proto, lin.packed, self.folder)
-        scales = read_initializer(self.proto, lin.scales, self.folder)
-        smoothing = np.array(read_initializer(self.proto, lin.smoothing, self.folder), np.float32)
-        if table.shape != (lin.n, lin.k) or scales.shape != (lin.n,) or smoothing.shape != (lin.k,):
-            raise UserError(f"the per-channel head {lin.packed!r} is {list(table.shape)} with scales "
-                            f"{list(scales.shape)} and smoothing {list(smoothing.shape)}; export it again")
+        table, scales, smoothing = read_channel(self.proto, lin, self.folder)
         smooth = torch.from_numpy(smoothing)
         blocks = []
         for start in range(0, int(head.out_features), HEAD_BLOCK_ROWS):

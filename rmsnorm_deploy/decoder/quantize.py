@@ -876,19 +876,30 @@ def _embedding_module(modules: dict[str, torch.nn.Module], lin: QuantizedLinear)
     return embedding
 
 
-def _channel_reference(stack: contextlib.ExitStack, modules: dict[str, torch.nn.Module], model: Any, base_dir: Any,
-                       lin: QuantizedLinear, check: WeightCheck, dequantized: dict[str, torch.Tensor]) -> None:
-    """A per-channel weight read back: each Linear it holds computing :func:`channel_head` on its rows,
-    its weight (and a tied embedding's) the dequantized rows; checked in the smoothed space, where
-    each int8 value is the nearest step of its row's grid to ``weight / smoothing``."""
+def read_channel(model: Any, lin: QuantizedLinear, base_dir: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A per-channel weight's int8 rows [N, K], scales [N] and smoothing [K] read back from the graph,
+    their shapes and the smoothing (positive, finite: a NaN factor would make the graph and its reference
+    agree on NaN) checked."""
     table = read_initializer(model, lin.packed, base_dir)
     scales = read_initializer(model, lin.scales, base_dir)
-    smoothing = read_initializer(model, lin.smoothing, base_dir)
+    smoothing = np.array(read_initializer(model, lin.smoothing, base_dir), np.float32)
     if (table.dtype != np.int8 or table.shape != (lin.n, lin.k) or scales.shape != (lin.n,)
             or smoothing.shape != (lin.k,)):
         raise UserError(f"the per-channel weight {lin.packed!r} is {table.dtype} {list(table.shape)} with scales "
                         f"{list(scales.shape)} and smoothing {list(smoothing.shape)}, not int8 [{lin.n}, {lin.k}], "
                         f"[{lin.n}] and [{lin.k}]; export it again")
+    if not (np.all(np.isfinite(smoothing)) and np.all(smoothing > 0)):
+        raise UserError(f"the smoothing {lin.smoothing!r} of {lin.packed!r} holds non-positive or non-finite factors; "
+                        "export it again")
+    return table, scales, smoothing
+
+
+def _channel_reference(stack: contextlib.ExitStack, modules: dict[str, torch.nn.Module], model: Any, base_dir: Any,
+                       lin: QuantizedLinear, check: WeightCheck, dequantized: dict[str, torch.Tensor]) -> None:
+    """A per-channel weight read back: each Linear it holds computing :func:`channel_head` on its rows,
+    its weight (and a tied embedding's) the dequantized rows; checked in the smoothed space, where
+    each int8 value is the nearest step of its row's grid to ``weight / smoothing``."""
+    table, scales, smoothing = read_channel(model, lin, base_dir)
     whole = dequantize_channel(table, scales, smoothing)
     smooth = torch.from_numpy(np.array(smoothing, np.float32))
     start = 0

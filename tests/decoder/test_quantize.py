@@ -871,14 +871,21 @@ def test_damaged_per_channel_metadata_is_one_line(channel_decoder, damage, messa
         quantization_of(entry)
 
 
-def test_a_per_channel_weight_of_the_wrong_shape_is_refused(channel_decoder):
+@pytest.mark.parametrize("damage, message", [
+    (lambda k: np.ones(k + 1, np.float32), r"per-channel weight .* smoothing \[{k1}\], not int8"),
+    (lambda k: np.full(k, np.nan, np.float32), "holds non-positive or non-finite factors; export it again"),
+    (lambda k: np.zeros(k, np.float32), "holds non-positive or non-finite factors"),
+])
+def test_a_damaged_per_channel_weight_is_refused(channel_decoder, damage, message):
+    """A smoothing of the wrong shape, or NaN or zero factors (with which the graph and its reference would
+    agree on NaN or zeros), is refused in one line before any comparison."""
     loaded, _, dec = channel_decoder
     head = _channel_linear(dec)
     model = onnx.ModelProto()
     model.CopyFrom(dec.model)
     (smoothing,) = [i for i in model.graph.initializer if i.name == head["smoothing"]]
-    smoothing.CopyFrom(numpy_helper.from_array(np.ones(head["K"] + 1, np.float32), head["smoothing"]))
-    with pytest.raises(UserError, match=rf"per-channel weight .* smoothing \[{head['K'] + 1}\], not int8"):
+    smoothing.CopyFrom(numpy_helper.from_array(damage(head["K"]), head["smoothing"]))
+    with pytest.raises(UserError, match=message.format(k1=head["K"] + 1)):
         with dequantized_reference(loaded.module, model, ModelMetadata.read(model).quantization):
             pass
 

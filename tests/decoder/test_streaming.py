@@ -25,6 +25,7 @@ from rmsnorm_deploy.decoder.streaming import open_folder  # noqa: E402
 from rmsnorm_deploy.decoder.weights import CheckpointError, SafetensorsTensors  # noqa: E402
 from rmsnorm_deploy.exporter import hf  # noqa: E402
 from rmsnorm_deploy.exporter.detect import detect_norms  # noqa: E402
+from rmsnorm_deploy.graph.metadata import ModelMetadata  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +210,25 @@ def test_experts_stream_whether_stored_apart_or_fused(tmp_path, row):
         assert (tmp_path / "memory" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
     parity = layer_parity(streamed, tensors, out, prompt=6)
     assert not parity.failed, parity.table()
+
+
+def test_layer_by_layer_parity_of_a_per_channel_head(checkpoints, tmp_path):
+    """int4-gptq's head (8 bits per channel on int8 rows, ``quantize.channel_head``) checked layer by layer:
+    its logits computed from the checkpoint's rows block by block pass; its rows moved by one fail the
+    weights' check."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    folder = checkpoints("llama")
+    whole = hf.load_folder(folder, "float32")
+    windows = np.random.default_rng(3).integers(0, whole.vocab_size, (2, 12)).tolist()
+    quantization = sens.measured(Quantization("int4-gptq", 32, 4), whole.module.model, windows)
+    out = tmp_path / "model.onnx"
+    write_ort_decoder(whole, out, force=False, quantization=quantization)
+    streamed, tensors = open_folder(folder, "float32")
+    parity = layer_parity(streamed, tensors, out, prompt=6)
+    assert not parity.failed and "per-channel MatMulInteger" in parity.reference, parity.table()
+    proto = onnx.load(str(out), load_external_data=False)
+    (head,) = [lin for lin in ModelMetadata.read(proto).quantization["linears"] if lin["method"] == "channel"]
+    _tamper(tmp_path / "model.onnx.data", proto, head["packed"])
+    damaged = layer_parity(streamed, tensors, out, prompt=6)
+    assert damaged.failed and not damaged.results[0].passed
