@@ -20,7 +20,7 @@ factor per input feature, multiplied by ``MatMulInteger`` on the input rounded t
 reads them, and the MatMul reads them through a Transpose that ONNX Runtime folds into a constant
 when the session loads. The lookup is Gather, Cast, times the row's scale, times the smoothing.
 ONNX Runtime's int8 GEMM runs u8 x s8 products, which saturate in int16 on x86-64 CPUs without
-VNNI unless the session sets ``session.x64quantprecision`` (our runners always do:
+VNNI unless the session sets ``session.x64quantprecision`` (our sessions do on such CPUs:
 ``runners.int8_gemm``).
 """
 
@@ -30,12 +30,11 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-
-from rmsnorm_deploy.decoder.ort_model import EMBED_OUTPUT, MS_DOMAIN
-from rmsnorm_deploy.decoder.quant_recipes import Width
 from onnx import TensorProto
 
 from rmsnorm_deploy.contract.dtypes import onnx_type
+from rmsnorm_deploy.decoder.ort_model import EMBED_OUTPUT, MS_DOMAIN
+from rmsnorm_deploy.decoder.quant_recipes import Width
 from rmsnorm_deploy.decoder.quantize import CHANNEL_INVERSE_127, CHANNEL_TINY, QuantizedLinear, quantize_channel
 
 
