@@ -46,7 +46,7 @@ a fused projection (Q/K/V together) gets one width.
   export holds in memory (refused over ``quant_sensitivity.HESSIAN_BYTES``); its head (and tied
   embedding) 8 bits per output channel (``CHANNEL8``), multiplied by ``MatMulInteger`` on the input
   rounded to int8 per row: ONNX Runtime's int8 GEMM reads the head about twice as fast as
-  MatMulNBits' 8-bit kernel (measured on SmolLM2-135M: a decode step 0.88x), the input's outlier
+  MatMulNBits' 8-bit kernel (measured on SmolLM2-135M: a decode step 0.89x), the input's outlier
   features first moved into the weights by a per-feature smoothing measured on the calibration set.
 """
 
