@@ -173,6 +173,9 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
         result = quant_sensitivity.measured(quantization, lm, windows, source=source)
         st.note(f"{len(result.upgrades)} units in 8 bits: "
                 + ", ".join(f"{unit}.{layer}" for unit, layer in result.upgrades))
+        if isinstance(result.importance, quant_sensitivity.LayerHessians):
+            st.note(f"GPTQ's input Hessians: {result.importance.groups} group(s) of layers, each measured by a "
+                    "calibration pass as the graph is written")
     return result, reference
 
 

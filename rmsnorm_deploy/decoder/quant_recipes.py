@@ -42,8 +42,9 @@ a fused projection (Q/K/V together) gets one width.
   270M: 1.56x their expected output error, 0.58x round-to-nearest's).
 - ``int4-gptq``: ``int4-auto-zp``'s 8-bit units and grid, its 4-bit blocks by GPTQ
   (``quantize.gptq_blocks``): each rounding's error spread over the input features not yet
-  quantized, under the calibration set's full input second moments (the Hessian), which the
-  export holds in memory (refused over ``quant_sensitivity.HESSIAN_BYTES``); its head (and tied
+  quantized, under the calibration set's full input second moments (the Hessian), measured a
+  group of layers at a time within ``quant_sensitivity.HESSIAN_BYTES`` (a layer alone over it is
+  refused: ``quant_sensitivity.LayerHessians``); its head (and tied
   embedding) 8 bits per output channel (``CHANNEL8``), multiplied by ``MatMulInteger`` on the input
   rounded to int8 per row: ONNX Runtime's int8 GEMM reads the head about twice as fast as
   MatMulNBits' 8-bit kernel (measured on SmolLM2-135M: a decode step 0.89x), the input's outlier

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -89,51 +89,173 @@ def unit_of(path: str) -> tuple[str, int] | None:
     return (unit, int(layer.group(1))) if unit and layer else None
 
 
-#: The most memory the Hessians of ``--quantize int4-gptq`` may take (float64 [K, K] per Linear).
+#: The most memory GPTQ's Hessians (float64 [K, K], one per input a unit's Linears share) may take at
+#: once: :class:`LayerHessians` measures them a group of consecutive layers at a time, so a
+#: LLaMA-3.2-1B-shaped model (16 down projections 8192 wide: 8.6 GB of them) takes three calibration
+#: passes instead of being refused; only a single layer over it is.
 HESSIAN_BYTES = 4 << 30
 
 
-def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *, full: bool = False,
-                  head_inputs: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows),
-    or with ``full`` its input's second moments ``E[x x^T]`` [K, K] (GPTQ's Hessian, whose
-    diagonal is the former); the LM head's input rows appended to ``head_inputs`` when given."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
-    linears = [(p, m) for p, m in lm.named_modules() if isinstance(m, torch.nn.Linear) and unit_of(p) is not None]
-    hessian_bytes = sum(8 * m.in_features ** 2 for _, m in linears)
-    if full and hessian_bytes > HESSIAN_BYTES:
-        raise UserError(f"--quantize int4-gptq would hold {hessian_bytes / 2**30:.1f} "
-                        f"GiB of input Hessians for this model, over {HESSIAN_BYTES / 2**30:.0f} GiB; choose "
-                        "--quantize int4-auto-zp (the same grid, fitted under their diagonal)")
+def _unit_linears(lm: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """Every Linear a unit holds (``unit_of``), by its path, in module order."""
+    return [(p, m) for p, m in lm.named_modules() if isinstance(m, torch.nn.Linear) and unit_of(p) is not None]
 
-    def hook(path: str) -> Any:
-        def gather(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().double().reshape(-1, args[0].shape[-1])
-            sums[path] = sums.get(path, 0) + (x.T @ x if full else (x * x).sum(0))
-            counts[path] = counts.get(path, 0) + x.shape[0]
-        return gather
 
-    for path, module in linears:
-        hooks.append(module.register_forward_pre_hook(hook(path)))
-    if head_inputs is not None:
-        hooks.append(lm.get_output_embeddings().register_forward_pre_hook(
-            lambda _m, args: head_inputs.append(args[0].detach().float().reshape(-1, args[0].shape[-1]))))
+class _Measured(Exception):
+    """Raised by a hook once a window has driven every Linear a pass measures: the rest of the
+    forward (later layers, the LM head) is not run."""
+
+
+def _forward_windows(lm: torch.nn.Module, windows: Sequence[Sequence[int]], hooks: list[Any],
+                     after_window: Any = None) -> None:
+    """``lm`` over each window (a batch of one, no cache; cut short by :class:`_Measured`), the
+    hooks removed after, even on error."""
     try:
         with torch.inference_mode():
             for window in windows:
-                lm(input_ids=torch.tensor([list(window)], dtype=torch.long), use_cache=False)
+                try:
+                    lm(input_ids=torch.tensor([list(window)], dtype=torch.long), use_cache=False)
+                except _Measured:
+                    pass
+                if after_window is not None:
+                    after_window()
     finally:
         for h in hooks:
             h.remove()
-    moments = {path: sums[path] / counts[path] for path in sums}
-    broken = [path for path, m in moments.items() if not bool(torch.isfinite(m).all())]
+
+
+def _refuse_non_finite(moments: dict[str, Any]) -> None:
+    broken = [path for path, m in moments.items() if not bool(np.all(np.isfinite(np.asarray(m))))]
     if broken:
         raise UserError(f"the calibration set drove {broken[0]}'s input to non-finite values "
                         f"({len(broken)} Linear(s)): "
                         "the model overflows or its weights are damaged; check it with `validate` before quantizing")
+
+
+def input_moments(lm: torch.nn.Module, windows: Sequence[Sequence[int]], *,
+                  head_inputs: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Each unit Linear's mean squared input per input feature over ``windows`` (token id rows); the
+    LM head's input rows appended to ``head_inputs`` when given."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(path: str) -> Any:
+        def gather(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach().double().reshape(-1, args[0].shape[-1])
+            sums[path] = sums.get(path, 0) + (x * x).sum(0)
+            counts[path] = counts.get(path, 0) + x.shape[0]
+        return gather
+
+    hooks = [module.register_forward_pre_hook(hook(path)) for path, module in _unit_linears(lm)]
+    if head_inputs is not None:
+        hooks.append(lm.get_output_embeddings().register_forward_pre_hook(
+            lambda _m, args: head_inputs.append(args[0].detach().float().reshape(-1, args[0].shape[-1]))))
+    _forward_windows(lm, windows, hooks)
+    moments = {path: sums[path] / counts[path] for path in sums}
+    _refuse_non_finite(moments)
     return moments
+
+
+class LayerHessians(Mapping[str, np.ndarray]):
+    """GPTQ's Hessians, ``E[x x^T]`` [K, K] float64 of each unit Linear's input over ``windows``, by
+    its path; measured when first asked for, for a group of consecutive layers at a time within
+    ``limit`` bytes (:data:`HESSIAN_BYTES`), the previous group's dropped: the writer asks in layer
+    order, so a model takes one calibration pass per group, each stopped once the group's last
+    Linear has run. Linears fed the same tensor (Q, K and V; gate and up) share one Hessian,
+    computed once. A layer whose Hessians alone exceed the limit is refused."""
+
+    def __init__(self, lm: torch.nn.Module, windows: Sequence[Sequence[int]], limit: int | None = None):
+        limit = HESSIAN_BYTES if limit is None else limit
+        self._lm, self._windows = lm, [list(w) for w in windows]
+        self._linears = _unit_linears(lm)
+        self._paths = {path for path, _ in self._linears}
+        layer_bytes: dict[int, int] = {}
+        seen: set[tuple[str, int]] = set()
+        for path, module in self._linears:
+            key = unit_of(path)
+            assert key is not None
+            if key not in seen:  # a unit's Linears read one input (checked when measured)
+                seen.add(key)
+                layer_bytes[key[1]] = layer_bytes.get(key[1], 0) + 8 * int(module.in_features) ** 2
+        worst = max(layer_bytes, key=lambda layer: layer_bytes[layer], default=None)
+        if worst is not None and layer_bytes[worst] > limit:
+            raise UserError(f"--quantize int4-gptq would hold {layer_bytes[worst] / 2**30:.1f} GiB of input "
+                            f"Hessians for layer {worst} alone, over {limit / 2**30:.0f} GiB; choose --quantize "
+                            "int4-auto-zp (the same grid, fitted under their diagonal)")
+        self._group: dict[int, int] = {}
+        group, held = 0, 0
+        for layer in sorted(layer_bytes):
+            if held and held + layer_bytes[layer] > limit:
+                group, held = group + 1, 0
+            self._group[layer], held = group, held + layer_bytes[layer]
+        self.groups = group + 1 if layer_bytes else 0
+        self.passes = 0
+        self._held_group: int | None = None
+        self._held: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self._linears)
+
+    def __iter__(self) -> Iterator[str]:
+        return (path for path, _ in self._linears)
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        key = unit_of(path) if path in self._paths else None
+        if key is None:
+            raise KeyError(path)
+        group = self._group[key[1]]
+        if group != self._held_group:
+            self._held = {}  # dropped before the next group is measured
+            self._held = self._measure(group)
+            self._held_group = group
+        return self._held[path]
+
+    def _measure(self, group: int) -> dict[str, np.ndarray]:
+        """One calibration pass: the Hessians of the group's layers; a Linear whose input is the
+        same tensor as an earlier one's of its unit in this forward shares that one's sum."""
+        linears = [(p, m) for p, m in self._linears if self._group[unit_of(p)[1]] == group]  # type: ignore[index]
+        sums: dict[str, np.ndarray] = {}
+        counts: dict[str, int] = {}
+        owner: dict[str, str] = {}
+        inputs: dict[tuple[str, int], list[tuple[torch.Tensor, str]]] = {}
+
+        def hook(path: str) -> Any:
+            key = unit_of(path)
+
+            def gather(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+                seen = inputs.setdefault(key, [])  # type: ignore[arg-type]
+                shared = next((first for tensor, first in seen if tensor is args[0]), None)
+                if shared is not None:
+                    owner[path] = shared
+                    return
+                seen.append((args[0], path))
+                owner[path] = path
+                x = args[0].detach().double().reshape(-1, args[0].shape[-1])
+                sums[path] = sums[path] + x.T @ x if path in sums else x.T @ x
+                counts[path] = counts.get(path, 0) + x.shape[0]
+            return gather
+
+        hooks = [module.register_forward_pre_hook(hook(path)) for path, module in linears]
+        driven: set[str] = set()
+
+        def stop_when_measured(path: str) -> Any:
+            def after(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
+                driven.add(path)
+                if len(driven) == len(linears):  # nothing after this in the forward is measured
+                    raise _Measured
+            return after
+
+        hooks += [module.register_forward_hook(stop_when_measured(path)) for path, module in linears]
+
+        def next_window() -> None:
+            inputs.clear()
+            driven.clear()
+
+        _forward_windows(self._lm, self._windows, hooks, after_window=next_window)
+        self.passes += 1
+        hessians = {path: (sums[path] / counts[path]).numpy() for path in sums}
+        _refuse_non_finite(hessians)
+        return {path: hessians[owner[path]] for path, _ in linears if path in owner}
 
 
 def measure_units(lm: torch.nn.Module, moments: dict[str, torch.Tensor], quantizer: Any, four: Width,
@@ -249,9 +371,8 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     quantizer = WeightQuantizer(quantization.block_size)
     gptq = four.method == "gptq"
     head_rows: list[torch.Tensor] | None = [] if recipe.width("head", 0, 1).per_channel else None
-    hessians = input_moments(lm, windows, full=True, head_inputs=head_rows) if gptq else None
-    moments = ({path: torch.diagonal(h).clone() for path, h in hessians.items()} if hessians is not None
-               else input_moments(lm, windows, head_inputs=head_rows))
+    moments = input_moments(lm, windows, head_inputs=head_rows)
+    hessians = LayerHessians(lm, windows) if gptq else None  # refused here, measured as the writer asks
     # GPTQ's units are chosen by the fit it starts each block from (its error spreading, per weight, is slower)
     units = measure_units(lm, moments, quantizer, dataclasses.replace(four, method="fitzp") if gptq else four, eight)
     budget = q4_k_m_budget(units, four, eight, quantization.block_size)
@@ -263,13 +384,16 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
               "fit": ("GPTQ: each 4-bit block's rounding error spread over the features after it through the "
                       "inverse of the input's second moments, the most driven blocks and features first" if gptq else
                       "each 4-bit block's least squares weighted by the mean squared input per feature")}
+    if hessians is not None:
+        record["hessians"] = (f"measured {hessians.groups} group(s) of layers at a time, one calibration pass each "
+                              f"(at most {HESSIAN_BYTES / 2**30:.0f} GiB held)")
     smoothing = None
     if head_rows:
         head = lm.get_output_embeddings()
         factors, record["head"] = head_smoothing(head, torch.cat(head_rows))
         smoothing = {next(p for p, m in lm.named_modules() if m is head): factors}
     upgrades = tuple((u.unit, u.layer) for u in units if u.upgraded)
-    importance = {path: m.double().numpy() for path, m in (hessians or moments).items()}
+    importance = hessians if hessians is not None else {path: m.double().numpy() for path, m in moments.items()}
     return dataclasses.replace(quantization, upgrades=upgrades, measurement=record, importance=importance,
                                smoothing=smoothing)
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -81,7 +81,9 @@ class Quantization:
     measurement: dict[str, Any] | None = dataclasses.field(default=None, compare=False, hash=False)
     #: the measured mean squared input per feature [K] of each Linear (its path in the causal LM), which
     #: weights a fitted width's least squares (llama.cpp's importance matrix); not in the metadata
-    importance: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    #: (GPTQ's: the input's second moments [K, K], measured as asked for: ``quant_sensitivity.LayerHessians``)
+    importance: Mapping[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False,
+                                                                    repr=False)
     #: a per-channel width's measured smoothing (``quant_sensitivity.head_smoothing``): the factor [K] its
     #: input is multiplied by (and its weight divided by) before rounding, per Linear path; none: ones
     smoothing: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
@@ -282,24 +284,22 @@ def fit_zero_point_blocks(weight_kn: np.ndarray, bits: int, block_size: int, imp
 GPTQ_DAMP = 0.01
 
 
-def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.ndarray, *,
-                by_importance: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPTQ (Frantar et al. 2022) in MatMulNBits' zero-point grid: the input features are
-    quantized one block at a time; each block's scale and integer zero point per output are fitted
-    (:func:`fit_zero_point_blocks`, under the Hessian's diagonal) to the weights as updated so far,
-    and each rounding's error is spread over the features not yet quantized through the upper
-    Cholesky factor of the inverse Hessian, so the output error ``E|x (W - Q)|^2`` under the
-    calibration inputs is what is minimized, not the weights'. ``by_importance``: the blocks most
-    driven (the largest sum of the Hessian's diagonal) go first, and in each block its most driven
-    features (GPTQ's act order, kept within the grid's contiguous blocks), so the features that
-    matter most are rounded before they absorb others' errors; else in the graph's order. Measured
-    on SmolLM2-135M: KL to the float model 0.063 against 0.072 on the GPL, 0.053 against 0.057 on
-    another text (``benchmarks/quant_quality.py``). ``hessian`` [K, K]: ``E[x x^T]`` over the
-    calibration set (``quant_sensitivity.input_moments``); dampened by :data:`GPTQ_DAMP`; a feature
-    the set never drove is quantized on its own. Returns what :func:`fit_zero_point_blocks` returns
-    (q [N, blocks, block] uint8, s [N, blocks], z [N, blocks])."""
-    dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
-    k, n = weight_kn.shape
+@dataclasses.dataclass(frozen=True)
+class GptqFactor:
+    """What GPTQ reads of a Hessian, whatever the weight: the blocks in the order they are quantized,
+    each block's features in that order, the permuted Hessian's diagonal, and the upper Cholesky
+    factor of its inverse (``H^-1 = U^T U``). Made once per Hessian (:func:`gptq_factor`; a
+    [8192, 8192] one takes tens of seconds here) and shared by the weight's row blocks and by the
+    Linears that read the same input."""
+
+    order: list[int]
+    columns: list[np.ndarray]
+    diagonal: np.ndarray
+    upper: np.ndarray
+
+
+def gptq_factor(hessian: np.ndarray, k: int, block_size: int, *, by_importance: bool = True) -> GptqFactor:
+    """:class:`GptqFactor` of ``hessian`` [K, K] (see :func:`gptq_blocks`)."""
     h = np.array(hessian, np.float64)
     if h.shape != (k, k) or not np.all(np.isfinite(h)):
         raise ValueError(f"a Hessian of shape {h.shape} for K={k}: not K x K finite values")
@@ -312,12 +312,44 @@ def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.n
     # the grid's blocks); later features absorb the earlier ones' errors
     drive = np.diag(h)
     spans = [np.arange(b * block_size, min((b + 1) * block_size, k)) for b in range(blocks)]
-    order = sorted(range(blocks), key=lambda b: -float(drive[spans[b]].sum())) if by_importance else range(blocks)
+    order = sorted(range(blocks), key=lambda b: -float(drive[spans[b]].sum())) if by_importance else list(range(blocks))
     columns = [spans[b][np.argsort(-drive[spans[b]], kind="stable")] if by_importance else spans[b] for b in order]
     perm = np.concatenate(columns)
     hp = h[np.ix_(perm, perm)]
-    w = np.asarray(weight_kn, np.float64).T[:, perm].copy()  # [N, K] in the order quantized
+    del h
     upper = np.linalg.cholesky(np.linalg.inv(hp)).T  # H^-1 = U^T U
+    return GptqFactor(order, columns, np.diag(hp).copy(), np.ascontiguousarray(upper))
+
+
+def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.ndarray | None, *,
+                by_importance: bool = True, factor: GptqFactor | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ (Frantar et al. 2022) in MatMulNBits' zero-point grid: the input features are
+    quantized one block at a time; each block's scale and integer zero point per output are fitted
+    (:func:`fit_zero_point_blocks`, under the Hessian's diagonal) to the weights as updated so far,
+    and each rounding's error is spread over the features not yet quantized through the upper
+    Cholesky factor of the inverse Hessian, so the output error ``E|x (W - Q)|^2`` under the
+    calibration inputs is what is minimized, not the weights'. ``by_importance``: the blocks most
+    driven (the largest sum of the Hessian's diagonal) go first, and in each block its most driven
+    features (GPTQ's act order, kept within the grid's contiguous blocks), so the features that
+    matter most are rounded before they absorb others' errors; else in the graph's order. Measured
+    on SmolLM2-135M: KL to the float model 0.063 against 0.072 on the GPL, 0.053 against 0.057 on
+    another text (``benchmarks/quant_quality.py``). ``hessian`` [K, K]: ``E[x x^T]`` over the
+    calibration set (``quant_sensitivity.LayerHessians``); dampened by :data:`GPTQ_DAMP`; a feature
+    the set never drove is quantized on its own; or its ``factor`` made already. Returns what
+    :func:`fit_zero_point_blocks` returns (q [N, blocks, block] uint8, s [N, blocks], z [N, blocks])."""
+    dtype, levels = weight_kn.dtype, float((1 << bits) - 1)
+    k, n = weight_kn.shape
+    if factor is None:
+        if hessian is None:
+            raise ValueError("GPTQ quantizes under the calibration inputs' Hessian [K, K]; none was measured")
+        factor = gptq_factor(hessian, k, block_size, by_importance=by_importance)
+    if sum(len(c) for c in factor.columns) != k:
+        raise ValueError(f"a GPTQ factor of {sum(len(c) for c in factor.columns)} features for K={k}")
+    blocks = len(factor.order)
+    order, columns, upper = factor.order, factor.columns, factor.upper
+    perm = np.concatenate(columns)
+    w = np.asarray(weight_kn, np.float64).T[:, perm].copy()  # [N, K] in the order quantized
     qp = np.zeros((n, k), np.float64)
     scales, zeros = np.zeros((n, blocks), dtype), np.zeros((n, blocks), np.uint8)
     start = 0
@@ -327,7 +359,7 @@ def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.n
         # the block's scale and zero point: fitted in the graph's feature order (the padding, if any, last)
         natural = np.argsort(inside)
         _, s, z = fit_zero_point_blocks(np.ascontiguousarray(w[:, i0:i1][:, natural].T).astype(dtype), bits,
-                                        block_size, np.diag(hp)[i0:i1][natural])
+                                        block_size, factor.diagonal[i0:i1][natural])
         scales[:, b], zeros[:, b] = s[:, 0], z[:, 0]
         step, zero = s[:, 0].astype(np.float64), z[:, 0].astype(np.float64)
         errors = np.zeros((n, i1 - i0))
@@ -419,6 +451,15 @@ class WeightQuantizer:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self._rtn: dict[Width, Any] = {}
+        self._gptq: tuple[np.ndarray, GptqFactor] | None = None
+
+    def _factor(self, hessian: np.ndarray) -> GptqFactor:
+        """GPTQ's factor of ``hessian``, kept for the next call with the same array (the writer
+        quantizes a weight in blocks of rows, and Q, K and V share one Hessian)."""
+        if self._gptq is None or self._gptq[0] is not hessian:
+            self._gptq = None  # the last one dropped first: a large factor is K x K float64
+            self._gptq = (hessian, gptq_factor(hessian, hessian.shape[0], self.block_size))
+        return self._gptq[1]
 
     def __call__(self, weight_kn: np.ndarray, width: Width, importance: np.ndarray | None = None) -> QuantizedWeight:
         """``weight_kn`` [K, N] (float32 or float16) quantized at ``width``; the scales in its dtype;
@@ -437,7 +478,7 @@ class WeightQuantizer:
                 raise ValueError("GPTQ quantizes under the calibration inputs' Hessian [K, K]; none was measured")
             q, scales, zero = (fit_zero_point_blocks(weight_kn, width.bits, self.block_size, importance)
                                if width.method == "fitzp" else gptq_blocks(weight_kn, width.bits, self.block_size,
-                                                                           importance))
+                                                                           None, factor=self._factor(importance)))
             if width.bits == 4:
                 q = q[..., 0::2] | (q[..., 1::2] << 4)
             return QuantizedWeight(np.ascontiguousarray(q, np.uint8), scales, pack_zero_points(zero, width.bits))

@@ -215,7 +215,7 @@ def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(lla
     windows = np.random.default_rng(7).integers(0, llama.vocab_size, (2, 12)).tolist()
     q = sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, windows)
     assert all(np.ndim(h) == 2 and h.shape[0] == h.shape[1] for h in q.importance.values())
-    assert "GPTQ" in q.measurement["fit"]
+    assert "GPTQ" in q.measurement["fit"] and "1 group(s)" in q.measurement["hessians"]
     dec = build_decoder(llama, quantization=q, max_length=32)
     entry = ModelMetadata.read(dec.model).quantization
     four = [lin for lin in entry["linears"] if lin["bits"] == 4]
@@ -224,12 +224,95 @@ def test_int4_gptq_measures_hessians_and_holds_its_dequantized_models_parity(lla
     assert not parity.failed and parity.tokens_equal, parity.table()
 
 
-def test_int4_gptq_refuses_a_model_whose_hessians_do_not_fit(llama, monkeypatch):
+def _hessian_windows(llama) -> list[list[int]]:
+    return np.random.default_rng(7).integers(0, llama.vocab_size, (3, 9)).tolist()
+
+
+def _one_layers_hessian_bytes(lm) -> int:
+    """What one layer's Hessians take: one per input (Q/K/V, the output projection, gate/up, down)."""
+    return 8 * sum(m.in_features ** 2 for p, m in lm.named_modules()
+                   if p.startswith("model.layers.0.") and p.endswith(("q_proj", "o_proj", "up_proj", "down_proj")))
+
+
+def test_gptq_hessians_are_measured_a_group_of_layers_at_a_time_and_shared_by_a_units_linears(llama):
+    """Under a limit of one layer's Hessians, each layer is its own group and calibration pass, and
+    the Hessians are those measured all at once, bit for bit; Q, K and V (and gate and up) read one
+    tensor and hold one Hessian, ``E[x x^T]`` whose diagonal is the mean squared input."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    lm, windows = llama.module.model, _hessian_windows(llama)
+    whole = sens.LayerHessians(lm, windows)
+    grouped = sens.LayerHessians(lm, windows, limit=_one_layers_hessian_bytes(lm))
+    layers = lm.config.num_hidden_layers
+    assert (whole.groups, grouped.groups) == (1, layers)
+    paths = list(whole)
+    assert len(paths) == 7 * layers and list(grouped) == paths
+    beyond = []  # what runs after a group's last Linear: nothing (each pass stops there)
+    hooks = [lm.get_output_embeddings().register_forward_pre_hook(lambda *_: beyond.append("head")),
+             lm.model.layers[1].register_forward_pre_hook(lambda *_: beyond.append("layer 1"))]
+    try:
+        for path in paths:  # asked in the writer's order: one pass per group
+            assert np.array_equal(grouped[path], whole[path]), path
+    finally:
+        for h in hooks:
+            h.remove()
+    assert (whole.passes, grouped.passes) == (1, layers)
+    assert beyond.count("head") == 0 and beyond.count("layer 1") == 2 * len(windows)  # whole's, and group 1's
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    assert grouped[attn + "q_proj"] is grouped[attn + "k_proj"] is grouped[attn + "v_proj"]
+    assert grouped[mlp + "gate_proj"] is grouped[mlp + "up_proj"] is not grouped[attn + "q_proj"]
+    assert grouped[attn + "o_proj"] is not grouped[attn + "q_proj"]
+    diagonal = sens.input_moments(lm, windows)[attn + "q_proj"].numpy()
+    np.testing.assert_allclose(np.diag(grouped[attn + "q_proj"]), diagonal, rtol=1e-12)
+    assert grouped.get("lm_head") is None and grouped.get("model.layers.9.mlp.down_proj") is None
+
+
+def test_gptq_factor_is_made_once_per_hessian_and_row_blocks_quantize_as_the_whole(monkeypatch):
+    """The writer quantizes a weight in blocks of output rows: GPTQ's factor (an inverse and a
+    Cholesky of the [K, K] Hessian) is made once for them, and the blocks are the whole's rows."""
+    rng = np.random.default_rng(3)
+    k, n, block = 96, 40, 32
+    x = rng.standard_normal((512, k)) @ rng.standard_normal((k, k))
+    hessian = x.T @ x / len(x)
+    weight = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    made = []
+    real = quantize.gptq_factor
+    monkeypatch.setattr(quantize, "gptq_factor", lambda *a, **kw: made.append(a[0].shape) or real(*a, **kw))
+    quantizer, width = WeightQuantizer(block), Width(4, False, "gptq")
+    whole = quantizer(weight, width, hessian)
+    halves = [quantizer(np.ascontiguousarray(weight[:, cols]), width, hessian) for cols in (slice(0, 25), slice(25, n))]
+    assert made == [(k, k)]
+    assert np.array_equal(np.concatenate([h.packed for h in halves]), whole.packed)
+    assert np.array_equal(np.concatenate([h.scales for h in halves]), whole.scales)
+    quantizer(weight, width, hessian.copy())  # another Hessian: another factor
+    assert made == [(k, k), (k, k)]
+
+
+def test_gptq_by_layer_group_writes_the_same_graph(llama, monkeypatch):
+    """An export whose Hessians are measured a layer at a time writes the very weights of one that
+    holds them all."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    lm, windows = llama.module.model, _hessian_windows(llama)
+
+    def weights(limit: int) -> dict[str, np.ndarray]:
+        monkeypatch.setattr(sens, "HESSIAN_BYTES", limit)
+        q = sens.measured(Quantization("int4-gptq", 32, 1), lm, windows)
+        model = build_decoder(llama, quantization=q, max_length=32).model
+        assert q.importance.passes == q.importance.groups
+        return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+    whole, grouped = weights(4 << 30), weights(_one_layers_hessian_bytes(lm))
+    assert whole.keys() == grouped.keys()
+    assert [name for name in whole if not np.array_equal(whole[name], grouped[name])] == []
+
+
+def test_int4_gptq_refuses_a_model_one_of_whose_layers_hessians_do_not_fit(llama, monkeypatch):
     from rmsnorm_deploy.decoder import quant_sensitivity as sens
 
     monkeypatch.setattr(sens, "HESSIAN_BYTES", 1 << 10)
-    with pytest.raises(UserError, match=r"int4-gptq would hold .* GiB of input Hessians .* choose --quantize "
-                                        r"int4-auto-zp"):
+    with pytest.raises(UserError, match=r"int4-gptq would hold .* GiB of input Hessians for layer 0 alone, over .* "
+                                        r"GiB; choose --quantize int4-auto-zp"):
         sens.measured(Quantization("int4-gptq", 32, 1), llama.module.model, [[1, 2, 3]])
 
 
