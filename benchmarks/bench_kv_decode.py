@@ -540,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-cpp", metavar="DIR", help="--quantized: the llama.cpp source tree with build/bin/"
                         "llama-bench and llama-quantize (default $LLAMA_CPP_DIR)")
     parser.add_argument("--rounds-1b", type=int, default=2, help="--quantized: interleaved rounds, 1B model")
+    parser.add_argument("--only", help="--quantized: only these contenders (comma-separated names, e.g. 'ours "
+                        "int4-gptq,llama.cpp Q4_K_M'); the results go to kv_decode_quantized_cpu_TAG.* (--tag)")
+    parser.add_argument("--tag", help="--quantized: write kv_decode_quantized_cpu_TAG.{json,md} instead")
     args = parser.parse_args(argv)
     if args.quantized:
         return main_quantized(args)
@@ -592,19 +595,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_quantized(args: argparse.Namespace) -> int:
-    from kv_decode_quantized import markdown_quantized, run_quantized
+    from kv_decode_quantized import GENAI, LLAMA_CPP, OURS, REPACKED, markdown_quantized, run_quantized
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(THREADS)
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
+    only = {name.strip() for name in args.only.split(",")} if args.only else None
+    unknown = sorted((only or set()) - {*OURS, GENAI, *LLAMA_CPP, *REPACKED})
+    if unknown:
+        raise SystemExit(f"--only: no contender named {unknown[0]!r}; choose from "
+                         + ", ".join([*OURS, GENAI, *LLAMA_CPP, *REPACKED]))
+    if only and not args.tag:
+        raise SystemExit("--only writes a partial table: give it a --tag, so the whole one is kept")
+    stem = "kv_decode_quantized_cpu" + (f"_{args.tag}" if args.tag else "")
+
     def write_quantized(results: dict[str, Any]) -> None:
-        (args.out_dir / "kv_decode_quantized_cpu.json").write_text(json.dumps(results, indent=1) + "\n")
-        (args.out_dir / "kv_decode_quantized_cpu.md").write_text(markdown_quantized(results))
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+        (args.out_dir / f"{stem}.md").write_text(markdown_quantized(results))
 
     rounds = {"tiny": args.rounds, "125m": args.rounds_125m, "1b": args.rounds_1b}
     with tempfile.TemporaryDirectory(prefix="bench-kv-quantized-") as tmp:
-        results = run_quantized(args.models.split(","), rounds, args.llama_cpp, Path(tmp), write_quantized)
+        results = run_quantized(args.models.split(","), rounds, args.llama_cpp, Path(tmp), write_quantized, only)
     print(markdown_quantized(results))
     return 0
 

@@ -4,10 +4,11 @@ Not a test. Per model (the tiny Llama, the ~125M Llama, a LLaMA-3.2-1B-shaped mo
 activations, prompt 128, 64 greedy new tokens, batch 1, 2 threads, in interleaved rounds (the order
 rotates each round):
 
-* ``ours int8`` / ``ours int4`` / ``ours int4-mixed`` / ``ours int4-fit``: ``export --kv-cache
-  --target onnxruntime --quantize RECIPE --quantize-lm-head --share-buffer`` (block 32,
-  accuracy_level 4: the defaults; the mixed and fitted recipes quantize the head at 8 bits
-  whatever the flag), decoded by our loop (``decoder/loop.py``: IOBinding);
+* ``ours int8`` / ``ours int4`` / ``ours int4-mixed`` / ``ours int4-fit`` / ``ours int4-auto-zp`` /
+  ``ours int4-gptq``: ``export --kv-cache --target onnxruntime --quantize RECIPE --quantize-lm-head
+  --share-buffer`` (block 32, accuracy_level 4: the defaults; the mixed, fitted and measured recipes
+  quantize the head at 8 bits whatever the flag, int4-gptq's per channel on int8 rows), decoded by
+  our loop (``decoder/loop.py``: IOBinding);
 * ``genai int4``: onnxruntime-genai's model builder (``-p int4 -e cpu``) in its own runtime;
 * ``llama.cpp F32 / F16 / Q8_0 / Q4_0 / Q4_K_M``: ``convert_hf_to_gguf.py --outtype f32|f16|q8_0`` and
   ``llama-quantize ... Q4_0|Q4_K_M`` from the same Hugging Face folder, timed by ``llama-bench -t 2``:
@@ -20,7 +21,9 @@ rotates each round):
 llama.cpp comes from ``--llama-cpp DIR`` or ``$LLAMA_CPP_DIR`` (the source tree with
 ``build/bin/llama-bench``, ``llama-quantize`` and ``convert_hf_to_gguf.py``; the converter needs the
 pip packages gguf and sentencepiece); without it those contenders are recorded as not run, and why.
-Ratios are paired by round: ours over the fastest other contender at the same bits.
+Ratios are paired by round: ours over the fastest other contender at the same bits. ``--only NAMES
+--tag TAG`` times a subset (for example the measured recipes at the 1B shape beside Q4_K_M) into
+``kv_decode_quantized_cpu_TAG.*``, the whole table kept.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ from bench_kv_decode import (
 LLAMA_1B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=512,
                 tie_word_embeddings=True, rope_theta=500000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-OURS = {"ours int8": "int8", "ours int4": "int4", "ours int4-mixed": "int4-mixed", "ours int4-fit": "int4-fit"}
+OURS = {"ours int8": "int8", "ours int4": "int4", "ours int4-mixed": "int4-mixed", "ours int4-fit": "int4-fit",
+        "ours int4-auto-zp": "int4-auto-zp", "ours int4-gptq": "int4-gptq"}
 GENAI = "genai int4"
 LLAMA_CPP = {"llama.cpp F32": "f32", "llama.cpp F16": "f16", "llama.cpp Q8_0": "q8_0", "llama.cpp Q4_0": "q4_0",
              "llama.cpp Q4_K_M": "q4_k_m"}
@@ -62,7 +66,9 @@ REPACKED = {"llama.cpp Q8_0 repacked": "q8_0", "llama.cpp Q4_0 repacked": "q4_0"
 GROUPS = {"ours int8": ("llama.cpp Q8_0", "llama.cpp Q8_0 repacked"),
           "ours int4": (GENAI, "llama.cpp Q4_0", "llama.cpp Q4_0 repacked"),
           "ours int4-mixed": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked"),
-          "ours int4-fit": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked", "ours int4-mixed")}
+          "ours int4-fit": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked", "ours int4-mixed"),
+          "ours int4-auto-zp": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked", "ours int4-mixed"),
+          "ours int4-gptq": ("llama.cpp Q4_K_M", "llama.cpp Q4_K_M repacked", "ours int4-mixed")}
 
 
 def llama_cpp_dir(given: str | None) -> tuple[Path | None, str]:
@@ -163,8 +169,12 @@ def quantized_matmuls(path: Path) -> list[list[Any]]:
 
 
 def bench_quantized_model(key: str, config: dict[str, Any], label: str, rounds: int, tmp: Path,
-                          llama: Path | None) -> dict[str, Any]:
-    """Every contender on one model, in interleaved rounds: decode ms/token and prefill ms."""
+                          llama: Path | None, only: set[str] | None = None) -> dict[str, Any]:
+    """Every contender (or those named in ``only``) on one model, in interleaved rounds: decode
+    ms/token and prefill ms."""
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
     from rmsnorm_deploy.decoder.ort_step import CacheLayout
     from rmsnorm_deploy.exporter import hf
 
@@ -183,23 +193,30 @@ def bench_quantized_model(key: str, config: dict[str, Any], label: str, rounds: 
     ids = np.random.default_rng(1).integers(3, vocab, size=(1, PROMPT), dtype=np.int64)
     graphs = {}
     for name, scheme in OURS.items():
+        if not wanted(name):
+            continue
         out = export_ours(hf_dir, tmp / f"{key}-{scheme}", scheme)
         result["parity"][name] = parity_of(out)
         graphs[name] = out / "model.onnx"
         contenders[name] = ours_call(runner_call(ours_runner(out / "model.onnx", layout)))
-    genai_dir = build_genai(hf_dir, tmp / f"{key}-genai-int4", tmp / "genai-cache", precision="int4")
-    graphs[f"{GENAI} (its graph in our loop)"] = genai_dir / "model.onnx"
+    genai_dir = (build_genai(hf_dir, tmp / f"{key}-genai-int4", tmp / "genai-cache", precision="int4")
+                 if wanted(GENAI) else None)
+    if genai_dir is not None:
+        graphs[f"{GENAI} (its graph in our loop)"] = genai_dir / "model.onnx"
     for name, path in graphs.items():  # kernel time per decode step: the graphs alone, less moved by the load
         result["graphs"][name] = quantized_matmuls(path)
         result["decode_profile"][name] = decode_profile(path, layout, ids, tmp)
-    runtime = GenaiRuntime(genai_dir)
-    contenders[GENAI] = ours_call(runtime.greedy)
+    runtime = GenaiRuntime(genai_dir) if genai_dir is not None else None
+    if runtime is not None:
+        contenders[GENAI] = ours_call(runtime.greedy)
     if llama is not None:
         files = gguf_files(llama, hf_dir, tmp)
         for name, kind in LLAMA_CPP.items():
-            contenders[name] = llama_cpp_call(llama, files[kind], repack=False)
+            if wanted(name):
+                contenders[name] = llama_cpp_call(llama, files[kind], repack=False)
         for name, kind in REPACKED.items():
-            contenders[name] = llama_cpp_call(llama, files[kind], repack=True)
+            if wanted(name):
+                contenders[name] = llama_cpp_call(llama, files[kind], repack=True)
     names = list(contenders)
     times: dict[str, dict[str, list[float]]] = {n: {"decode_ms_per_token": [], "prefill_ms": []} for n in names}
     for name in names:  # warm-up
@@ -242,8 +259,9 @@ MODELS_Q = {"tiny": "HF Llama hidden 256, 4 layers, vocab 2048", "125m": "Llama 
 
 
 def run_quantized(models: list[str], rounds: dict[str, int], llama_given: str | None, tmp: Path,
-                  write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Every model in turn; the results written after each (a long run keeps what it measured)."""
+                  write: Callable[[dict[str, Any]], None], only: set[str] | None = None) -> dict[str, Any]:
+    """Every model in turn (the contenders in ``only``, if given); the results written after each (a
+    long run keeps what it measured)."""
     from bench_kv_decode import MODELS, cpu_times, steal_share
 
     from rmsnorm_deploy.resources import package_version
@@ -255,12 +273,14 @@ def run_quantized(models: list[str], rounds: dict[str, int], llama_given: str | 
         "environment": {"onnxruntime": package_version("onnxruntime"),
                         "onnxruntime_genai": package_version("onnxruntime-genai"), "cpu": f"{os.cpu_count()} CPUs",
                         "llama_cpp": str(llama) if llama else None, "load_before": [round(x, 2) for x in os.getloadavg()]},
-        "settings": {"threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": rounds},
+        "settings": {"threads": THREADS, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "rounds": rounds,
+                     "only": sorted(only) if only else None},
         "not_run": {} if llama else {"llama.cpp": why}, "models": {}}
     if not llama:
         log(f"llama.cpp contenders not run: {why}")
     for key in models:
-        results["models"][key] = bench_quantized_model(key, configs[key], MODELS_Q[key], rounds[key], tmp, llama)
+        results["models"][key] = bench_quantized_model(key, configs[key], MODELS_Q[key], rounds[key], tmp, llama,
+                                                       only)
         results["environment"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
         results["environment"]["steal_share"] = steal_share(start, cpu_times())
         write(results)
@@ -277,17 +297,21 @@ def _ms(model: dict[str, Any], name: str, metric: str) -> str:
 
 def markdown_quantized(results: dict[str, Any]) -> str:
     env, settings = results["environment"], results["settings"]
-    names = [*OURS, GENAI, *LLAMA_CPP, *REPACKED]
+    names = [n for n in (*OURS, GENAI, *LLAMA_CPP, *REPACKED)
+             if any(n in model.get("median", {}) for model in results["models"].values())]
     lines = [
         "# Weight-only quantized KV-cache decoding on CPU: ours against onnxruntime-genai and llama.cpp",
         "",
         f"{env['cpu']}, {settings['threads']} threads, float32 activations, prompt {settings['prompt']}, "
         f"{settings['new_tokens']} greedy tokens, batch 1; median over interleaved rounds, the best round in "
         "brackets "
-        f"({', '.join(f'{k}: {v}' for k, v in settings['rounds'].items())}). onnxruntime {env['onnxruntime']}, "
+        f"({', '.join(f'{k}: {v}' for k, v in settings['rounds'].items())}"
+        + (f"; only {', '.join(settings['only'])}" if settings.get("only") else "")
+        + f"). onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}. Ours: `export --kv-cache --target onnxruntime --quantize "
-        "int8|int4|int4-mixed|int4-fit --quantize-lm-head --share-buffer` (block 32, accuracy_level 4; int4-mixed "
-        "and int4-fit hold the head at 8 bits) in our loop; genai: its builder "
+        "RECIPE --quantize-lm-head --share-buffer` (block 32, accuracy_level 4; plain int8 and int4 quantize the "
+        "head at their width, the mixed and measured recipes at 8 bits, int4-gptq's per channel on int8 rows) in "
+        "our loop; genai: its builder "
         "`-p int4 -e cpu` in its runtime; llama.cpp: `llama-bench -t 2`, prefill `-p 128`, decode `-n 64 -d 128`, "
         "`--repack 0` (this build crashes in its repacked kernels on a batched prompt; the `repacked` columns time "
         "decode alone at depth 0 with them). Written by `benchmarks/bench_kv_decode.py --quantized`.",
