@@ -544,6 +544,26 @@ def test_a_nan_scale_or_offset_in_the_graph_fails_the_weight_check(llama, scheme
     assert decode_parity(llama, dec.model, batch=1, prompt=4, steps=1).failed
 
 
+def test_the_proxy_measures_a_large_linear_on_evenly_spaced_rows(llama, monkeypatch):
+    """Above PROXY_WEIGHTS a Linear's errors are measured on evenly spaced output rows and scaled to
+    all of them: each unit's relative errors stay near the whole measurement's, its bytes counted whole."""
+    from rmsnorm_deploy.decoder import quant_sensitivity as sens
+
+    lm = llama.module.model
+    moments = sens.input_moments(lm, _hessian_windows(llama))
+    four, eight, quantizer = Width(4, False, "fitzp"), Width(8), WeightQuantizer(32)
+    whole = sens.measure_units(lm, moments, quantizer, four, eight)
+    assert sens._proxy_rows(128, 64) is None
+    monkeypatch.setattr(sens, "PROXY_WEIGHTS", 64 * 48)  # 48 of the 128 rows of Q, O, gate, up; 24 of down's 64
+    rows = sens._proxy_rows(128, 64)
+    assert len(rows) == 48 and rows[0] == 0 and rows[-1] == 127 and np.all(np.diff(rows) > 0)
+    sampled = sens.measure_units(lm, moments, quantizer, four, eight)
+    assert [(u.unit, u.layer, u.params) for u in sampled] == [(u.unit, u.layer, u.params) for u in whole]
+    for a, b in zip(sampled, whole):
+        assert a.relative4 == pytest.approx(b.relative4, rel=0.35) and a.relative4 != b.relative4, (a, b)
+        assert a.energy == pytest.approx(b.energy, rel=0.35)
+
+
 def test_int4_auto_zp_writes_the_fast_kernels_own_grid(llama):
     """int4-auto-zp: measured as int4-auto, its 4-bit blocks MatMulNBits with uint8 zero points and no
     offsets MatMul at all; the graph holds its dequantized model's parity."""
