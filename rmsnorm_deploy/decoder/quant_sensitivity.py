@@ -231,7 +231,10 @@ class LayerHessians(Mapping[str, np.ndarray]):
                 seen.append((args[0], path))
                 owner[path] = path
                 x = args[0].detach().double().reshape(-1, args[0].shape[-1])
-                sums[path] = sums[path] + x.T @ x if path in sums else x.T @ x
+                if path in sums:
+                    sums[path].add_(x.T @ x)  # in place: a [8192, 8192] sum is 512 MiB
+                else:
+                    sums[path] = x.T @ x
                 counts[path] = counts.get(path, 0) + x.shape[0]
             return gather
 
@@ -253,7 +256,9 @@ class LayerHessians(Mapping[str, np.ndarray]):
 
         _forward_windows(self._lm, self._windows, hooks, after_window=next_window)
         self.passes += 1
-        hessians = {path: (sums[path] / counts[path]).numpy() for path in sums}
+        hessians = {path: sums[path].numpy() for path in sums}
+        for path, hessian in hessians.items():
+            hessian /= counts[path]  # in place: no second copy
         _refuse_non_finite(hessians)
         return {path: hessians[owner[path]] for path, _ in linears if path in owner}
 
@@ -395,7 +400,8 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     budget = q4_k_m_budget(units, four, eight, quantization.block_size)
     choose(units, four, eight, quantization.block_size, budget)
     record = {"calibration": source, "tokens": sum(len(w) for w in windows),
-              "proxy": "relative expected output error under the mean squared input per feature",
+              "proxy": ("relative expected output error under the mean squared input per feature (of at most "
+                        f"{PROXY_WEIGHTS} weights of a Linear: evenly spaced output rows, scaled to all of them)"),
               "budget": "the bytes Q4_K_M's layout adds (int4-mixed's 8-bit projections)",
               "budget_bytes": round(budget), "units": [u.to_dict() for u in units],
               "fit": ("GPTQ: each 4-bit block's rounding error spread over the features after it through the "

@@ -317,8 +317,12 @@ def gptq_factor(hessian: np.ndarray, k: int, block_size: int, *, by_importance: 
     perm = np.concatenate(columns)
     hp = h[np.ix_(perm, perm)]
     del h
-    upper = np.linalg.cholesky(np.linalg.inv(hp)).T  # H^-1 = U^T U
-    return GptqFactor(order, columns, np.diag(hp).copy(), np.ascontiguousarray(upper))
+    diagonal = np.diag(hp).copy()
+    inverse = np.linalg.inv(hp)
+    del hp  # at most two [K, K] float64 arrays held at a time
+    lower = np.linalg.cholesky(inverse)
+    del inverse
+    return GptqFactor(order, columns, diagonal, np.ascontiguousarray(lower.T))  # H^-1 = U^T U, U = lower^T
 
 
 def gptq_blocks(weight_kn: np.ndarray, bits: int, block_size: int, hessian: np.ndarray | None, *,
