@@ -305,7 +305,7 @@ def markdown_quantized(results: dict[str, Any]) -> str:
         f"{env['cpu']}, {settings['threads']} threads, float32 activations, prompt {settings['prompt']}, "
         f"{settings['new_tokens']} greedy tokens, batch 1; median over interleaved rounds, the best round in "
         "brackets "
-        f"({', '.join(f'{k}: {v}' for k, v in settings['rounds'].items())}"
+        f"({', '.join(f'{k}: {v}' for k, v in settings['rounds'].items() if k in results['models'])}"
         + (f"; only {', '.join(settings['only'])}" if settings.get("only") else "")
         + f"). onnxruntime {env['onnxruntime']}, "
         f"onnxruntime-genai {env['onnxruntime_genai']}. Ours: `export --kv-cache --target onnxruntime --quantize "
