@@ -70,17 +70,22 @@ class Progress:
                 ticker.start()
             else:
                 self._write(f"{head} ...\n")
-        ok = False
+        ok = abandoned = False
         try:
             yield stage
             check_interrupted()  # a Ctrl-C or SIGTERM swallowed inside the stage stops the command here
             ok = True
+        except GeneratorExit:
+            # never resumed by the with statement: a signal landed in its exit before it got here, and the
+            # generator is being collected, perhaps after the command has printed its last line; say nothing
+            abandoned = True
+            raise
         finally:
             stage.seconds = time.perf_counter() - start
             stop.set()
             if ticker is not None:
                 ticker.join()
-            if self.enabled:
+            if self.enabled and not abandoned:
                 status = "done" if ok else "failed"
                 extra = f" ({'; '.join(stage.notes)})" if stage.notes else ""
                 # on a terminal: the ticking line replaced, what it showed beyond the end erased

@@ -208,6 +208,27 @@ def test_a_stage_stops_at_an_interrupt_its_body_swallowed():
     assert done == []
 
 
+def test_a_stage_whose_exit_a_signal_cut_short_says_nothing_when_collected_later():
+    """A SIGTERM that lands in the with statement's exit, before the stage's generator is resumed,
+    leaves it suspended; collected after the command has printed ``terminated``, it must not print a
+    stage line after that last line."""
+    import gc
+    import io
+
+    from rmsnorm_deploy.progress import Progress
+
+    out = io.StringIO()
+    progress = Progress(stream=out)
+    entered = progress.stage("writing")
+    entered.__enter__().note("5 norm nodes")
+    del entered  # as when Terminated left contextlib's __exit__ before it called next(generator)
+    gc.collect()
+    assert out.getvalue().splitlines() == [progress.prefix + "[1] writing ..."]
+    with progress.stage("parity") as st:  # a stage run through is reported as always
+        st.note("pass")
+    assert out.getvalue().splitlines()[-1] == progress.prefix + "[2] parity: done in 0.0s (pass)"
+
+
 def test_a_closed_pipe_ends_quietly(tmp_path):
     """``rmsnorm-deploy ... | head -c 1``: the reader is gone before the output is written."""
     proc = subprocess.Popen([*CLI, "validate", str(_model(tmp_path))], cwd=ROOT, stdout=subprocess.PIPE,
