@@ -174,7 +174,7 @@ class LayerHessians(Mapping[str, np.ndarray]):
         for path, module in self._linears:
             key = unit_of(path)
             assert key is not None
-            if key not in seen:  # a unit's Linears read one input (checked when measured)
+            if key not in seen:  # a unit's Linears read one input (one fed another tensor gets its own sum)
                 seen.add(key)
                 layer_bytes[key[1]] = layer_bytes.get(key[1], 0) + 8 * int(module.in_features) ** 2
         worst = max(layer_bytes, key=lambda layer: layer_bytes[layer], default=None)
@@ -214,7 +214,7 @@ class LayerHessians(Mapping[str, np.ndarray]):
         """One calibration pass: the Hessians of the group's layers; a Linear whose input is the
         same tensor as an earlier one's of its unit in this forward shares that one's sum."""
         linears = [(p, m) for p, m in self._linears if self._group[unit_of(p)[1]] == group]  # type: ignore[index]
-        sums: dict[str, np.ndarray] = {}
+        sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         owner: dict[str, str] = {}
         inputs: dict[tuple[str, int], list[tuple[torch.Tensor, str]]] = {}
