@@ -124,8 +124,8 @@ def _forward_windows(lm: torch.nn.Module, windows: Sequence[Sequence[int]], hook
             h.remove()
 
 
-def _refuse_non_finite(moments: dict[str, Any]) -> None:
-    broken = [path for path, m in moments.items() if not bool(np.all(np.isfinite(np.asarray(m))))]
+def _refuse_non_finite(moments: dict[str, torch.Tensor]) -> None:
+    broken = [path for path, m in moments.items() if not bool(torch.isfinite(m).all())]
     if broken:
         raise UserError(f"the calibration set drove {broken[0]}'s input to non-finite values "
                         f"({len(broken)} Linear(s)): "
@@ -258,8 +258,7 @@ class LayerHessians(Mapping[str, np.ndarray]):
         self.passes += 1
         hessians = {path: sums[path].numpy() for path in sums}
         for path, hessian in hessians.items():
-            hessian /= counts[path]  # in place: no second copy
-        _refuse_non_finite(hessians)
+            hessian /= counts[path]  # in place: no second copy (finite: input_moments refused non-finite inputs)
         return {path: hessians[owner[path]] for path, _ in linears if path in owner}
 
 
