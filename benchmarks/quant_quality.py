@@ -68,6 +68,8 @@ RECIPES: dict[str, tuple[str, int, int] | tuple[str, int, int, bool] | None] = {
     "int8 with the head": ("int8", 32, 4, True),
     "int8 block 16": ("int8", 16, 4),
     "int8 float compute": ("int8", 32, 1),
+    "int8-smooth": ("int8-smooth", 32, 4),
+    "int8-smooth with the head": ("int8-smooth", 32, 4, True),
     "int4-mixed": ("int4-mixed", 32, 4),
     "int4-hqq": ("int4-hqq", 32, 4),
     "int4-fit": ("int4-fit", 32, 4),
@@ -108,7 +110,7 @@ def slug(name: str) -> str:
 # -- ours ------------------------------------------------------------------------------------------
 def export(loaded: Any, folder: Path, recipe: tuple[Any, ...] | None, out: Path) -> dict[str, Any]:
     """The recipe's export (as ``export`` writes it), its parity, bytes and exact share."""
-    from rmsnorm_deploy.decoder import quant_sensitivity
+    from rmsnorm_deploy.decoder import quant_sensitivity, quant_smoothing
     from rmsnorm_deploy.decoder.convention import KVCacheLayout
     from rmsnorm_deploy.decoder.genai_config import write_serving_files
     from rmsnorm_deploy.decoder.ort_export import write_ort_decoder
@@ -126,8 +128,12 @@ def export(loaded: Any, folder: Path, recipe: tuple[Any, ...] | None, out: Path)
     if q is not None and q.recipe.measured:
         lm = causal_lm(loaded)
         windows, source = quant_sensitivity.calibration_set(lm, folder)
-        q = quant_sensitivity.measured(q, lm, windows, source=source)
-        row["upgraded"] = [f"{u}.{layer}" for u, layer in q.upgrades]
+        if q.recipe.smoothed:
+            q = quant_smoothing.smoothed(q, lm, windows, source=source)
+            row["smoothed"] = {f"{u['unit']}.{u['layer']}": u["strength"] for u in q.measurement["units"]}
+        else:
+            q = quant_sensitivity.measured(q, lm, windows, source=source)
+            row["upgraded"] = [f"{u}.{layer}" for u, layer in q.upgrades]
     dec = write_ort_decoder(loaded, out / "model.onnx", force=True, quantization=q, max_length=512, share_buffer=True)
     meta = ModelMetadata.read(dec.model)
     write_serving_files(out / "model.onnx", KVCacheLayout.from_dict(meta.kv_cache), loaded.source,

@@ -33,6 +33,8 @@ quant_recipes       ``--quantize`` recipes: each weight's width (bits, zero poin
                     role and layer (int8, int4, int4-mixed: llama.cpp Q4_K_M's layout, ...)
 quant_sensitivity   ``--quantize int4-auto``: each projection's 4-bit output error measured on a
                     calibration text, the 8-bit units chosen within a size budget, a head's smoothing
+quant_smoothing     ``--quantize int8-smooth``: each projection input's per-feature smoothing, chosen on the
+                    calibration set by the 8-bit kernel's output error, before it rounds the input to int8
 quantize            ``--quantize``: ONNX Runtime's weight-only quantizers per tensor, what MatMulNBits
                     computes (dequantized weights, int8 activations) and the reference built from it
 streaming           a Hugging Face folder opened without its weights (parameters on the meta device,

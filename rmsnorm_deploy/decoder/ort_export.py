@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rmsnorm_deploy.contract.dtypes import dtype_name
-from rmsnorm_deploy.decoder import quant_sensitivity
+from rmsnorm_deploy.decoder import quant_sensitivity, quant_smoothing
 from rmsnorm_deploy.decoder.convention import KVCacheLayout
 from rmsnorm_deploy.decoder.divergence import QUANTIZATION_TEXT_CHUNKS, quantization_text_cost, text_cost_line
 from rmsnorm_deploy.decoder.genai_config import write_serving_files
@@ -153,20 +153,30 @@ def _measure(loaded: LoadedModel, quantization: Quantization, dtype: str,
              progress: Progress) -> tuple[Quantization, LoadedModel]:
     """A measured recipe's widths (``quant_sensitivity``): the model run whole on the calibration set
     (loaded from its folder when streamed, if it fits); returns the quantization and the model run."""
-    quant_sensitivity.calibration_windows(loaded.folder)  # no tokenizer: refused before any model is loaded
+    # no tokenizer: refused before any model is loaded
+    quant_sensitivity.calibration_windows(loaded.folder, quantization.scheme)
     reference = loaded
     if _is_streamed(loaded):
         why = reference_fits(loaded)
         if why or loaded.folder is None:
             raise UserError(f"--quantize {quantization.scheme} runs the whole model on a calibration text to choose "
-                            f"its widths, and {why or 'this model has no folder to load it from'}; "
-                            "choose --quantize int4-mixed")
+                            f"its {'smoothing' if quantization.recipe.smoothed else 'widths'}, and "
+                            f"{why or 'this model has no folder to load it from'}; "
+                            f"choose --quantize {quantization.recipe.unmeasured}")
         with progress.stage(f"loading the PyTorch model to measure its weights (--quantize {quantization.scheme})"):
             reference = hf.load_folder(loaded.folder, dtype)
     lm = causal_lm(reference)
     with progress.stage(f"sampling {quant_sensitivity.GENERATED_WINDOWS} x {quant_sensitivity.CALIBRATION_CONTEXT} "
                         "calibration tokens from the model"):
-        windows, source = quant_sensitivity.calibration_set(lm, loaded.folder)
+        windows, source = quant_sensitivity.calibration_set(lm, loaded.folder, quantization.scheme)
+    if quantization.recipe.smoothed:
+        with progress.stage(f"choosing each projection input's smoothing on {quant_sensitivity.CALIBRATION_TEXT.name} "
+                            f"and the model's samples ({len(windows)} x {quant_sensitivity.CALIBRATION_CONTEXT} "
+                            "tokens)") as st:
+            result = quant_smoothing.smoothed(quantization, lm, windows, source=source)
+            assert result.measurement is not None
+            st.note(f"{result.measurement['smoothed']} of {len(result.measurement['units'])} inputs smoothed")
+        return result, reference
     with progress.stage(f"measuring each projection's 4-bit error on {quant_sensitivity.CALIBRATION_TEXT.name} "
                         f"and the model's samples ({len(windows)} x {quant_sensitivity.CALIBRATION_CONTEXT} "
                         "tokens)") as st:

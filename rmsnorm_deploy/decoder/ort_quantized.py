@@ -14,6 +14,10 @@ A fitted width's block offsets are added after its MatMulNBits: the input's sums
 (Reshape, ReduceSum) times the offsets [K / block, N] (MatMul), the input padded to whole blocks
 first where K is not a multiple of the block.
 
+A projection whose input the recipe smooths (``int8-smooth``: ``quant_smoothing``) reads its input times
+the smoothing factor [K] (one Mul per input, shared by the projections that read it), and its weight's
+input rows are divided by the factor (as the graph stores it) before they are quantized.
+
 A per-channel width (``Width.per_channel``) is int8 rows [N, K] with a scale per row and a smoothing
 factor per input feature, multiplied by ``MatMulInteger`` on the input rounded to int8 per row
 (``quantize.channel_head`` is the same arithmetic, node for node); the rows are stored as the lookup
@@ -49,6 +53,7 @@ class QuantizedWeights:
     shared_head: QuantizedLinear | None
     _lm_paths: dict[int, str] | None = None
     _sums: dict[str, str] | None = None
+    _smoothed: dict[str, tuple[str, str, np.ndarray]] | None = None
     lm: Any
     dims: Any
     ids: str
@@ -81,6 +86,37 @@ class QuantizedWeights:
         if got.shape != (k,) or not np.all(np.isfinite(got)) or not np.all(got > 0):
             raise ValueError(f"the smoothing of {self._lm_path(linear)} is not {k} positive finite factors")
         return got
+
+    def _block_smoothing(self, linears: list[torch.nn.Module], k: int) -> np.ndarray | None:
+        """The measured smoothing [K] of MatMulNBits projections' shared input, as the graph stores it
+        (its dtype), or None where none was measured; the Linears fed one input must share one factor."""
+        table = self.quantization.smoothing if self.quantization is not None else None
+        got = [(table or {}).get(self._lm_path(lin)) for lin in linears]
+        if all(g is None for g in got):
+            return None
+        what = ", ".join(self._lm_path(lin) for lin in linears)
+        if any(g is None or not np.array_equal(g, got[0]) for g in got):
+            raise ValueError(f"the projections {what} read one input but were not measured one smoothing")
+        factors = np.asarray(got[0], np.float32)
+        if factors.shape != (k,) or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
+            raise ValueError(f"the smoothing of {what} is not {k} positive finite factors")
+        stored = factors.astype(self.w.np_dtype)
+        if not (np.all(np.isfinite(stored)) and np.all(stored > 0)):
+            raise ValueError(f"the smoothing of {what} does not fit in {self.w.dtype}")
+        return stored
+
+    def _smoothed_input(self, x: str, factors: np.ndarray, name: str, base: str) -> tuple[str, str]:
+        """``x`` times ``factors`` (one Mul per input; projections reading the same input share it) and the
+        factors' initializer."""
+        if self._smoothed is None:
+            self._smoothed = {}
+        if x not in self._smoothed:
+            init = self.w.init(f"{name}_smoothing", np.ascontiguousarray(factors))
+            self._smoothed[x] = (init, self.w.one("Mul", [x, init], f"{base}/smoothed"), factors)
+        init, smoothed, first = self._smoothed[x]
+        if not np.array_equal(first, factors):
+            raise ValueError(f"{name}: its input is smoothed by another projection's different factors")
+        return smoothed, init
 
     def _channel_weight(self, name: str, names: list[str], sizes: list[int], k: int,
                         smoothing: np.ndarray) -> tuple[str, str, str]:
@@ -132,11 +168,12 @@ class QuantizedWeights:
         return self._emit("Cast", [y], base, out, to=onnx_type(self.w.dtype))
 
     def _quantized_weight(self, name: str, names: list[str], sizes: list[int], k: int, width: Width, *,
-                          flat: bool = False, linears: list[torch.nn.Module] = ()) -> tuple[str, str, str, str]:  # type: ignore[assignment]
+                          flat: bool = False, linears: list[torch.nn.Module] = (),  # type: ignore[assignment]
+                          smoothing: np.ndarray | None = None) -> tuple[str, str, str, str]:
         """ONNX Runtime's quantizer on blocks of output rows (independent columns of [K, N]): the
         packed blocks go to the sink as they are made, then the scales, zero points and offsets
         ("" where the width has none). ``flat``: packed as [N, K * bits / 8] (GatherBlockQuantized's
-        shape; the same bytes)."""
+        shape; the same bytes). ``smoothing``: each row divided by it (in float32, then the graph's dtype)."""
         assert self.quantizer is not None and self.quantization is not None
         block = self.quantization.block_size
         n, blocks = sum(sizes), -(-k // block)
@@ -147,7 +184,11 @@ class QuantizedWeights:
         importance = self._importance(linears)
 
         def packed_blocks() -> Iterator[np.ndarray]:
+            divisor = None if smoothing is None else torch.from_numpy(smoothing.astype(np.float32))
             for _, rows in self._row_blocks(names, sizes, k):
+                if divisor is not None:
+                    # as the reference divides them: the graph's dtype, float32, the graph's dtype
+                    rows = (rows.detach().to(self.w.torch_dtype).float() / divisor).to(self.w.torch_dtype)
                 got = self.quantizer(self.w.cast_transposed(rows), width, importance)
                 scales.append(got.scales)
                 if got.zero_points is not None:
@@ -180,11 +221,21 @@ class QuantizedWeights:
             shape = self.i64(f"{name}_shape", [n, -(-k // block), block * width.bits // 8])
             packed = self.w.one("Reshape", [shared.packed, shape], f"{base}/packed_view")
             self.quantized.append(shared)
+            if shared.smoothing:
+                x = self.w.one("Mul", [x, shared.smoothing], f"{base}/smoothed")
             inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
             return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
-        packed, scale, zero, offsets = self._quantized_weight(name, names, sizes, k, width, linears=linears)
+        factors = self._block_smoothing(linears, k)
+        smoothing = ""
+        if factors is not None:
+            if width.offsets:
+                raise ValueError(f"{name}: a smoothed input and block offsets are not written together")
+            x, smoothing = self._smoothed_input(x, factors, name, base)
+        packed, scale, zero, offsets = self._quantized_weight(name, names, sizes, k, width, linears=linears,
+                                                              smoothing=factors)
         self.quantized.append(QuantizedLinear(packed, scale, k, n, tuple(
-            (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero, offsets=offsets))
+            (self._path(lin), size) for lin, size in zip(linears, sizes)), width, zero, offsets=offsets,
+            smoothing=smoothing))
         attrs = self.quantization.node_attributes(k, n, width.bits)
         if not offsets:
             return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out, **attrs)
@@ -231,14 +282,18 @@ class QuantizedWeights:
         vocab, hidden = (int(d) for d in embed.weight.shape)
         if width.per_channel:
             return self._channel_lookup(embed, name, width)
-        packed, scales, zero, _ = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
-                                                      hidden, width, flat=True)
         head = self.lm.get_output_embeddings()
+        factors = self._block_smoothing([head], hidden)
+        packed, scales, zero, _ = self._quantized_weight(f"{self.prefix}model.embed_tokens.weight", [name], [vocab],
+                                                      hidden, width, flat=True, smoothing=factors)
+        smooth = "" if factors is None else self.w.init(f"{self.prefix}lm_head_smoothing", factors)
         self.shared_head = QuantizedLinear(packed, scales, hidden, vocab, ((self._path(head), vocab),), width, zero,
-                                           self._path(embed))
-        return self.w.one("GatherBlockQuantized", [packed, self.ids, scales] + ([zero] if zero else []), EMBED_OUTPUT,
-                          domain=MS_DOMAIN, gather_axis=0, quantize_axis=1, block_size=self.quantization.block_size,
-                          bits=width.bits)
+                                           self._path(embed), smoothing=smooth)
+        rows = self.w.one("GatherBlockQuantized", [packed, self.ids, scales] + ([zero] if zero else []),
+                          "embed/rows" if smooth else EMBED_OUTPUT, domain=MS_DOMAIN, gather_axis=0, quantize_axis=1,
+                          block_size=self.quantization.block_size, bits=width.bits)
+        # the rows are the head's, divided by its input's smoothing: times it, the embedding's own
+        return self.w.one("Mul", [rows, smooth], EMBED_OUTPUT) if smooth else rows
 
     def _channel_lookup(self, embed: torch.nn.Module, name: str, width: Width) -> str:
         """The embedding quantized once per channel (the head's rows, smoothed as the head's input is):

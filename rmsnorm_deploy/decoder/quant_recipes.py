@@ -22,6 +22,10 @@ a fused projection (Q/K/V together) gets one width.
 - ``int4-hqq``: the same layout with the 4-bit blocks from ONNX Runtime's HQQ
   (``HQQWeightOnlyQuantizer``: half-quadratic optimization of each block's zero, no calibration);
   HQQ's float zero is written as ``int4-fit``'s float offset, so the fast kernel runs it.
+- ``int8-smooth``: every projection 8 bits, symmetric round-to-nearest, its input first multiplied by a
+  per-feature smoothing factor and its weight's input rows divided by it, the strength chosen per input on
+  the calibration set (``quant_smoothing``): MatMulNBits at accuracy level 4 rounds its input to int8 in
+  blocks, whose outlier features set the block's step; the LM head only with ``--quantize-lm-head`` (unsmoothed).
 - ``int8-asym``: every projection and the head 8 bits with zero points (round-to-nearest over
   each block's min..max: no clipping of a block's largest magnitude).
 - ``int4-fit``: every projection 4 bits with a float scale and a float offset per block fitted by
@@ -186,6 +190,13 @@ class Recipe:
     #: the recipe's 8-bit units are chosen by measuring the model (``quant_sensitivity``), at ``upgrade``
     measured: bool = False
     upgrade: Width = Width(8)
+    #: the projections' inputs are smoothed as measured (``quant_smoothing``) instead of any unit widened
+    smoothed: bool = False
+
+    @property
+    def unmeasured(self) -> str:
+        """The recipe to choose where this measured one cannot run the model on its calibration set."""
+        return "int8" if self.smoothed else "int4-mixed"
 
     def width(self, role: str, layer: int, layers: int) -> Width:
         if role not in ROLES:
@@ -196,6 +207,10 @@ class Recipe:
 RECIPES = {r.name: r for r in (
     Recipe("int8", _uniform(8), False, "8-bit symmetric round-to-nearest"),
     Recipe("int4", _uniform(4), False, "4-bit symmetric round-to-nearest"),
+    Recipe("int8-smooth", _uniform(8), False,
+           "8-bit symmetric round-to-nearest, each projection's input smoothed per feature as measured on a "
+           "calibration set (the outliers moved into the weights before the kernel rounds the input to int8)",
+           measured=True, smoothed=True),
     Recipe("int4-mixed", _mixed(Width(4, symmetric=False)), True,
            "llama.cpp Q4_K_M's layout: 4-bit with zero points; 8-bit head/tied embedding, and Q/K/V, output and down "
            "projections in half the layers (llama.cpp's use_more_bits)"),

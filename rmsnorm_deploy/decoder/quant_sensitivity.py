@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from rmsnorm_deploy.decoder.quant_recipes import UNIT_OF_ROLE, Width, use_more_bits
+from rmsnorm_deploy.decoder.quant_recipes import RECIPES, UNIT_OF_ROLE, Width, use_more_bits
 from rmsnorm_deploy.decoder.quantize import WeightQuantizer, channel_head, dequantize, quantize_channel
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.optional import require
@@ -319,14 +319,15 @@ def q4_k_m_budget(units: list[Unit], four: Width, eight: Width, block_size: int)
     return sum(u.params * extra for u in units if u.unit in Q4_K_M_UNITS and use_more_bits(u.layer, layers))
 
 
-def calibration_windows(tokenizer_folder: Any) -> list[list[int]]:
+def calibration_windows(tokenizer_folder: Any, scheme: str = "int4-auto") -> list[list[int]]:
     """Every whole window of :data:`CALIBRATION_CONTEXT` tokens of the calibration text, tokenized by the
-    model's tokenizer."""
-    transformers = require("transformers", "reading the calibration text (--quantize int4-auto)")
+    model's tokenizer (``scheme``: the measured recipe asking, named where there is none)."""
+    transformers = require("transformers", f"reading the calibration text (--quantize {scheme})")
     if tokenizer_folder is None or not any(Path(tokenizer_folder, f).is_file()
                                            for f in ("tokenizer.json", "tokenizer.model")):
-        raise UserError("--quantize int4-auto measures the weights on the shipped calibration text and needs the "
-                        "model folder's tokenizer; this model has none (choose --quantize int4-mixed)")
+        raise UserError(f"--quantize {scheme} measures the weights on the shipped calibration text and needs the "
+                        f"model folder's tokenizer; this model has none (choose --quantize "
+                        f"{RECIPES[scheme].unmeasured})")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_folder))
     ids = [int(t) for t in tokenizer(CALIBRATION_TEXT.read_text(encoding="utf-8"))["input_ids"]]
     windows = [ids[i:i + CALIBRATION_CONTEXT] for i in range(0, len(ids) - CALIBRATION_CONTEXT + 1,
@@ -373,10 +374,11 @@ def generated_windows(lm: torch.nn.Module, count: int = GENERATED_WINDOWS, *, se
     return ids.tolist()
 
 
-def calibration_set(lm: torch.nn.Module, tokenizer_folder: Any) -> tuple[list[list[int]], str]:
+def calibration_set(lm: torch.nn.Module, tokenizer_folder: Any, scheme: str = "int4-auto"
+                    ) -> tuple[list[list[int]], str]:
     """What a measured recipe calibrates on: the shipped text's windows and :data:`GENERATED_WINDOWS`
     the model samples (:func:`generated_windows`); and their description for the metadata."""
-    text = calibration_windows(tokenizer_folder)
+    text = calibration_windows(tokenizer_folder, scheme)
     sampled = generated_windows(lm)
     return text + sampled, (f"{CALIBRATION_SOURCE}, {len(text)} windows of {CALIBRATION_CONTEXT} tokens, and "
                             f"{len(sampled)} windows the model sampled from its BOS token (seed {GENERATION_SEED}, "
@@ -388,6 +390,8 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
     """``quantization`` (a measured recipe's) with its 8-bit units chosen on ``windows`` and the
     measurement recorded: what the export writes."""
     recipe = quantization.recipe
+    if recipe.smoothed:
+        raise ValueError(f"--quantize {quantization.scheme} is measured by quant_smoothing.smoothed")
     four, eight = recipe.width("o", 0, 1), recipe.upgrade
     quantizer = WeightQuantizer(quantization.block_size)
     gptq = four.method == "gptq"
@@ -420,7 +424,8 @@ def measured(quantization: Any, lm: torch.nn.Module, windows: Sequence[Sequence[
                                smoothing=smoothing)
 
 
-#: SmoothQuant's migration strengths a per-channel head's smoothing is chosen from (0: none): the head's
+#: SmoothQuant's migration strengths a per-channel head's smoothing is chosen from (0: the weight's columns
+#: alone set the factors): the head's
 #: input has a few features tens of times larger than the rest (SmolLM2-135M's final norm: 53 against a
 #: median 4), which would set every row's int8 step; dividing feature k by ``max|x_k|^a / max|W_k|^(1-a)``
 #: and multiplying the weight's column by it moves them into the weight's per-row scales.

@@ -84,8 +84,9 @@ class Quantization:
     #: (GPTQ's: the input's second moments [K, K], measured as asked for: ``quant_sensitivity.LayerHessians``)
     importance: Mapping[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False,
                                                                     repr=False)
-    #: a per-channel width's measured smoothing (``quant_sensitivity.head_smoothing``): the factor [K] its
-    #: input is multiplied by (and its weight divided by) before rounding, per Linear path; none: ones
+    #: the measured smoothing of a per-channel width (``quant_sensitivity.head_smoothing``) or of MatMulNBits
+    #: projections (``quant_smoothing``): the factor [K] the input is multiplied by (and the weight's input rows
+    #: divided by) before rounding, per Linear path; a per-channel width without one: ones, any other: no Mul
     smoothing: dict[str, np.ndarray] | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -719,7 +720,7 @@ def quantization_of(entry: Any) -> tuple[Quantization, list[QuantizedLinear]]:
                                  f"{width.describe()} width")
             if bool(linear.offsets) != width.offsets:
                 raise ValueError(f"{linear.packed}: offsets {linear.offsets!r} for a {width.describe()} width")
-            if bool(linear.smoothing) != width.per_channel:
+            if (width.per_channel and not linear.smoothing) or (linear.smoothing and width.offsets):
                 raise ValueError(f"{linear.packed}: smoothing {linear.smoothing!r} for a {width.describe()} width")
             linears.append(linear)
     except (KeyError, TypeError, ValueError) as exc:
@@ -882,27 +883,48 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
             whole = weight if offsets is None else dequantize(packed, scales, zero, bits=lin.width.bits,
                                                              block_size=q.block_size, k=lin.k, offsets=offsets)
             zeros = zero_points_of(zero, lin.width.bits, scales.shape, offsets, scales)
+            smooth = torch.from_numpy(read_smoothing(model, lin, base_dir)) if lin.smoothing else None
             start = 0
             for path, rows in lin.parts:
                 module = _linear_module(modules, path, rows, lin.k)
-                dequantized[path] = torch.from_numpy(np.ascontiguousarray(whole[:, start:start + rows].T))
-                check.add(path, module.weight, dequantized[path].numpy(), scales[start:start + rows],
-                          zeros[start:start + rows], lin.width, q.block_size)
+                mine = torch.from_numpy(np.ascontiguousarray(whole[:, start:start + rows].T))
+                # a smoothed weight is checked where it was quantized: its input rows divided by the factors
+                original = module.weight if smooth is None else _divided(module.weight, smooth)
+                check.add(path, original, mine.numpy(), scales[start:start + rows], zeros[start:start + rows],
+                          lin.width, q.block_size)
+                dequantized[path] = mine if smooth is None else mine * smooth.float()
                 values = np.ascontiguousarray(weight[:, start:start + rows].T)
                 stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
                 if offsets is not None:
                     stack.enter_context(_with_offsets(module, offsets[start:start + rows], q))
-                elif q.compute == "int8":
+                elif q.compute == "int8" or smooth is not None:
                     stack.callback(module.register_forward_pre_hook(
-                        lambda _m, args, b=q.block_size: (round_activations(args[0], b), *args[1:])).remove)
+                        lambda _m, args, b=q.block_size, s=smooth, r=q.compute == "int8":
+                        (_kernel_input(args[0], b, s, r), *args[1:])).remove)
                 start += rows
             if lin.embedding:  # the lookup reads the same packed weight: the dequantized rows, exactly
-                stack.enter_context(_replaced(_embedding_module(modules, lin), "weight",
-                                              torch.from_numpy(np.ascontiguousarray(weight.T))))
+                rows_of = torch.from_numpy(np.ascontiguousarray(weight.T))
+                embedding = _embedding_module(modules, lin)
+                if smooth is not None:  # the rows times the factors, a Mul in the graph's dtype
+                    rows_of = rows_of.to(embedding.weight.dtype) * smooth.to(embedding.weight.dtype)
+                stack.enter_context(_replaced(embedding, "weight", rows_of))
         for item in experts:
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
         yield Reference(reference_compute(q, linears), check, dequantized,
                         any(lin.width.per_channel for lin in linears))
+
+
+def _divided(weight: torch.Tensor, smoothing: torch.Tensor) -> torch.Tensor:
+    """A weight's input rows divided by its smoothing as the writer divides them: in float32, then its dtype."""
+    return (weight.detach().float() / smoothing.float()).to(weight.dtype)
+
+
+def _kernel_input(x: torch.Tensor, block_size: int, smoothing: torch.Tensor | None, rounded: bool) -> torch.Tensor:
+    """A MatMulNBits' input as its kernel multiplies it: times the smoothing (the graph's Mul, in ``x``'s
+    dtype) and, at int8 compute, rounded per block."""
+    if smoothing is not None:
+        x = x * smoothing.to(x.dtype)
+    return round_activations(x, block_size) if rounded else x
 
 
 def _linear_module(modules: dict[str, torch.nn.Module], path: str, rows: int, k: int) -> torch.nn.Linear:
@@ -927,16 +949,23 @@ def read_channel(model: Any, lin: QuantizedLinear, base_dir: Any) -> tuple[np.nd
     agree on NaN) checked."""
     table = read_initializer(model, lin.packed, base_dir)
     scales = read_initializer(model, lin.scales, base_dir)
-    smoothing = np.array(read_initializer(model, lin.smoothing, base_dir), np.float32)
-    if (table.dtype != np.int8 or table.shape != (lin.n, lin.k) or scales.shape != (lin.n,)
-            or smoothing.shape != (lin.k,)):
+    if table.dtype != np.int8 or table.shape != (lin.n, lin.k) or scales.shape != (lin.n,):
         raise UserError(f"the per-channel weight {lin.packed!r} is {table.dtype} {list(table.shape)} with scales "
-                        f"{list(scales.shape)} and smoothing {list(smoothing.shape)}, not int8 [{lin.n}, {lin.k}], "
-                        f"[{lin.n}] and [{lin.k}]; export it again")
+                        f"{list(scales.shape)}, not int8 [{lin.n}, {lin.k}] and [{lin.n}]; export it again")
+    return table, scales, np.array(read_smoothing(model, lin, base_dir), np.float32)
+
+
+def read_smoothing(model: Any, lin: QuantizedLinear, base_dir: Any) -> np.ndarray:
+    """A weight's input smoothing [K] read back from the graph, in its stored dtype, checked: positive and
+    finite (a NaN factor would make the graph and its reference agree on NaN)."""
+    smoothing = np.array(read_initializer(model, lin.smoothing, base_dir))
+    if smoothing.shape != (lin.k,) or smoothing.dtype.kind != "f":
+        raise UserError(f"the smoothing {lin.smoothing!r} of {lin.packed!r} is {smoothing.dtype} "
+                        f"{list(smoothing.shape)}, not [{lin.k}] floats; export it again")
     if not (np.all(np.isfinite(smoothing)) and np.all(smoothing > 0)):
         raise UserError(f"the smoothing {lin.smoothing!r} of {lin.packed!r} holds non-positive or non-finite factors; "
                         "export it again")
-    return table, scales, smoothing
+    return smoothing
 
 
 def _channel_reference(stack: contextlib.ExitStack, modules: dict[str, torch.nn.Module], model: Any, base_dir: Any,

@@ -353,7 +353,11 @@ def test_recipes_widths():
     assert Quantization("int4-kquant").width("gate", 3, 30) == Width(4, False, "kquant")
     assert Quantization("int4").width("head") is None and Quantization("int4", lm_head=True).width("head") == Width(4)
     assert set(RECIPES) >= {"int8", "int4", "int4-mixed", "int4-kquant", "int8-asym", "int4-fit", "int4-fit-mixed",
-                            "int4-auto", "int4-auto-zp", "int4-hqq", "int4-gptq"}
+                            "int4-auto", "int4-auto-zp", "int4-hqq", "int4-gptq", "int8-smooth"}
+    smooth = Quantization("int8-smooth", measurement={})
+    assert smooth.width("down", 3, 30) == smooth.width("qkv", 0, 30) == Width(8) and smooth.width("head") is None
+    assert Quantization("int8-smooth", lm_head=True, measurement={}).width("head") == Width(8)
+    assert RECIPES["int8-smooth"].smoothed and RECIPES["int8-smooth"].unmeasured == "int8"
     assert Quantization("int4-hqq").width("up", 3, 30) == Width(4, False, "hqq")
     assert Quantization("int4-hqq").width("down", 0, 30) == Width(8)
     fit = Width(4, False, "fit")
@@ -719,17 +723,19 @@ def test_cli_refuses_quantize_options_in_one_line(hf_folder, tmp_path, capsys, a
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_int4_auto_without_a_tokenizer_is_one_line(hf_folder, tmp_path, capsys):
-    """int4-auto measures on the calibration text, read with the folder's tokenizer: a folder without
-    one is refused before anything is loaded or written, in one line (after the export's progress)."""
+@pytest.mark.parametrize("scheme, instead", [("int4-auto", "int4-mixed"), ("int8-smooth", "int8")])
+def test_cli_measured_recipe_without_a_tokenizer_is_one_line(hf_folder, tmp_path, capsys, scheme, instead):
+    """A measured recipe reads the calibration text with the folder's tokenizer: a folder without one is
+    refused before anything is loaded or written, in one line (after the export's progress) naming the
+    recipe that needs none."""
     from rmsnorm_deploy.cli import main
 
-    args = ["--kv-cache", "--target", "onnxruntime", "--quantize", "int4-auto", "-o", str(tmp_path / "out")]
+    args = ["--kv-cache", "--target", "onnxruntime", "--quantize", scheme, "-o", str(tmp_path / "out")]
     assert main(["export", str(hf_folder), *args]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines()[-1].endswith("--quantize int4-auto measures the weights on the shipped calibration text "
+    assert err.splitlines()[-1].endswith(f"--quantize {scheme} measures the weights on the shipped calibration text "
                                          "and needs the model folder's tokenizer; this model has none (choose "
-                                         "--quantize int4-mixed)")
+                                         f"--quantize {instead})")
     assert "Traceback" not in err and "Loading weights" not in err and not (tmp_path / "out").exists()
 
 
@@ -964,7 +970,7 @@ def test_smoothing_moves_an_outlier_feature_into_the_weights():
 
 @pytest.mark.parametrize("damage, message", [
     (lambda lin: lin.update(smoothing=""), "smoothing '' for a int8 per channel"),
-    (lambda lin: lin.update(method="rtn"), "smoothing '.*' for a int8 symmetric rtn width"),
+    (lambda lin: lin.update(method="fit", symmetric=False, offsets="x"), "smoothing '.*' for a int8 block offsets"),
 ])
 def test_damaged_per_channel_metadata_is_one_line(channel_decoder, damage, message):
     _, _, dec = channel_decoder
@@ -975,7 +981,7 @@ def test_damaged_per_channel_metadata_is_one_line(channel_decoder, damage, messa
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda k: np.ones(k + 1, np.float32), r"per-channel weight .* smoothing \[{k1}\], not int8"),
+    (lambda k: np.ones(k + 1, np.float32), r"is float32 \[{k1}\], not \[{k}\] floats"),
     (lambda k: np.full(k, np.nan, np.float32), "holds non-positive or non-finite factors; export it again"),
     (lambda k: np.zeros(k, np.float32), "holds non-positive or non-finite factors"),
 ])
@@ -988,7 +994,7 @@ def test_a_damaged_per_channel_weight_is_refused(channel_decoder, damage, messag
     model.CopyFrom(dec.model)
     (smoothing,) = [i for i in model.graph.initializer if i.name == head["smoothing"]]
     smoothing.CopyFrom(numpy_helper.from_array(damage(head["K"]), head["smoothing"]))
-    with pytest.raises(UserError, match=message.format(k1=head["K"] + 1)):
+    with pytest.raises(UserError, match=message.format(k=head["K"], k1=head["K"] + 1)):
         with dequantized_reference(loaded.module, model, ModelMetadata.read(model).quantization):
             pass
 
