@@ -33,7 +33,7 @@ import torch
 from onnx import helper
 
 from rmsnorm_deploy.contract.compare import CompareResult, compare
-from rmsnorm_deploy.contract.dtypes import dtype_name, onnx_type
+from rmsnorm_deploy.contract.dtypes import dtype_name, onnx_type, torch_dtype
 from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.tolerances import tolerance_at_scale
 from rmsnorm_deploy.decoder.convention import empty_past, layout_of
@@ -54,7 +54,9 @@ from rmsnorm_deploy.decoder.quantize import (
     WeightCheck,
     read_channel,
     read_initializer,
+    read_smoothing,
     round_activations,
+    smoothed_weight,
     zero_points_of,
 )
 from rmsnorm_deploy.decoder.weights import TensorSource, parameter_names
@@ -173,6 +175,10 @@ class _LayerByLayer:
         q = quantization_of(self.entry)[0] if quantized is not None else None
         if quantized is not None and quantized.width.per_channel:
             return self._channel_logits(x, head, path, quantized)
+        smooth = (torch.from_numpy(read_smoothing(self.proto, quantized, self.folder))
+                  if quantized is not None and quantized.smoothing else None)
+        if smooth is not None:  # the graph's Mul before the head (int8-smooth)
+            x = x * smooth.to(x.dtype)
         if q is not None and q.compute == "int8":
             x = round_activations(x, q.block_size)
         packed = read_initializer(self.proto, quantized.packed, self.folder) if quantized else None
@@ -190,8 +196,9 @@ class _LayerByLayer:
                 bits, rows = quantized.width.bits, None if zero is None else zero[start:stop]
                 deq = dequantize(packed[start:stop], scales[start:stop], rows, bits=bits, block_size=q.block_size,
                                  k=quantized.k).T.copy()
-                self.weights.add(path, w, deq, scales[start:stop], zero_points_of(rows, bits, scales[start:stop].shape),
-                                 quantized.width, q.block_size)
+                self.weights.add(path, w if smooth is None else smoothed_weight(w, smooth, torch_dtype(self.dtype)), deq,
+                                 scales[start:stop],
+                                 zero_points_of(rows, bits, scales[start:stop].shape), quantized.width, q.block_size)
                 w = torch.from_numpy(deq)
             blocks.append((x @ w.to(x.dtype).T).float())
         return torch.cat(blocks, dim=-1).numpy()

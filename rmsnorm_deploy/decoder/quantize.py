@@ -889,7 +889,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                 module = _linear_module(modules, path, rows, lin.k)
                 mine = torch.from_numpy(np.ascontiguousarray(whole[:, start:start + rows].T))
                 # a smoothed weight is checked where it was quantized: its input rows divided by the factors
-                original = module.weight if smooth is None else _divided(module.weight, smooth)
+                original = module.weight if smooth is None else smoothed_weight(module.weight, smooth)
                 check.add(path, original, mine.numpy(), scales[start:start + rows], zeros[start:start + rows],
                           lin.width, q.block_size)
                 dequantized[path] = mine if smooth is None else mine * smooth.float()
@@ -914,9 +914,11 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                         any(lin.width.per_channel for lin in linears))
 
 
-def _divided(weight: torch.Tensor, smoothing: torch.Tensor) -> torch.Tensor:
-    """A weight's input rows divided by its smoothing as the writer divides them: in float32, then its dtype."""
-    return (weight.detach().float() / smoothing.float()).to(weight.dtype)
+def smoothed_weight(weight: torch.Tensor, smoothing: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A weight's input rows divided by its smoothing as the writer divides them: in the graph's ``dtype``
+    (default the weight's: a loaded model's is the export's), then in float32, then in the graph's dtype."""
+    dtype = dtype or weight.dtype
+    return (weight.detach().to(dtype).float() / smoothing.float()).to(dtype)
 
 
 def _kernel_input(x: torch.Tensor, block_size: int, smoothing: torch.Tensor | None, rounded: bool) -> torch.Tensor:

@@ -232,3 +232,31 @@ def test_layer_by_layer_parity_of_a_per_channel_head(checkpoints, tmp_path):
     _tamper(tmp_path / "model.onnx.data", proto, head["packed"])
     damaged = layer_parity(streamed, tensors, out, prompt=6)
     assert damaged.failed and not damaged.results[0].passed
+
+
+def test_layer_by_layer_parity_of_smoothed_inputs(checkpoints, tmp_path):
+    """int8-smooth with the head quantized, checked layer by layer: each layer's projections and the head
+    read their smoothing back from the graph and pass; the head's factors doubled fail the weights' check
+    (its weight is checked divided by them)."""
+    from rmsnorm_deploy.decoder import quant_smoothing
+
+    folder = checkpoints("llama")
+    whole = hf.load_folder(folder, "float32")
+    windows = np.random.default_rng(3).integers(0, whole.vocab_size, (2, 12)).tolist()
+    quantization = quant_smoothing.smoothed(Quantization("int8-smooth", 32, 4, lm_head=True), whole.module.model,
+                                            windows)
+    head_path = next(p for p, m in whole.module.model.named_modules() if m is whole.module.model.lm_head)
+    rng = np.random.default_rng(4)  # the head smoothed whatever the tiny model measured
+    quantization.smoothing[head_path] = rng.uniform(0.5, 2.0, whole.module.model.config.hidden_size).astype(np.float32)
+    out = tmp_path / "model.onnx"
+    write_ort_decoder(whole, out, force=False, quantization=quantization)
+    streamed, tensors = open_folder(folder, "float32")
+    parity = layer_parity(streamed, tensors, out, prompt=6)
+    assert not parity.failed, parity.table()
+    proto = onnx.load(str(out), load_external_data=False)
+    (head,) = [lin for lin in ModelMetadata.read(proto).quantization["linears"] if lin["parts"][0][0].endswith("lm_head")]
+    (init,) = [t for t in proto.graph.initializer if t.name == head["smoothing"]]  # small: stored in the graph
+    init.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(init) * 2, init.name))
+    onnx.save(proto, str(out))
+    damaged = layer_parity(streamed, tensors, out, prompt=6)
+    assert damaged.failed and not damaged.results[0].passed
