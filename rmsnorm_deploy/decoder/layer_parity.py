@@ -56,6 +56,7 @@ from rmsnorm_deploy.decoder.quantize import (
     read_initializer,
     read_smoothing,
     round_activations,
+    scale_rounding,
     smoothed_weight,
     zero_points_of,
 )
@@ -197,8 +198,8 @@ class _LayerByLayer:
                 deq = dequantize(packed[start:stop], scales[start:stop], rows, bits=bits, block_size=q.block_size,
                                  k=quantized.k).T.copy()
                 self.weights.add(path, w if smooth is None else smoothed_weight(w, smooth, torch_dtype(self.dtype)), deq,
-                                 scales[start:stop],
-                                 zero_points_of(rows, bits, scales[start:stop].shape), quantized.width, q.block_size)
+                                 scales[start:stop], zero_points_of(rows, bits, scales[start:stop].shape),
+                                 quantized.width, q.block_size, scale_rounding(self.dtype))
                 w = torch.from_numpy(deq)
             blocks.append((x @ w.to(x.dtype).T).float())
         return torch.cat(blocks, dim=-1).numpy()

@@ -54,6 +54,7 @@ class QuantizedWeights:
     _lm_paths: dict[int, str] | None = None
     _sums: dict[str, str] | None = None
     _smoothed: dict[str, tuple[str, str, np.ndarray]] | None = None
+    _float32_inputs: dict[str, str] | None = None
     lm: Any
     dims: Any
     ids: str
@@ -200,7 +201,8 @@ class QuantizedWeights:
         blob = block * width.bits // 8
         shape = (n, blocks * blob) if flat else (n, blocks, blob)
         packed = self.w.blocks(f"{name}_Q{width.bits}", shape, np.uint8, packed_blocks())
-        scale = self.w.blocks(f"{name}_scales", (n, blocks), self.w.np_dtype, scales)
+        # float32 whatever the graph's dtype (:meth:`_nbits`); a float16 graph's are its float16 scales, exactly
+        scale = self.w.blocks(f"{name}_scales", (n, blocks), np.float32, [s.astype(np.float32) for s in scales])
         zero = self.w.blocks(f"{name}_zero_points", (n, zeros[0].shape[1]), np.uint8, zeros) if zeros else ""
         offset = (self.w.init(f"{name}_offsets", np.ascontiguousarray(np.concatenate(offsets).T, self.w.np_dtype))
                   if offsets else "")
@@ -224,7 +226,7 @@ class QuantizedWeights:
             if shared.smoothing:
                 x = self.w.one("Mul", [x, shared.smoothing], f"{base}/smoothed")
             inputs = [x, packed, shared.scales] + ([shared.zero_points] if shared.zero_points else [])
-            return self._emit("MatMulNBits", inputs, base, out, **self.quantization.node_attributes(k, n, width.bits))
+            return self._nbits(inputs, base, out, self.quantization.node_attributes(k, n, width.bits))
         factors = self._block_smoothing(linears, k)
         smoothing = ""
         if factors is not None:
@@ -238,10 +240,29 @@ class QuantizedWeights:
             smoothing=smoothing))
         attrs = self.quantization.node_attributes(k, n, width.bits)
         if not offsets:
-            return self._emit("MatMulNBits", [x, packed, scale] + ([zero] if zero else []), base, out, **attrs)
-        grid = self._emit("MatMulNBits", [x, packed, scale], base, None, **attrs)
+            return self._nbits([x, packed, scale] + ([zero] if zero else []), base, out, attrs)
+        grid = self._nbits([x, packed, scale], base, None, attrs)
         added = self.w.one("MatMul", [self._block_sums(x, k, base), offsets], f"{base}/offsets")
         return self._emit("Add", [grid, added], base, out)
+
+    def _nbits(self, inputs: list[str], base: str, out: str | None, attrs: dict[str, int]) -> str:
+        """One MatMulNBits, in float32 whatever the graph's dtype: a float16 graph casts its input to float32
+        and the product back. ONNX Runtime 1.32 CPU runs a float16 MatMulNBits whose input it computes in
+        float32 (after a float16 op it has no kernel for, such as the SiLU before the down projection) as a
+        float32 one, its scales cast by a node at run time, and at accuracy level 4 its kernel then returns
+        wrong values (measured: the whole output's magnitude off; constant scales are right). Float32 scales
+        and input leave nothing to cast; the float32 input is the float16 value exactly, and the product is
+        rounded once to float16, as the float16 kernel rounds it."""
+        if self.w.np_dtype == np.float32:
+            return self._emit("MatMulNBits", inputs, base, out, **attrs)
+        if self._float32_inputs is None:
+            self._float32_inputs = {}
+        x = inputs[0]
+        if x not in self._float32_inputs:  # gate and up read one input: one Cast
+            self._float32_inputs[x] = self.w.one("Cast", [x], f"{base}/to_float32", to=TensorProto.FLOAT)
+        y = self.w.one("MatMulNBits", [self._float32_inputs[x], *inputs[1:]], f"{base}/float32", domain=MS_DOMAIN,
+                       **attrs)
+        return self._emit("Cast", [y], base, out, to=onnx_type(self.w.dtype))
 
     def _block_sums(self, x: str, k: int, base: str) -> str:
         """``x``'s sums over each block of K (padded with zeros to whole blocks), made once per input:
@@ -289,9 +310,13 @@ class QuantizedWeights:
         smooth = "" if factors is None else self.w.init(f"{self.prefix}lm_head_smoothing", factors)
         self.shared_head = QuantizedLinear(packed, scales, hidden, vocab, ((self._path(head), vocab),), width, zero,
                                            self._path(embed), smoothing=smooth)
+        f32 = self.w.np_dtype == np.float32
         rows = self.w.one("GatherBlockQuantized", [packed, self.ids, scales] + ([zero] if zero else []),
-                          "embed/rows" if smooth else EMBED_OUTPUT, domain=MS_DOMAIN, gather_axis=0, quantize_axis=1,
-                          block_size=self.quantization.block_size, bits=width.bits)
+                          EMBED_OUTPUT if f32 and not smooth else "embed/rows", domain=MS_DOMAIN, gather_axis=0,
+                          quantize_axis=1, block_size=self.quantization.block_size, bits=width.bits)
+        if not f32:  # the scales are float32 (:meth:`_nbits`), so are the rows
+            rows = self.w.one("Cast", [rows], "embed/rows_cast" if smooth else EMBED_OUTPUT,
+                              to=onnx_type(self.w.dtype))
         # the rows are the head's, divided by its input's smoothing: times it, the embedding's own
         return self.w.one("Mul", [rows, smooth], EMBED_OUTPUT) if smooth else rows
 

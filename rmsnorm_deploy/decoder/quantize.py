@@ -752,6 +752,7 @@ class WeightCheck:
     weights: int = 0
     max_steps: float = 0.0  # the largest |dequantized - nearest grid point| in steps
     worst_scale: float = 1.0  # the |scale| / (ONNX Runtime's rule) farthest from 1 (round-to-nearest)
+    scale_excess: float = 0.0  # the largest |ratio - 1| over what its scales' rounding allows (at most 1)
     worst: str = ""
     clipped: int = 0  # weights outside their block's grid (k-quant), set to its nearest end
     #: GPTQ moves weights off their nearest grid point on purpose (each rounding's error is spread
@@ -769,9 +770,10 @@ class WeightCheck:
     STEP_SLACK = 1e-3
 
     def add(self, path: str, original: torch.Tensor, dequantized: np.ndarray, scales: np.ndarray,
-            zero: np.ndarray, width: Width, block_size: int) -> None:
+            zero: np.ndarray, width: Width, block_size: int, scale_rounding: float = 0.0) -> None:
         """``original`` [rows, K] (the model's), ``dequantized`` [rows, K], ``scales`` and ``zero``
-        (unpacked zero points) [rows, K/block] (the graph's)."""
+        (unpacked zero points) [rows, K/block] (the graph's); ``scale_rounding``: the relative rounding of
+        the dtype the quantizer computed the scales in (a float16 graph's: 2^-11), beyond :attr:`SLACK`."""
         w = original.detach().float().numpy()
         rows, k = w.shape
         blocks = scales.shape[1]
@@ -795,10 +797,11 @@ class WeightCheck:
             ratio = np.where(expected > 0, step / expected, empty)
             steps = 2.0 * np.abs(dequantized - nearest) / expand(np.maximum(step, 1e-30))
         self.clipped += int(np.count_nonzero(np.abs(nearest - w) > self.SLACK * expand(step)))
-        if width.method in ("rtn", "channel"):
+        if width.method in ("rtn", "channel") and ratio.size:
             far = float(ratio.flat[np.argmax(np.abs(ratio - 1.0))])
-            if abs(far - 1.0) > abs(self.worst_scale - 1.0):
-                self.worst_scale = far
+            excess = abs(far - 1.0) / max(self.SLACK, scale_rounding)
+            if excess > self.scale_excess:
+                self.worst_scale, self.scale_excess = far, excess
         if not np.all(np.isfinite(dequantized)):  # a NaN or Inf scale or offset is never within a step
             self.max_steps, self.worst = float("inf"), path
         elif width.method == "gptq":
@@ -814,7 +817,7 @@ class WeightCheck:
 
     @property
     def passed(self) -> bool:
-        return (self.max_steps <= 1.0 + self.STEP_SLACK and abs(self.worst_scale - 1.0) <= self.SLACK
+        return (self.max_steps <= 1.0 + self.STEP_SLACK and self.scale_excess <= 1.0
                 and self.gptq_spread <= self.GPTQ_RELATIVE)
 
     def __bool__(self) -> bool:
@@ -891,7 +894,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                 # a smoothed weight is checked where it was quantized: its input rows divided by the factors
                 original = module.weight if smooth is None else smoothed_weight(module.weight, smooth)
                 check.add(path, original, mine.numpy(), scales[start:start + rows], zeros[start:start + rows],
-                          lin.width, q.block_size)
+                          lin.width, q.block_size, scale_rounding(module.weight.dtype))
                 dequantized[path] = mine if smooth is None else mine * smooth.float()
                 values = np.ascontiguousarray(weight[:, start:start + rows].T)
                 stack.enter_context(_replaced(module, "weight", torch.from_numpy(values)))
@@ -912,6 +915,12 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
         yield Reference(reference_compute(q, linears), check, dequantized,
                         any(lin.width.per_channel for lin in linears))
+
+
+def scale_rounding(dtype: Any) -> float:
+    """The relative rounding of scales ONNX Runtime's quantizer computed for weights of ``dtype`` (a float16
+    graph's are computed and rounded in float16, then stored as float32 exactly); 0 for float32."""
+    return 2.0 ** -11 if str(dtype).removeprefix("torch.") == "float16" else 0.0
 
 
 def smoothed_weight(weight: torch.Tensor, smoothing: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
