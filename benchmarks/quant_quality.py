@@ -70,6 +70,8 @@ RECIPES: dict[str, tuple[str, int, int] | tuple[str, int, int, bool] | None] = {
     "int8 float compute": ("int8", 32, 1),
     "int8-smooth": ("int8-smooth", 32, 4),
     "int8-smooth with the head": ("int8-smooth", 32, 4, True),
+    "int8-smooth block 64 with the head": ("int8-smooth", 64, 4, True),
+    "int8-smooth block 128 with the head": ("int8-smooth", 128, 4, True),
     "int4-mixed": ("int4-mixed", 32, 4),
     "int4-hqq": ("int4-hqq", 32, 4),
     "int4-fit": ("int4-fit", 32, 4),

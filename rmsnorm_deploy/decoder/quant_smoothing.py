@@ -4,7 +4,7 @@ At ``accuracy_level`` 4, MatMulNBits rounds its input to int8 in blocks of ``--b
 each block's step set by its largest value. A model's projection inputs have a few features tens of
 times larger than the rest (a norm output's outlier channels), so the other features of their blocks
 keep a few levels: on real SmolLM2-135M that rounding costs more than the 8-bit weights themselves
-(KL from the float model 0.0042 at level 4 against 0.0016 at level 1, whose compute is 19x slower).
+(KL from the float model 0.0042 at level 4 against 0.0016 at level 1, whose compute is about 9x slower).
 
 SmoothQuant's remedy, on MatMulNBits' blocks: the input is multiplied by a factor ``f_k`` per feature
 (one ``Mul`` before the projections that read it: Q/K/V share one, gate and up another) and the
@@ -13,8 +13,10 @@ weights, whose 8-bit blocks have steps to spare. ``f = 1 / s``, ``s_k = max|x_k|
 (``quant_sensitivity.smoothing_factors``), the strength ``a`` chosen per input among
 :data:`STRENGTHS`, or no smoothing at all, by the relative squared output error of the quantized
 projections on :data:`ROWS` of the calibration set's input rows (the kernel's arithmetic:
-``quantize.round_activations`` of the smoothed input times the dequantized smoothed weight). Measured
-on SmolLM2-135M (``benchmarks/results/quant_quality.md``).
+``quantize.round_activations`` of the smoothed input times the dequantized smoothed weight). With
+``--quantize-lm-head`` the head's input is smoothed alike, its strength chosen by the KL of its token
+distributions from the float head's (its error reaches the logits directly). Measured on SmolLM2-135M
+and Gemma 3 270M (``benchmarks/results/quant_quality.md``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ ROWS = 256
 
 @dataclasses.dataclass
 class _Input:
-    """One input the projections of a unit share: their paths and weights' [N, K] rows, the input's
-    largest magnitude per feature over the whole calibration set, and the sampled rows."""
+    """One input the projections of a unit share: their paths, the input's largest magnitude per feature
+    over the whole calibration set, and its sampled rows."""
 
     unit: str
     layer: int
