@@ -40,10 +40,9 @@ from rmsnorm_deploy.decoder.convention import empty_past, layout_of
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, causal_lm, embedding_output, residual_output
 from rmsnorm_deploy.decoder.ort_parity import (
     LAYER_CHECKS,
-    PER_CHANNEL_REFERENCE,
-    REFERENCES,
     ParityVerdict,
     decisive_tokens_equal,
+    reference_name,
 )
 from rmsnorm_deploy.decoder.quantize import (
     channel_head,
@@ -265,6 +264,5 @@ def layer_parity(loaded: LoadedModel, tensors: TensorSource, model_path: str | o
         same = decisive_tokens_equal(logits[:, -1:], graph["logits"][:, -1:].argmax(-1), 2 * tolerance.atol)[0]
     else:
         same = bool(np.array_equal(graph["logits"][:, -1].argmax(-1), logits[:, -1].argmax(-1)))
-    per_channel = meta.quantization is not None and any(lin.width.per_channel
-                                                          for lin in quantization_of(meta.quantization)[1])
-    return LayerParity(results, same, REFERENCES[compute] + (PER_CHANNEL_REFERENCE if per_channel else ""), key, prompt)
+    linears = quantization_of(meta.quantization)[1] if meta.quantization is not None else []
+    return LayerParity(results, same, reference_name(compute, linears), key, prompt)

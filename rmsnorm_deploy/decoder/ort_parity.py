@@ -43,7 +43,7 @@ from rmsnorm_deploy.contract.inputs import token_ids
 from rmsnorm_deploy.contract.tolerances import Tolerance, accuracy_bound_for, tolerance_at_scale
 from rmsnorm_deploy.decoder.ort_step import KVDecoderRunner
 from rmsnorm_deploy.decoder.ort_model import OrtDecoderError, causal_lm
-from rmsnorm_deploy.decoder.quantize import dequantized_reference
+from rmsnorm_deploy.decoder.quantize import dequantized_reference, quantization_of
 from rmsnorm_deploy.decoder.transformers_step import transformers_steps
 from rmsnorm_deploy.exporter.detect import detect_norms
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
@@ -62,6 +62,14 @@ REFERENCES = {
 #: Added to the reference's name when a Linear is quantized per channel (``quantize.channel_head``).
 PER_CHANNEL_REFERENCE = ("; a per-channel MatMulInteger's input times its smoothing, rounded to int8 per row, "
                          "its int8 sums exact")
+#: Added when a MatMulNBits' input is smoothed (``int8-smooth``: ``quant_smoothing``).
+SMOOTHED_REFERENCE = "; a smoothed MatMulNBits' input times the factors read back from the graph (its Mul) first"
+
+
+def reference_name(compute: str | None, linears: Any) -> str:
+    """What a quantized graph (its ``quantize.QuantizedLinear`` list) is compared with, for its report."""
+    return (REFERENCES[compute] + (PER_CHANNEL_REFERENCE if any(lin.width.per_channel for lin in linears) else "")
+            + (SMOOTHED_REFERENCE if any(lin.smoothing and not lin.width.per_channel for lin in linears) else ""))
 #: The check of the tolerance table (an accuracy bound at float compute) for each whole-model reference.
 CHECKS = {None: "model_vs_float64", "float32": "quantized_model_vs_float64", "int8": "quantized_model_int8"}
 #: The same for one layer compared alone on the graph's own input (``layer_parity``): no depth to drift over.
@@ -176,12 +184,12 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
     meta = ModelMetadata.read(proto)
     entry = meta.quantization if meta is not None else None
     names = [f"logits step {i}" if i else "logits prefill" for i in range(len(got.step_logits))]
-    cost, compute, results, per_channel = None, None, [], False
+    cost, compute, results, linears = None, None, [], []
     with contextlib.ExitStack() as stack:
         if entry is not None:
             cost = quantization_cost(lm, ids, mask, got)
             reference = stack.enter_context(dequantized_reference(loaded.module, proto, entry, base_dir=folder))
-            compute, per_channel = reference.compute, reference.per_channel
+            compute, linears = reference.compute, quantization_of(entry)[1]
             results.append(reference.weights)
         key = (CHECKS[compute], "onnxruntime", dtype)
         # the reference is fed the graph's own tokens, so every step compares the same inputs
@@ -196,8 +204,7 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
             results += [compare(g, e, tolerance, name=n, dtype=dtype)
                         for n, g, e in zip(names, got.step_logits, same.step_logits)]
             equal, ties = decisive_tokens_equal(np.stack(same.step_logits, axis=1), got.tokens, 2 * tolerance.atol)
-            return DecodeParity(results, equal, REFERENCES[compute] + (PER_CHANNEL_REFERENCE if per_channel else ""),
-                                key, cost, ties)
+            return DecodeParity(results, equal, reference_name(compute, linears), key, cost, ties)
     allowed = accuracy_bound_for(*key).tolerance(level)
     margins = []
     for name, g, w in zip(names, got.step_logits, wide.step_logits):
@@ -205,7 +212,7 @@ def decode_parity(loaded: LoadedModel, model: Any, *, batch: int = 2, prompt: in
         margins.append(2 * allowed.atol)
     context = [compare(g, e, CONTEXT, name=n, dtype=dtype) for n, g, e in zip(names, got.step_logits, same.step_logits)]
     equal, ties = decisive_tokens_equal(np.stack(wide.step_logits, axis=1), got.tokens, max(margins))
-    return DecodeParity(results, equal, REFERENCES[compute], key, cost, ties, context)
+    return DecodeParity(results, equal, reference_name(compute, linears), key, cost, ties, context)
 
 
 def _spread(same: Any, wide: Any) -> float:

@@ -844,13 +844,12 @@ def reference_compute(q: Quantization, linears: list[QuantizedLinear]) -> str:
 @dataclasses.dataclass
 class Reference:
     """What :func:`dequantized_reference` put into the model: the compute dtype, the weights' check,
-    and each quantized Linear's whole dequantized weight by module path (offsets included);
-    ``per_channel``: some Linear computes :func:`channel_head`."""
+    and each quantized Linear's whole dequantized weight by module path (offsets and smoothing included:
+    the weight the model's own is compared with)."""
 
     compute: str
     weights: WeightCheck
     dequantized: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    per_channel: bool = False
 
 
 @contextlib.contextmanager
@@ -913,8 +912,7 @@ def dequantized_reference(root: torch.nn.Module, model: Any, entry: Any, *, base
                 stack.enter_context(_replaced(embedding, "weight", rows_of))
         for item in experts:
             _dequantized_experts(stack, modules, model, base_dir, q, item, check)
-        yield Reference(reference_compute(q, linears), check, dequantized,
-                        any(lin.width.per_channel for lin in linears))
+        yield Reference(reference_compute(q, linears), check, dequantized)
 
 
 def scale_rounding(dtype: Any) -> float:

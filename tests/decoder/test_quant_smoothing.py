@@ -110,6 +110,7 @@ def test_int8_smooth_multiplies_each_smoothed_input_once_and_holds_parity(llama,
         assert sum(is_rmsnorm_node(n) for n in graph.node) == audit_norms(dec.model, dec.norm_nodes)
         parity = decode_parity(llama, dec.model, batch=2, prompt=6, steps=2)
         assert not parity.failed, parity.table()
+        assert "smoothed MatMulNBits' input times the factors" in parity.reference
         ids, mask = random_left_padded(2, 7, llama.vocab_size, seed=5)
         got = KVDecoderRunner(dec.model).greedy(ids, mask, new_tokens=12).tokens
         with dequantized_reference(llama.module, dec.model, entry) as ref:
