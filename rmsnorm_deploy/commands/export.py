@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=SCHEMES,
                         help="--target onnxruntime: weight-only quantized projections (ONNX Runtime's MatMulNBits, "
                              "quantized by its own quantizers), a recipe: int8 / int4 (symmetric, every projection), "
+                             "int8-smooth (int8, each projection's input smoothed per feature as measured on a "
+                             "calibration text before the kernel rounds it to int8), "
                              "int4-mixed (llama.cpp Q4_K_M's layout: 4-bit with zero points, 8-bit head and half "
                              "the Q/K/V, output and down projections), int4-kquant (the same, 4-bit blocks by "
                              "k-quant search), int4-hqq (the same, 4-bit blocks by ONNX Runtime's HQQ), int8-asym (8-bit with zero points, head too), int4-fit (4-bit "
