@@ -77,20 +77,9 @@ class QuantizedWeights:
             return None
         return table.get(self._lm_path(linears[0]))
 
-    def _smoothing(self, linear: torch.nn.Module, k: int) -> np.ndarray:
-        """The measured smoothing factor [K] of a per-channel Linear's input; ones where none was measured."""
-        table = self.quantization.smoothing if self.quantization is not None else None
-        got = (table or {}).get(self._lm_path(linear))
-        if got is None:
-            return np.ones(k, np.float32)
-        got = np.asarray(got, np.float32)
-        if got.shape != (k,) or not np.all(np.isfinite(got)) or not np.all(got > 0):
-            raise ValueError(f"the smoothing of {self._lm_path(linear)} is not {k} positive finite factors")
-        return got
-
-    def _block_smoothing(self, linears: list[torch.nn.Module], k: int) -> np.ndarray | None:
-        """The measured smoothing [K] of MatMulNBits projections' shared input, as the graph stores it
-        (its dtype), or None where none was measured; the Linears fed one input must share one factor."""
+    def _measured_smoothing(self, linears: list[torch.nn.Module], k: int) -> np.ndarray | None:
+        """The measured smoothing [K] of these Linears' shared input (float32, checked), or None where none
+        was measured; the Linears fed one input must share one factor."""
         table = self.quantization.smoothing if self.quantization is not None else None
         got = [(table or {}).get(self._lm_path(lin)) for lin in linears]
         if all(g is None for g in got):
@@ -101,9 +90,22 @@ class QuantizedWeights:
         factors = np.asarray(got[0], np.float32)
         if factors.shape != (k,) or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
             raise ValueError(f"the smoothing of {what} is not {k} positive finite factors")
+        return factors
+
+    def _smoothing(self, linear: torch.nn.Module, k: int) -> np.ndarray:
+        """The measured smoothing factor [K] of a per-channel Linear's input; ones where none was measured."""
+        factors = self._measured_smoothing([linear], k)
+        return np.ones(k, np.float32) if factors is None else factors
+
+    def _block_smoothing(self, linears: list[torch.nn.Module], k: int) -> np.ndarray | None:
+        """The measured smoothing [K] of MatMulNBits projections' shared input, as the graph stores it
+        (its dtype), or None where none was measured."""
+        factors = self._measured_smoothing(linears, k)
+        if factors is None:
+            return None
         stored = factors.astype(self.w.np_dtype)
         if not (np.all(np.isfinite(stored)) and np.all(stored > 0)):
-            raise ValueError(f"the smoothing of {what} does not fit in {self.w.dtype}")
+            raise ValueError(f"the smoothing of {self._lm_path(linears[0])} does not fit in {self.w.dtype}")
         return stored
 
     def _smoothed_input(self, x: str, factors: np.ndarray, name: str, base: str) -> tuple[str, str]:

@@ -435,7 +435,8 @@ SMOOTHING_ROWS = 256
 
 
 def smoothing_factors(x_absmax: np.ndarray, w_absmax: np.ndarray, strength: float) -> np.ndarray:
-    """The factor [K] the head's input is multiplied by (``1 / s_k``, SmoothQuant's
+    """The factor [K] an input is multiplied by (a per-channel head's, or ``int8-smooth``'s projections':
+    ``quant_smoothing``) and its weight's input rows divided by (``1 / s_k``, SmoothQuant's
     ``s_k = max|x_k|^a / max|W_k|^(1-a)``, scaled to a geometric mean of 1); 1 where a feature or its
     weight column is never non-zero."""
     x = np.asarray(x_absmax, np.float64)
