@@ -216,17 +216,35 @@ def test_non_contiguous_and_empty_inputs(device):
     assert empty.shape == (0, 64)
 
 
+def test_contiguous_inputs_reach_the_kernel_as_they_are(monkeypatch, device):
+    """No reshaping view, detach or copy per call: at decode sizes a call's host time is most of its cost."""
+    from rmsnorm_deploy.kernels import triton_rmsnorm
+
+    seen = []
+    monkeypatch.setattr(triton_rmsnorm, "launch_rows", lambda *args: seen.append(args))
+    spec = RMSNormSpec.torch_rmsnorm(1e-6)
+    x, w = torch.ones(2, 3, 8, device=device), torch.ones(8, device=device, requires_grad=True)
+    out = torch.empty_like(x)
+    assert rms_norm(spec, x, w, out=out) is out
+    (_, rows, weight, y, n_rows, hidden, x_stride, y_stride, _), = seen
+    assert rows is x and weight is w and y is out and (n_rows, hidden, x_stride, y_stride) == (6, 8, 8, 8)
+    rms_norm(spec, x.transpose(0, 1), w)  # rows still contiguous, but not the tensor: one reshaped copy
+    assert seen[1][1] is not x and seen[1][1].is_contiguous() and seen[1][4:8] == (6, 8, 8, 8)
+
+
 def test_module_is_a_drop_in_for_spec_rmsnorm(device):
     reference_module = SpecRMSNorm(RMSNormSpec.gemma(1e-6), 96, dtype=torch.bfloat16)
     with torch.no_grad():
         reference_module.weight.copy_(torch.linspace(-0.5, 0.5, 96))
+    weight = reference_module.weight.detach().clone()  # the oracle's, on the CPU
     kernel_module = TritonRMSNorm.from_module(reference_module).to(device)
+    assert kernel_module.weight is reference_module.weight  # shared, so `.to(device)` moved both
     fresh = TritonRMSNorm(RMSNormSpec.gemma(1e-6), 96, dtype=torch.bfloat16)
     fresh.load_state_dict(reference_module.state_dict())
     x = torch.from_numpy(activations((5, 96), "float32", seed=11)).to(torch.bfloat16)
     y = kernel_module(x.to(device)).cpu()
     assert torch.equal(y, fresh.to(device)(x.to(device)).cpu())
-    assert compare(y, oracle(reference_module.spec, x, reference_module.weight.detach()), tolerance_for("norm", "triton", "bfloat16"))
+    assert compare(y, oracle(reference_module.spec, x, weight), tolerance_for("norm", "triton", "bfloat16"))
 
 
 def test_cpu_tensors_in_a_compiling_process_are_refused_with_the_fix():
