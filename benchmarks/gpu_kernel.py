@@ -14,8 +14,8 @@ Run from the repository root on a machine with a CUDA GPU (about 2-4 minutes on 
    buffers of at least 4x L2 (the headline: no CPU launch overhead, no L2 reuse), and
    ``triton.testing.do_bench`` (median, L2 flushed before every call, launch overhead in);
    the ratios and the targets (kernel >= 90% of copy at hidden >= 4096, >= 70% at hidden
-   128, >= 2x eager everywhere) with PASS/MISS; a sweep of launch configurations shows
-   whether the default one leaves bandwidth behind.
+   128, >= 95% of the faster of eager and ``torch.compile`` everywhere) with PASS/MISS; a
+   sweep of launch configurations shows whether the default one leaves bandwidth behind.
 3. Results: ``<out-dir>/gpu_kernel-<gpu>-<time>.csv`` (GPU name, torch, triton and CUDA
    versions on every row), ``...-correctness.csv``, ``.md`` (the printed tables) and ``.png``
    (matplotlib, if installed).
@@ -50,13 +50,16 @@ BENCH_SHAPES = [(16384, 128), (16384, 4096), (16384, 8192), (4096, 16384)]
 BENCH_DTYPES = ["bfloat16", "float16"]
 #: (hidden >= this, minimum kernel/copy ratio), most specific first; and the eager speed-up
 COPY_TARGETS = [(4096, 0.90), (0, 0.70)]
-EAGER_TARGET = 2.0
+#: kernel / the faster of torch eager and torch.compile: torch's eager ``F.rms_norm`` is one fused kernel
+#: on CUDA (torch >= 2.11 ran at 81% of a copy on an H200), so the bar is keeping pace with torch, not a
+#: multiple of it
+TORCH_TARGET = 0.95
 #: the benchmark's spec: torch.nn.RMSNorm's, which is what F.rms_norm computes
 BENCH_SPEC_ARGS = dict(epsilon=1e-6, gain="weight", order="scale_then_cast")
 #: launch configurations tried by the sweep: rows per program x warps, by row length
 SWEEP = {
     "small": [(r, w) for r in (8, 16, 32, 64) for w in (4, 8)],
-    "large": [(r, w) for r in (1, 2) for w in (4, 8, 16)],
+    "large": [(r, w) for r in (1, 2) for w in (4, 8, 16, 32)],
 }
 
 
@@ -66,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-sweep", action="store_true", help="time the default launch configuration only")
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile (its compiles take ~10 s each)")
     p.add_argument("--skip-correctness", action="store_true", help="benchmark only")
+    p.add_argument("--shapes", type=_shapes, default=None, metavar="ROWSxHIDDEN,...",
+                   help="the shapes timed (default " + ",".join(f"{r}x{h}" for r, h in BENCH_SHAPES) + ")")
     p.add_argument("--interpret", action="store_true",
                    help="CPU smoke test of this script: Triton's interpreter, tiny shapes, timings meaningless")
     return p.parse_args(argv)
@@ -95,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         emit(report, f"## Correctness ({len(correctness_rows) - failures}/{len(correctness_rows)} pass)\n\n{table}\n")
         print(f"[correctness done at {time.perf_counter() - started:.0f}s]")
     bench_rows = benchmark(device, env, sweep=not args.no_sweep, compile_reference=not args.no_compile,
-                           quick=args.interpret)
+                           quick=args.interpret, shapes=args.shapes)
     emit(report, "## Bandwidth\n\nGB/s = bytes read + written / median time per call, timed as a CUDA graph of calls "
          "cycling through buffers of at least 4x L2 (no CPU launch overhead, no L2 reuse); `kernel/copy do_bench`: "
          "the same ratio timed by triton.testing.do_bench (L2 flushed before each call, launch overhead included)."
          "\n\n"
          + format_rows(summary_rows(bench_rows), SUMMARY_COLUMNS) + "\n")
+    host_rows = host_time(device, compile_reference=not args.no_compile, quick=args.interpret)
+    emit(report, "## Host time per call\n\nMicroseconds per call of back-to-back calls from Python on one small "
+         "input (a decode step's rows), the GPU idle between launches: what a call costs an eager PyTorch model "
+         "outside a CUDA graph.\n\n" + format_rows(host_rows, HOST_COLUMNS) + "\n")
     print(f"[benchmark done at {time.perf_counter() - started:.0f}s]")
     write_results(args.out_dir, env, bench_rows, correctness_rows, report.getvalue())
     if failures:
@@ -211,7 +220,7 @@ def check_correctness(device: str, *, quick: bool) -> tuple[list[dict[str, Any]]
 
 # -- bandwidth ----------------------------------------------------------------------------------
 SUMMARY_COLUMNS = ["dtype", "shape", "kernel", "eager", "compile", "copy", "kernel/copy", "target", "copy ok",
-                   "kernel/eager", "eager ok", "kernel/copy do_bench", "best config", "best/copy"]
+                   "kernel/torch", "torch ok", "kernel/copy do_bench", "best config", "best/copy"]
 #: every timed working set is at least this many times the GPU's L2 (rotating buffers)
 L2_MULTIPLE = 4
 
@@ -270,7 +279,18 @@ def copy_target(hidden: int) -> float:
     return next(ratio for least, ratio in COPY_TARGETS if hidden >= least)
 
 
-def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_reference: bool, quick: bool) -> list[dict[str, Any]]:
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"--shapes takes ROWSxHIDDEN[,ROWSxHIDDEN...], e.g. 16384x4096; got {text!r}")
+    return shapes  # type: ignore[return-value]
+
+
+def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_reference: bool, quick: bool,
+              shapes: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """One row per (dtype, shape, implementation[, config]): ms and GB/s by both timings."""
     import torch
     import torch.nn.functional as F
@@ -282,7 +302,7 @@ def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_referenc
     from rmsnorm_deploy.kernels.triton_rmsnorm import launch_config
 
     spec = RMSNormSpec(**BENCH_SPEC_ARGS)
-    shapes = [(64, 128), (8, 4096)] if quick else BENCH_SHAPES
+    shapes = [(64, 128), (8, 4096)] if quick else shapes or BENCH_SHAPES
     l2_bytes = float(env.get("l2_mb") or 64) * 2**20
     compiled = None
     if compile_reference:
@@ -344,6 +364,63 @@ def benchmark(device: str, env: dict[str, Any], *, sweep: bool, compile_referenc
     return rows
 
 
+HOST_COLUMNS = ["dtype", "shape", "impl", "us/call", "kernel/this"]
+#: the decode-sized inputs of the host-time table
+HOST_SHAPES = [(1, 4096), (8, 4096)]
+
+
+def host_time(device: str, *, compile_reference: bool, quick: bool) -> list[dict[str, Any]]:
+    """Microseconds per call, back to back, of the kernel (function and module), eager, compile and a copy."""
+    import torch
+    import torch.nn.functional as F
+
+    from rmsnorm_deploy import RMSNormSpec
+    from rmsnorm_deploy.contract.reference import reference
+    from rmsnorm_deploy.kernels.functional import rms_norm
+    from rmsnorm_deploy.kernels.module import TritonRMSNorm
+
+    spec = RMSNormSpec(**BENCH_SPEC_ARGS)
+    calls, repeats = (20, 1) if quick else (2000, 5)
+    rows: list[dict[str, Any]] = []
+    for n_rows, hidden in [(1, 128)] if quick else HOST_SHAPES:
+        x = torch.randn(n_rows, hidden, device=device).to(torch.bfloat16)
+        module = TritonRMSNorm(spec, hidden, dtype=torch.bfloat16).to(device)
+        w, y = module.weight.detach(), torch.empty_like(x)
+        impls: dict[str, Callable[[], Any]] = {
+            "kernel rms_norm": lambda x=x, w=w, y=y: rms_norm(spec, x, w, out=y),
+            "kernel module": lambda x=x, module=module: module(x),
+            "eager F.rms_norm": lambda x=x, w=w, hidden=hidden: F.rms_norm(x, (hidden,), w, eps=spec.epsilon),
+            "copy": lambda x=x, y=y: y.copy_(x),
+        }
+        if compile_reference:
+            compiled = torch.compile(functools.partial(reference, spec), dynamic=False)
+            impls["torch.compile"] = lambda x=x, w=w, compiled=compiled: compiled(x, w)
+        timed = {}
+        for name, fn in impls.items():
+            for _ in range(3 if quick else 50):
+                fn()
+            samples = []
+            for _ in range(repeats):
+                _synchronize(device)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                _synchronize(device)
+                samples.append((time.perf_counter() - start) / calls * 1e6)
+            timed[name] = statistics.median(samples)
+        for name, us in timed.items():
+            rows.append({"dtype": "bfloat16", "shape": f"{n_rows}x{hidden}", "impl": name, "us/call": us,
+                         "kernel/this": timed["kernel rms_norm"] / us})
+    return rows
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per (dtype, shape): GB/s of each implementation, the ratios and the targets."""
     out = []
@@ -356,12 +433,15 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kernel, copy, eager = gbps.get("kernel", math.nan), gbps.get("copy", math.nan), gbps.get("eager", math.nan)
         by_do_bench = {r["impl"]: r["gbps_do_bench"] for r in group if r["impl"] in ("kernel", "copy")}
         target = copy_target(hidden)
+        fastest_torch = max((v for k, v in gbps.items() if k in ("eager", "compile") and not math.isnan(v)),
+                            default=math.nan)
         out.append({
             "dtype": dtype, "shape": f"{n_rows}x{hidden}",
             "kernel": kernel, "eager": eager, "compile": gbps.get("compile", math.nan), "copy": copy,
             "kernel/copy": kernel / copy, "target": f">={target:.0%}",
             "copy ok": verdict(kernel / copy >= target, kernel / copy),
-            "kernel/eager": kernel / eager, "eager ok": verdict(kernel / eager >= EAGER_TARGET, kernel / eager),
+            "kernel/torch": kernel / fastest_torch,
+            "torch ok": verdict(kernel / fastest_torch >= TORCH_TARGET, kernel / fastest_torch),
             "kernel/copy do_bench": by_do_bench.get("kernel", math.nan) / by_do_bench.get("copy", math.nan),
             "best config": best["config"] if best else "-", "best/copy": best["gbps"] / copy if best else math.nan,
         })
