@@ -41,19 +41,23 @@ def rms_norm(
     require("triton", "the Triton RMSNorm kernel")
     from rmsnorm_deploy.kernels import triton_rmsnorm as kernel  # optional: it imports triton
 
-    x2d = _rows(spec, x, weight).detach()
+    rows, n_rows, hidden, row_stride = _rows(spec, x, weight)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
         raise InputError(f"out must be a contiguous {dtype_name(x.dtype)} tensor of shape {list(x.shape)} on {x.device}")
-    if x2d.shape[0] > 0:
-        w = weight.detach().reshape(-1).contiguous() if weight is not None else None
-        kernel.launch(spec, x2d, w, out.view(x2d.shape), kernel.launch_config(x2d.shape[1], **config))
+    if n_rows > 0:
+        # The kernel reads pointers: contiguous tensors go as they are, since every reshaping view or
+        # detach costs microseconds of host time per call, more than the kernel itself at decode sizes.
+        w = weight if weight is None or weight.is_contiguous() else weight.contiguous()
+        kernel.launch_rows(spec, rows, w, out, n_rows, hidden, row_stride, hidden,
+                           kernel.launch_config(hidden, **config))
     return out
 
 
-def _rows(spec: RMSNormSpec, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """``x`` as a 2-D tensor of contiguous rows, after checking everything the kernel assumes."""
+def _rows(spec: RMSNormSpec, x: torch.Tensor, weight: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int]:
+    """``(tensor, rows, hidden, row stride)``: ``x``'s rows, each contiguous, after checking everything the
+    kernel assumes; ``x`` itself where it is contiguous."""
     if not isinstance(x, torch.Tensor):
         raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
     name = dtype_name(x.dtype)
@@ -82,7 +86,9 @@ def _rows(spec: RMSNormSpec, x: torch.Tensor, weight: torch.Tensor | None) -> to
     from rmsnorm_deploy.kernels.triton_rmsnorm import check_hidden  # optional: it imports triton
 
     check_hidden(hidden)
+    if x.is_contiguous():
+        return x, x.numel() // hidden, hidden, hidden
     x2d = x.reshape(-1, hidden)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    return x2d
+    return x2d, x2d.shape[0], hidden, x2d.stride(0)

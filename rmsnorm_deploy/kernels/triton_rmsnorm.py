@@ -149,6 +149,18 @@ def launch_config(n_cols: int, *, rows_per_program: int | None = None, num_warps
     warps as the row grows (a row lives in registers: up to 64 elements per thread).
     ``rows_per_program``/``num_warps`` override the heuristic (benchmark sweeps).
     """
+    if rows_per_program is None and num_warps is None:
+        return _default_config(n_cols)
+    return _config(n_cols, rows_per_program, num_warps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_config(n_cols: int) -> LaunchConfig:
+    """The heuristic's configuration, made once per row length: a launch's host time is part of its cost."""
+    return _config(n_cols, None, None)
+
+
+def _config(n_cols: int, rows_per_program: int | None, num_warps: int | None) -> LaunchConfig:
     check_hidden(n_cols)
     block_n = triton.next_power_of_2(n_cols)
     if rows_per_program is None:
@@ -221,30 +233,45 @@ def runtime_kernel():
 def launch(spec: Any, x2d: Any, weight: Any, y2d: Any, config: LaunchConfig | None = None) -> None:
     """Normalize the rows of the 2-D tensor ``x2d`` into ``y2d`` (same shape and dtype).
 
-    The caller (``functional.rms_norm``) has checked shapes, dtypes and devices; rows must
-    be contiguous (``stride(1) == 1``). CUDA tensors run compiled; in a process whose
-    Triton interprets, any tensors run in the interpreter; CPU tensors otherwise are an
-    error, never a silent fallback.
+    Rows must be contiguous (``stride(1) == 1``); see :func:`launch_rows`.
     """
-
     n_rows, n_cols = x2d.shape
+    launch_rows(spec, x2d, weight, y2d, n_rows, n_cols, x2d.stride(0), y2d.stride(0), config)
+
+
+def launch_rows(spec: Any, x: Any, weight: Any, y: Any, n_rows: int, n_cols: int, x_row_stride: int,
+                y_row_stride: int, config: LaunchConfig | None = None) -> None:
+    """Normalize ``n_rows`` rows of ``n_cols`` contiguous elements of ``x`` into ``y``, rows ``*_row_stride`` apart.
+
+    ``x`` and ``y`` are any tensors holding those rows (a contiguous ``[..., hidden]`` tensor
+    as it is: no reshaping view is made per call). The caller (``functional.rms_norm``) has
+    checked shapes, dtypes and devices. CUDA tensors run compiled; in a process whose Triton
+    interprets, any tensors run in the interpreter; CPU tensors otherwise are an error, never
+    a silent fallback.
+    """
     config = config or launch_config(n_cols)
     interpret = triton_interprets()
-    if not interpret and x2d.device.type != "cuda":
+    if not interpret and x.device.type != "cuda":
         raise InputError(
-            f"the Triton RMSNorm kernel runs on CUDA tensors; x is on {x2d.device}. Without a GPU, run it in "
+            f"the Triton RMSNorm kernel runs on CUDA tensors; x is on {x.device}. Without a GPU, run it in "
             "Triton's interpreter (slow: for tests): set TRITON_INTERPRET=1 before triton is first imported"
         )
-    kernel = runtime_kernel()
-    constants = kernel_constants(spec, dtype_name(x2d.dtype), interpret=interpret)
-    kernel[config.grid(n_rows)](
-        x2d, weight, n_rows, n_cols, x2d.stride(0), y2d.stride(0), y2d,
-        BLOCK_N=config.block_n,
-        ROWS_PER_PROGRAM=config.rows_per_program,
-        num_warps=config.num_warps,
-        enable_fp_fusion=False,  # x*x rounded before it is summed, as the reference does
-        **constants,
+    runtime_kernel()[config.grid(n_rows)](
+        x, weight, n_rows, n_cols, x_row_stride, y_row_stride, y,
+        **_launch_options(spec, dtype_name(x.dtype), interpret, config),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_options(spec: Any, output_dtype: str, interpret: bool, config: LaunchConfig) -> dict[str, Any]:
+    """The keyword arguments of a launch, made once per spec, dtype and configuration (host time)."""
+    return {
+        "BLOCK_N": config.block_n,
+        "ROWS_PER_PROGRAM": config.rows_per_program,
+        "num_warps": config.num_warps,
+        "enable_fp_fusion": False,  # x*x rounded before it is summed, as the reference does
+        **kernel_constants(spec, output_dtype, interpret=interpret),
+    }
 
 
 # -- ahead-of-time compilation (TensorRT plugin) --------------------------------------------
