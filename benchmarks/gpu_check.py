@@ -11,7 +11,9 @@ H200 (``--budget`` shares the time between the steps)::
 
 1. ``kernel-tests``: ``tests/kernels/test_kernel.py`` with ``TRITON_INTERPRET`` unset, so every
    spec x float32/float16/bfloat16 x the odd shapes runs the compiled kernel on CUDA tensors
-   against the float64 oracle (its own tolerance table); JUnit XML kept.
+   against the float64 oracle (its own tolerance table); and ``tests/tensorrt/test_aot_launch.py``:
+   the TensorRT plugin's AOT kernel (PTX) loaded and launched by the CUDA driver with TensorRT's
+   argument layout, against the JIT kernel and the oracle (needs cuda-bindings); JUnit XML kept.
 2. ``bandwidth``: ``benchmarks/gpu_kernel.py``: the kernel against torch eager, ``torch.compile``
    and a device-to-device copy (CSV, Markdown and PNG), after its own correctness pass.
 3. ``model``: the ``tiny`` preset exported here (float32 and float16; or ``--model PATH``), its
@@ -56,6 +58,8 @@ STEPS = ("kernel-tests", "bandwidth", "model")
 SHARES = {"kernel-tests": 0.35, "bandwidth": 0.45, "model": 0.20}
 DEFAULT_BUDGET_S = 450
 MODEL_DTYPES = ("float32", "float16")
+#: the compiled kernel against the oracle, and the TensorRT plugin's AOT kernel launched by the CUDA driver
+KERNEL_TESTS = ("tests/kernels/test_kernel.py", "tests/tensorrt/test_aot_launch.py")
 #: the kernel tests a dry run keeps (the interpreter takes ~0.1 ms of Python per op per program)
 DRY_RUN_TESTS = "test_kernel_matches_oracle and llama and 1x7"
 
@@ -184,7 +188,7 @@ def _run(cmd: list[str], log: Path, limit: float, dry_run: bool) -> tuple[int | 
 # -- 1. the kernel tests, compiled ----------------------------------------------------------------
 def kernel_tests(args: argparse.Namespace, limit: float) -> dict[str, Any]:
     junit = args.out_dir / "kernel-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_kernel.py",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS,
            f"--junitxml={junit}", "-o", "junit_family=xunit2"]
     if args.dry_run:
         cmd += ["-k", DRY_RUN_TESTS]
