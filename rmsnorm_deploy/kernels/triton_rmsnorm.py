@@ -16,7 +16,7 @@ Compiled or interpreted: Triton decides when ``triton`` is imported. Its own lib
 interpreter only if ``TRITON_INTERPRET=1`` was set before that import; a kernel that calls
 them must run in the same mode. So ``rmsnorm_kernel`` is left undecorated, and
 :func:`runtime_kernel` wraps it in the mode Triton's library was imported in, whatever the
-environment says later; :func:`launch` refuses CPU tensors in a compiling process, naming
+environment says later; :func:`launch_rows` refuses CPU tensors in a compiling process, naming
 the fix, and :func:`compile_aot` refuses to run in an interpreting one.
 
 Layouts: rows of ``n_cols`` contiguous elements, ``x_row_stride``/``y_row_stride`` apart.
@@ -228,15 +228,6 @@ def interpreted_kernel():
 def runtime_kernel():
     """The kernel in the mode this process's Triton runs: interpreted or compiled."""
     return interpreted_kernel() if triton_interprets() else compiled_kernel()
-
-
-def launch(spec: Any, x2d: Any, weight: Any, y2d: Any, config: LaunchConfig | None = None) -> None:
-    """Normalize the rows of the 2-D tensor ``x2d`` into ``y2d`` (same shape and dtype).
-
-    Rows must be contiguous (``stride(1) == 1``); see :func:`launch_rows`.
-    """
-    n_rows, n_cols = x2d.shape
-    launch_rows(spec, x2d, weight, y2d, n_rows, n_cols, x2d.stride(0), y2d.stride(0), config)
 
 
 def launch_rows(spec: Any, x: Any, weight: Any, y: Any, n_rows: int, n_cols: int, x_row_stride: int,
