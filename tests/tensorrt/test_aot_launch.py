@@ -44,18 +44,6 @@ CASES = [
 ]
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """The largest distance between ``a`` and ``b`` (one float dtype, finite) in units in the last place."""
-    bits = a.element_size() * 8
-    ints = {16: torch.int16, 32: torch.int32}[bits]
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        raw = t.contiguous().view(ints).to(torch.int64) & ((1 << bits) - 1)
-        magnitude = raw & ((1 << (bits - 1)) - 1)
-        return torch.where(raw >> (bits - 1) == 1, -magnitude, magnitude)
-    return int((ordered(a) - ordered(b)).abs().max())
-
-
 def _check(result: tuple) -> tuple:
     """A driver call's values after its status, which must be success."""
     status, *values = result if isinstance(result, tuple) else (result,)
@@ -111,7 +99,8 @@ def test_the_aot_kernel_launched_as_tensorrt_launches_it_is_the_jit_kernel(spec,
         # The AOT kernel is told its rows are 8-aligned (n_cols, known when the engine is built); the JIT
         # kernel is specialized on divisibility by 16 only, so it loads narrower vectors and sums the
         # squares in another order: an output can differ by its last bit, no more.
-        assert _ulps(y, jit) <= 1, f"the AOT kernel's rows are {_ulps(y, jit)} ulps from the JIT kernel's"
+        apart = compare(y.cpu(), jit.cpu(), tolerance_for("norm", "triton", dtype))
+        assert apart.max_ulp <= 1, f"the AOT kernel's rows are {apart.max_ulp:g} ulps from the JIT kernel's"
     result = compare(y.cpu(), oracle(spec, x.cpu(), None if weight is None else weight.cpu()),
                      tolerance_for("norm", "triton", dtype))
     assert result, result.summary()
