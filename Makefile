@@ -8,6 +8,8 @@
 #   make gpu-check     on a machine with a CUDA GPU, torch and Triton: the kernel compiled on the GPU,
 #                      its bandwidth, an exported model on torch CUDA vs ONNX Runtime CPU (docs/gpu.md);
 #                      uses $(PYTHON) as it is (no venv: such machines may install nothing)
+#   make gpu-wheels    the wheels such a machine lacks (onnxruntime-gpu, serve's, SmolLM2), in parts of at
+#                      most 56 MiB with a sha256 manifest, into .gpu-wheels/ (docs/gpu.md: the transfers)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +19,7 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 JOBS ?= 2
 
-.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv bench-real-checkpoints lint-docker gpu-check clean
+.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv bench-real-checkpoints lint-docker gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -64,7 +66,14 @@ bench-peers: $(STAMP)
 # No $(STAMP): runs from the checkout with PYTHONPATH=. on the machine's own Python. Results under
 # $$OUT/gpu-check when OUT is set, else benchmarks/results/gpu/, copied into benchmarks/results/.
 gpu-check:
-	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Here, for an offline GPU host: pinned wheels (sha256-checked) for its Python and platform, stored, xz-compressed
+# and split into parts of at most 56 MiB with a manifest, in .gpu-wheels/. GPU_WHEELS_ARGS: e.g. --groups
+# ort,serve,smollm2,trt-rtx (the TensorRT-RTX provider too), --python-version, --glibc. The host runs
+# `benchmarks/gpu_bundle.py stage` after each transfer and `install` after the last (docs/gpu.md).
+gpu-wheels:
+	$(PYTHON) benchmarks/gpu_bundle.py pack $(GPU_WHEELS_ARGS)
 
 # Throughput and p50/p99 latency against concurrency through the embedded Triton server (HTTP, gRPC)
 # and the bare ONNX Runtime session; matplotlib is installed for the plot only.

@@ -172,4 +172,5 @@ def test_make_gpu_check_uses_the_machines_python_without_a_venv():
     assert target, "Makefile has no gpu-check target"
     prerequisites, recipe = target.group(1), target.group(2)
     assert "STAMP" not in prerequisites and "venv" not in recipe.lower()
-    assert "PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py" in recipe
+    # the checkout first, then what the caller's PYTHONPATH holds (the GPU bundle's env.sh puts onnxruntime-gpu there)
+    assert "PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/gpu_check.py" in recipe
