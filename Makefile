@@ -5,6 +5,8 @@
 # constraints.txt change).
 #   make lint-docker   lint the GPU image's Dockerfile (hadolint) and its scripts (shellcheck);
 #                      the linters go into .venv-lint (docker/requirements-lint.txt)
+#   make typecheck-tensorrt   mypy on rmsnorm_deploy/tensorrt against TensorRT 10.13's stubs (no TensorRT);
+#                      the stubs go into .venv-lint/trt-stubs, where tests/tensorrt/test_trt_api.py reads them too
 #   make gpu-check     on a machine with a CUDA GPU, torch and Triton: the kernel compiled on the GPU,
 #                      its bandwidth, an exported model on torch CUDA vs ONNX Runtime CPU (docs/gpu.md);
 #                      uses $(PYTHON) as it is (no venv: such machines may install nothing)
@@ -17,9 +19,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
+TRT_STUBS := $(LINT_VENV)/trt-stubs
+TRT_STUBS_STAMP := $(TRT_STUBS)/.installed
 JOBS ?= 2
 
-.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv bench-real-checkpoints lint-docker gpu-check gpu-wheels clean
+.PHONY: run test sweep parity bench-export-scale bench-peers bench-serving bench-generation bench-kv bench-real-checkpoints lint-docker typecheck-tensorrt gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +58,20 @@ $(LINT_STAMP): docker/requirements-lint.txt
 lint-docker: $(LINT_STAMP)
 	$(LINT_VENV)/bin/hadolint --config docker/hadolint.yaml docker/Dockerfile
 	$(LINT_VENV)/bin/shellcheck docker/gpu_suite.sh docker/triton/serve_and_check.sh .ci/run
+# The stubs with --no-deps and --target (docker/requirements-typecheck.txt says why). As published they do not
+# parse: two methods name a parameter `in`, and add_scale_nd has a parameter without a default after defaults.
+$(TRT_STUBS_STAMP): $(LINT_STAMP) docker/requirements-typecheck.txt
+	rm -rf $(TRT_STUBS)
+	$(LINT_VENV)/bin/python -m pip install -q --no-deps --target $(TRT_STUBS) -r docker/requirements-typecheck.txt
+	sed -i -E 's/([(,] ?)in: /\1in_: /g; s/, channel_axis: int\) -> IScaleLayer/, channel_axis: int = ...) -> IScaleLayer/' \
+		$(TRT_STUBS)/tensorrt_bindings/tensorrt.pyi
+	$(LINT_VENV)/bin/python -c "import ast, sys; ast.parse(open(sys.argv[1]).read())" $(TRT_STUBS)/tensorrt_bindings/tensorrt.pyi
+	touch $(TRT_STUBS_STAMP)
+
+# Configuration: pyproject.toml [tool.mypy].
+typecheck-tensorrt: $(TRT_STUBS_STAMP)
+	$(LINT_VENV)/bin/mypy
+
 # Export a 1.24B-parameter LLaMA-architecture model (float16) and record time and peak memory.
 bench-export-scale: $(STAMP)
 	$(PY) benchmarks/bench_export_scale.py

@@ -34,7 +34,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import onnx
 
@@ -76,6 +76,10 @@ from rmsnorm_deploy.tensorrt.sidecar import (
     sidecar_path,
     write_sidecar,
 )
+
+
+if TYPE_CHECKING:  # the stubs' types (make typecheck-tensorrt); tensorrt itself is imported lazily
+    import tensorrt
 
 
 class ParseError(UserError):
@@ -249,7 +253,8 @@ def build_engine(
                        resolved, plugin_info, norms, prepared.notes, seconds, cache_path, len(plan))
 
 
-def _serialize(trt: Any, builder: Any, network: Any, config: Any, logger: Any, onnx_path: Path,
+def _serialize(trt: Any, builder: tensorrt.Builder, network: tensorrt.INetworkDefinition,
+               config: tensorrt.IBuilderConfig, logger: Any, onnx_path: Path,
                progress: bool) -> tuple[bytes, float]:
     """The engine's bytes and the build's seconds, with the progress bar fed by ``IProgressMonitor``."""
     bar = None
@@ -303,7 +308,8 @@ def network_flags(trt: Any, plugin_info: Mapping[str, Any] | None) -> int:
     return flags
 
 
-def _parse(trt: Any, builder: Any, logger: Any, prepared: PreparedModel, onnx_path: Path, flags: int) -> Any:
+def _parse(trt: Any, builder: tensorrt.Builder, logger: Any, prepared: PreparedModel, onnx_path: Path,
+           flags: int) -> tensorrt.INetworkDefinition:
 
     network = builder.create_network(flags)
     if hasattr(trt, "init_libnvinfer_plugins"):
@@ -362,7 +368,7 @@ def format_parse_errors(version: str, onnx_path: Path, errors: Sequence[ParserEr
             + f"; run `rmsnorm-deploy check-trt {onnx_path} --trt-version {'.'.join(version.split('.')[:2])}` for the fix")
 
 
-def _network_records(trt: Any, network: Any) -> list[LayerRecord]:
+def _network_records(trt: Any, network: tensorrt.INetworkDefinition) -> list[LayerRecord]:
 
     records = []
     for i in range(network.num_layers):
@@ -382,7 +388,7 @@ def _network_records(trt: Any, network: Any) -> list[LayerRecord]:
     return records
 
 
-def _engine_records(trt: Any, engine: Any) -> list[LayerRecord]:
+def _engine_records(trt: Any, engine: tensorrt.ICudaEngine) -> list[LayerRecord]:
     inspector = engine.create_engine_inspector()
     records = []
     for i in range(engine.num_layers):
@@ -395,12 +401,14 @@ def _engine_records(trt: Any, engine: Any) -> list[LayerRecord]:
     return records
 
 
-def _add_profile(trt: Any, builder: Any, config: Any, network: Any, resolved: Profiles) -> None:
+def _add_profile(trt: Any, builder: tensorrt.Builder, config: tensorrt.IBuilderConfig,
+                 network: tensorrt.INetworkDefinition, resolved: Profiles) -> None:
     profile = builder.create_optimization_profile()
     dynamic = 0
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
-        shape = tuple(tensor.shape)
+        # Dims iterates and tuples convert to Dims (pybind11); tensorrt-stubs 10.13 declares neither
+        shape: tuple[int, ...] = tuple(tensor.shape)  # type: ignore[arg-type]
         if all(d >= 0 for d in shape):
             continue
         spec = resolved.inputs.get(tensor.name)
@@ -411,7 +419,7 @@ def _add_profile(trt: Any, builder: Any, config: Any, network: Any, resolved: Pr
             raise UserError(f"input {tensor.name!r}: the model declares rank {len(spec.min)}, TensorRT sees "
                             f"{list(shape)}; re-export the model")
         try:
-            profile.set_shape(tensor.name, spec.min, spec.opt, spec.max)
+            profile.set_shape(tensor.name, spec.min, spec.opt, spec.max)  # type: ignore[arg-type]
         except RuntimeError as exc:
             raise UserError(f"the profile of input {tensor.name!r} ({list(spec.min)} .. {list(spec.max)}) does not fit "
                             f"its shape {list(shape)}: {exc}") from None
@@ -420,7 +428,7 @@ def _add_profile(trt: Any, builder: Any, config: Any, network: Any, resolved: Pr
         config.add_optimization_profile(profile)
 
 
-def _load_timing_cache(config: Any, path: Path | None) -> Any:
+def _load_timing_cache(config: tensorrt.IBuilderConfig, path: Path | None) -> tensorrt.ITimingCache:
     data = path.read_bytes() if path is not None and path.is_file() else b""
     cache = config.create_timing_cache(data)
     if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
@@ -429,7 +437,7 @@ def _load_timing_cache(config: Any, path: Path | None) -> Any:
     return cache
 
 
-def _save_timing_cache(config: Any, cache: Any, path: Path) -> None:
+def _save_timing_cache(config: tensorrt.IBuilderConfig, cache: tensorrt.ITimingCache, path: Path) -> None:
     updated = config.get_timing_cache() or cache
     blob = updated.serialize()
     with atomic_path(path, force=True) as tmp:

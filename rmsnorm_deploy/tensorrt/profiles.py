@@ -170,7 +170,7 @@ def _overrides(profiles: Mapping[str, Sequence[int]] | Iterable[str] | None) -> 
     for name, values in items:
         if name in result:
             raise UserError(f"--profile {name} is given twice; give each dynamic dim once")
-        result[name] = values  # type: ignore[assignment]
+        result[name] = values
     return result
 
 

