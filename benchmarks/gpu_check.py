@@ -1,13 +1,18 @@
-"""One GPU check (``make gpu-check``): the kernel compiled on the GPU, its bandwidth, and an exported
-model run by torch on CUDA against ONNX Runtime on the CPU.
+"""One GPU check (``make gpu-check``): ONNX Runtime on CUDA (every lowering, real SmolLM2's KV-cache
+decoding, ``serve``'s OpenAI API, the TensorRT-RTX provider), then the kernel compiled on the GPU, its
+bandwidth, and an exported model run by torch on CUDA against ONNX Runtime on the CPU.
 
 Made for a machine with a CUDA GPU, torch, Triton, onnx, onnxscript and the CPU onnxruntime, on
 which nothing can be installed: it runs from the repository root with ``PYTHONPATH=.`` (no
-``pip install -e .``, no virtual environment) and needs neither TensorRT nor onnxruntime-gpu
-nor transformers; pytest-xdist only speeds up step 1 where it is present. Under 8 minutes on an
-H200 (``--budget`` shares the time between the steps)::
+``pip install -e .``, no virtual environment). The ONNX Runtime steps need the wheels
+``benchmarks/gpu_bundle.py`` carries there (onnxruntime-gpu, serve's, SmolLM2; its env.sh puts them
+first on ``PYTHONPATH``); without them they report "not run" and why. pytest-xdist only speeds up the
+kernel tests where it is present. Under 8 minutes on an H200 (``--budget`` shares the time)::
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out-dir DIR] [--sweep] [--model PATH|tiny]
+    PYTHONPATH=. python3 benchmarks/gpu_check.py [--out-dir DIR] [--sweep] [--model PATH|tiny] [--steps ...]
+
+The ONNX Runtime steps (``ort-cuda``, ``lowerings``, ``smollm2``, ``serve``, ``trt-rtx``) are described in
+``benchmarks/gpu_check_ort.py``. Then:
 
 1. ``kernel-tests``: ``tests/kernels/test_kernel.py`` with ``TRITON_INTERPRET`` unset, so every
    spec x float32/float16/bfloat16 x the odd shapes runs the compiled kernel on CUDA tensors
@@ -26,9 +31,10 @@ XML, each step's log, the bandwidth files; the summary and the bandwidth CSV/PNG
 into ``--copy-to`` (default ``benchmarks/results``) under names carrying the GPU and the time.
 
 ``--dry-run`` runs the same code on the CPU (Triton's interpreter, a subset of the kernel tests,
-tiny bandwidth shapes, a standalone norm model, torch on the CPU): a smoke test of this script,
-its numbers meaningless. Exit codes: 0 every step passed, 1 a step failed, 2 no GPU (or bad
-arguments).
+tiny bandwidth shapes, a standalone norm model, torch on the CPU; the ONNX Runtime steps rehearsed on
+the CPU provider and reported "not run: no GPU"): a smoke test of this script, its numbers
+meaningless. Each step reports pass, FAIL or not run (with the reason). Exit codes: 0 every step
+passed, 1 a step failed, 2 no GPU (or bad arguments), 3 none failed but some did not run.
 """
 
 from __future__ import annotations
@@ -52,10 +58,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # run as `python benchmarks/gpu_check.py` from a checkout
+if str(REPO / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_check_ort beside it, also when loaded by path
 
-STEPS = ("kernel-tests", "bandwidth", "model")
-#: each step's share of the budget, in order; a step also gets what earlier steps left unused
-SHARES = {"kernel-tests": 0.35, "bandwidth": 0.45, "model": 0.20}
+import gpu_check_ort  # noqa: E402 - beside this script (benchmarks/ is on sys.path when it runs)
+
+STEPS = (*gpu_check_ort.STEPS, "kernel-tests", "bandwidth", "model")
+#: each step's share of the budget, in order; a step also gets what earlier steps left unused (on an H200:
+#: kernel tests 26 s, bandwidth 38 s, model 37 s; a SmolLM2 export ~40 s)
+SHARES = {"ort-cuda": 0.04, "lowerings": 0.10, "smollm2": 0.26, "serve": 0.14, "trt-rtx": 0.06,
+          "kernel-tests": 0.12, "bandwidth": 0.18, "model": 0.10}
 DEFAULT_BUDGET_S = 450
 MODEL_DTYPES = ("float32", "float16")
 #: the compiled kernel against the oracle, and the TensorRT plugin's AOT kernel launched by the CUDA driver
@@ -92,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.out_dir = Path(out) / "gpu-check" if out else REPO / "benchmarks" / "results" / "gpu"
     if args.model is None:
         args.model = "standalone" if args.dry_run else "tiny"
+    args.run, args.subprocess_env = _run, _subprocess_env  # for the ONNX Runtime steps
     return args
 
 
@@ -123,9 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         print(f"[{result['status']}] {step} ({result['seconds']} s): {result['detail']}", flush=True)
     summary = {"environment": env, "dry_run": args.dry_run, "steps": results,
-               "passed": all(r["status"] == "pass" for r in results)}
+               "passed": all(r["status"] == "pass" for r in results), "counts": status_counts(results)}
     write_summary(args, summary)
-    return 0 if summary["passed"] else 1
+    return exit_code(results)
+
+
+def status_counts(results: list[dict[str, Any]]) -> dict[str, int]:
+    return {s: sum(r["status"] == s for r in results) for s in ("pass", "FAIL", gpu_check_ort.NOT_RUN)}
+
+
+def exit_code(results: list[dict[str, Any]]) -> int:
+    """1 when a step failed, 3 when none failed but one did not run (nothing verified there), else 0."""
+    counts = status_counts(results)
+    return 1 if counts["FAIL"] or not results else 3 if counts[gpu_check_ort.NOT_RUN] else 0
 
 
 # -- environment --------------------------------------------------------------------------------
@@ -141,6 +164,8 @@ def environment(dry_run: bool) -> dict[str, Any]:
         "onnx": _version("onnx"),
         "onnxscript": _version("onnxscript"),
         "onnxruntime": _version("onnxruntime"),
+        "onnxruntime.file": _module_folder("onnxruntime"),
+        "gpu bundle": os.environ.get(gpu_check_ort.BUNDLE_ENV, "not sourced"),
         "pytest-xdist": _version("xdist"),
         "hypothesis": _version("hypothesis"),
     }
@@ -159,6 +184,11 @@ def _version(module: str) -> str:
         return str(getattr(__import__(module), "__version__", "present"))
     except Exception as exc:  # noqa: BLE001 - a module that is there but does not import
         return f"broken ({type(exc).__name__})"
+
+
+def _module_folder(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    return str(Path(spec.origin).parent) if spec and spec.origin else "absent"
 
 
 def _subprocess_env(dry_run: bool) -> dict[str, str]:
@@ -340,7 +370,7 @@ def _is_floating(array: Any) -> bool:
     return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
 
 
-RUNNERS = {"kernel-tests": kernel_tests, "bandwidth": bandwidth, "model": model_check}
+RUNNERS = {**gpu_check_ort.STEPS, "kernel-tests": kernel_tests, "bandwidth": bandwidth, "model": model_check}
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -354,7 +384,9 @@ def write_summary(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     for r in summary["steps"]:
         if r.get("summary"):
             lines += ["", f"## {r['step']}: targets", "", "```", *r["summary"], "```"]
-    lines += ["", "PASSED" if summary["passed"] else "FAILED"]
+    counts = summary["counts"]
+    verdict = "FAILED" if counts["FAIL"] else "PASSED" if summary["passed"] else "NOT ALL RUN"
+    lines += ["", f"{verdict}: {counts['pass']} passed, {counts['FAIL']} failed, {counts['not run']} not run"]
     (args.out_dir / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     (args.out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
     copied = copy_results(args.out_dir, args.copy_to, env)

@@ -120,7 +120,7 @@ class KVCacheModel(SessionScope):
     """An exported KV-cache model in an ONNX Runtime session (a context manager)."""
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] = ("cpu",), *,
-                 intra_op_threads: int | None = None):
+                 intra_op_threads: int | None = None, provider_options: dict[str, dict[str, Any]] | None = None):
 
         self.path = model_file(path)
         self.folder = self.path.parent
@@ -137,7 +137,8 @@ class KVCacheModel(SessionScope):
         self._device = "cuda" if any(provider_name(p) != "CPUExecutionProvider" for p in providers) else "cpu"
         # the decode level was measured and checked bit-identical on CPU only; a GPU session keeps "all"
         self.runner = OnnxRuntimeRunner(self.path, providers, intra_op_threads=intra_op_threads,
-                                        optimization=DECODE_OPTIMIZATION if self._device == "cpu" else "all")
+                                        optimization=DECODE_OPTIMIZATION if self._device == "cpu" else "all",
+                                        provider_options=provider_options)
         self._step: OrtStep | None = None
 
     # -- inputs ---------------------------------------------------------------------------------

@@ -39,11 +39,14 @@ class TransformersStep:
         keeps float64)."""
         import torch
 
+        device = next(self.lm.parameters()).device  # inputs go where the model is (a CUDA model too)
         with torch.no_grad():
-            out = self.lm(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention_mask),
-                          position_ids=torch.from_numpy(position_ids), cache=cache, use_cache=True)
+            out = self.lm(input_ids=torch.from_numpy(input_ids).to(device),
+                          attention_mask=torch.from_numpy(attention_mask).to(device),
+                          position_ids=torch.from_numpy(position_ids).to(device), cache=cache, use_cache=True)
         logits = out.logits[:, -1, :]
-        return (logits if logits.dtype == torch.float64 else logits.float()).numpy(), out.cache
+        # .cpu() waits for the device: a step's time is its whole time
+        return (logits if logits.dtype == torch.float64 else logits.float()).cpu().numpy(), out.cache
 
 
 def transformers_steps(lm: Any, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,

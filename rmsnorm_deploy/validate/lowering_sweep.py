@@ -48,6 +48,10 @@ class SweepCase:
     shape: tuple[int, ...] = (199, 760)
     inputs: str = "normal"
     seed: int = 0
+    #: ONNX Runtime's provider (``cpu``, ``cuda``, ``tensorrt``); a provider that does not run raises
+    provider: str = "cpu"
+    #: refuse (``ProviderError``) a session in which a compute node runs off ``provider``
+    require_all_nodes_on_provider: bool = False
 
 
 @dataclasses.dataclass
@@ -101,7 +105,8 @@ def run_case(case: SweepCase) -> SweepRow:
     with tempfile.TemporaryDirectory(prefix="rmsnorm-sweep-") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         try:
-            with OnnxRuntimeRunner(model, ["cpu"], optimization=case.optimization, optimized_model_path=optimized) as runner:
+            with OnnxRuntimeRunner(model, [case.provider], optimization=case.optimization, optimized_model_path=optimized,
+                                   require_all_nodes_on_provider=case.require_all_nodes_on_provider) as runner:
                 y = runner.infer(feed)["y"]
         except (MissingDependencyError, ProviderError):
             raise
