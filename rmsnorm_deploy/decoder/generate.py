@@ -117,7 +117,8 @@ class SessionScope:
 
 
 class KVCacheModel(SessionScope):
-    """An exported KV-cache model in an ONNX Runtime session (a context manager)."""
+    """An exported KV-cache model in an ONNX Runtime session (a context manager); ``provider_options``
+    as :class:`OnnxRuntimeRunner` takes them (e.g. ``{"cuda": {"use_tf32": "0"}}``)."""
 
     def __init__(self, path: str | os.PathLike, providers: Sequence[str] = ("cpu",), *,
                  intra_op_threads: int | None = None, provider_options: dict[str, dict[str, Any]] | None = None):
