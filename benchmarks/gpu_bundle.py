@@ -374,7 +374,7 @@ def stage(parts_dir: Path, stage_dir: Path) -> tuple[dict[str, Any], list[str]]:
     staged = stage_dir / MANIFEST
     manifest = read_manifest(arrived if arrived.is_file() else staged)
     stage_dir.mkdir(parents=True, exist_ok=True)
-    if staged.is_file() and arrived.is_file() and read_manifest(staged)["whole"] != manifest["whole"]:
+    if staged.is_file() and arrived.is_file() and _staged_whole(staged) != manifest["whole"]:
         print(f"{stage_dir} held the parts of another bundle: starting over")
         for old in stage_dir.glob(f"{BUNDLE}.part*"):
             old.unlink()
@@ -403,6 +403,14 @@ def stage(parts_dir: Path, stage_dir: Path) -> tuple[dict[str, Any], list[str]]:
     print(f"{total - len(missing)} of {total} part(s) staged in {stage_dir}" +
           (f"; still missing: {', '.join(missing)}" if missing else "; all there: run `gpu_bundle.py install`"))
     return manifest, missing
+
+
+def _staged_whole(path: Path) -> Any:
+    """The whole a staged manifest describes (None when it is damaged: then its parts are dropped too)."""
+    try:
+        return read_manifest(path)["whole"]
+    except ManifestError:
+        return None
 
 
 def _matches(path: Path, entry: dict[str, Any]) -> bool:
