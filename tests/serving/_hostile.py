@@ -34,6 +34,11 @@ TIME_LIMIT_S = 10.0
 LEAKS = ("Traceback", 'File "', "<state>", "<non-verbose/>", "Parser: {", "site-packages")
 #: the greedy answer of the good request asked after each class (the tiny text Llama, tests/serving/conftest.py)
 GOOD_REGEX = "(yes|no), [0-9]{2}"
+#: trials per class in the suite's slow part (the benchmark sends a multiple): about 100 requests, ~30 s
+COUNTS = {"schema-recursion": 12, "schema-wide-anyof": 3, "regex-repeat": 8, "regex-huge": 2, "regex-empty": 14,
+          "grammar-lark": 12, "tool-parameters": 8, "schema-mutation": 30, "framing": 14}
+#: a regex admitted (the probe walks 16 tokens) whose lexer limit lies some 90 tokens into the answer
+DEEP_LIMIT = "[a-z]{100}a{1000000}"
 _EMPTY_CLASSES = (r"[^\s\S]", r"[^\d\D]", r"[^\w\W]", r"[a&&b]")
 _ONLY_EMPTY = ("(|)", "a{0}", "(?:)", "(a{0}|)", "()", "(?:b{0}){3}")
 

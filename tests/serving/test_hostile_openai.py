@@ -2,22 +2,19 @@
 past the grammar engine's limits or matching nothing (``response_format``, ``regex``,
 ``grammar``, tool parameters), mutated schemas and broken HTTP framing, each answered with a 4xx
 and one JSON line (a truthful 200 where a mutation leaves a valid schema) within the time limit,
-no traceback, and the server still answering a good request after each class.
+no traceback, and the server still answering a good request after each class; a limit met mid-answer
+ends that request alone (a 400, or an error event in a stream), the others in the batch answered.
 
 One server for the module (the tiny text Llama, ``tests/serving/conftest.py``). The quick part
 sends the issue's requests (streamed and not) and its framing cases; the seeded classes are
-``slow``. Beside them, the admission itself as a property (hypothesis) without a server: any
-regex or schema from a grammar of hostile pieces is admitted or refused in one line, never an
-exception of another kind, and an admitted one either generates or stops with ``GrammarStopped``.
+``slow``. Admission itself, without a server, is ``tests/serving/test_constraints.py``.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 pytest.importorskip("onnxruntime", reason="the engine runs ONNX Runtime")
@@ -28,11 +25,6 @@ pytest.importorskip("transformers", reason="chat prompts are rendered by transfo
 from tests.serving import _hostile  # noqa: E402
 from tests.serving._http import request  # noqa: E402
 from tests.serving._openai import openai_server  # noqa: E402
-from tests.serving.conftest import TEXT_VOCAB  # noqa: E402
-
-#: trials per class in the slow part (each class's own seed): about 100 requests, ~30 s on 2 cores
-COUNTS = {"schema-recursion": 12, "schema-wide-anyof": 3, "regex-repeat": 8, "regex-huge": 2, "regex-empty": 14,
-          "grammar-lark": 12, "tool-parameters": 8, "schema-mutation": 30, "framing": 14}
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +56,10 @@ def test_the_issues_requests_are_refused_before_generation(served, trial):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", list(COUNTS))
+@pytest.mark.parametrize("cls", list(_hostile.COUNTS))
 def test_each_hostile_class_is_refused_in_one_line(served, cls):
-    outcomes = _run(served, _hostile.trials(cls, COUNTS[cls]))
-    assert len(outcomes) == COUNTS[cls]
+    outcomes = _run(served, _hostile.trials(cls, _hostile.COUNTS[cls]))
+    assert len(outcomes) == _hostile.COUNTS[cls]
     if cls != "schema-mutation":
         assert not any(o.answered for o in outcomes)
 
@@ -77,13 +69,11 @@ def _post(served, body: dict) -> tuple[int, bytes]:
     return status, answer
 
 
-#: admitted (its probe walks only 16 tokens) but past the lexer's limits some 90 tokens in
-DEEP_LIMIT = "[a-z]{100}a{1000000}"
-
 
 def test_a_limit_met_mid_answer_ends_that_request_alone_with_a_400(served):
     good = {"model": "model", "prompt": "hello the world", "max_tokens": 40, "temperature": 0}
-    hostile = {"model": "model", "prompt": "hello", "max_tokens": 300, "temperature": 0, "regex": DEEP_LIMIT}
+    hostile = {"model": "model", "prompt": "hello", "max_tokens": 300, "temperature": 0,
+               "regex": _hostile.DEEP_LIMIT}
     _, alone = _post(served, good)
     with ThreadPoolExecutor(2) as pool:
         refused, answered = pool.submit(_post, served, hostile), pool.submit(_post, served, good)
@@ -96,7 +86,7 @@ def test_a_limit_met_mid_answer_ends_that_request_alone_with_a_400(served):
 
 def test_a_limit_met_mid_stream_ends_it_with_an_error_event(served):
     status, answer = _post(served, {"model": "model", "prompt": "hello", "max_tokens": 300, "temperature": 0,
-                                    "regex": DEEP_LIMIT, "stream": True})
+                                    "regex": _hostile.DEEP_LIMIT, "stream": True})
     events = [line[6:] for line in answer.decode().splitlines() if line.startswith("data: ")]
     assert status == 200 and events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
@@ -104,80 +94,3 @@ def test_a_limit_met_mid_stream_ends_it_with_an_error_event(served):
     error = json.loads(events[-2])["error"]
     assert error["type"] == "invalid_request_error" and "after" in error["message"], error
     assert _hostile.good_answer_ok(_port(served))
-
-
-# -- admission as a property, without a server ------------------------------------------------------
-hypothesis = pytest.importorskip("hypothesis", reason="the admission property is tested with hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-
-ATOMS = ["a", "b", ".", r"\d", r"[^\s\S]", "[a-c]", "(|)", r"\w", "x"]
-
-
-def _regexes():
-    repeat = st.sampled_from(["", "*", "+", "?", "{2}", "{0}", "{1000}", "{100000}", "{3,9}"])
-    piece = st.tuples(st.sampled_from(ATOMS), repeat).map("".join)
-    group = st.lists(piece, min_size=1, max_size=4).map(lambda p: "(" + "".join(p) + ")")
-    return st.lists(st.one_of(piece, group, group.map(lambda g: g + "{50}")), min_size=1, max_size=5).map("".join)
-
-
-def _schemas():
-    leaf = st.sampled_from([{"type": "integer"}, {"type": "string", "maxLength": 5}, {"enum": ["a", "b"]},
-                            {"$ref": "#"}, {"type": "string", "pattern": "^a{100000}$"}, {"type": "boolean"}])
-    return st.recursive(leaf, lambda inner: st.one_of(
-        st.dictionaries(st.sampled_from(["p", "q", "r"]), inner, min_size=1, max_size=3).flatmap(
-            lambda props: st.sampled_from([[], list(props)]).map(
-                lambda req: {"type": "object", "properties": props, "required": req})),
-        inner.map(lambda s: {"type": "array", "items": s, "minItems": 1}),
-        st.lists(inner, min_size=1, max_size=3).map(lambda xs: {"anyOf": xs})), max_leaves=8)
-
-
-@pytest.fixture(scope="module")
-def grammars(tmp_path_factory):
-    from rmsnorm_deploy.serving.engine.constraints import Grammars
-    from tests.serving._tokenizer import write_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    assert write_tokenizer(folder) == TEXT_VOCAB
-    return Grammars((folder / "tokenizer.json").read_text(), TEXT_VOCAB, [2])
-
-
-def _admitted_or_refused(grammars, kind, source):
-    """Admission's property: an InputError in one line (no engine state) or constraints that generate
-    up to 48 tokens or stop with GrammarStopped; within the time limit."""
-    from rmsnorm_deploy.errors import InputError
-    from rmsnorm_deploy.serving.engine.constraints import GrammarStopped
-
-    start = time.perf_counter()
-    try:
-        constraint = grammars.constraints(kind, source)[0]
-    except InputError as exc:
-        assert "\n" not in str(exc) and not any(leak in str(exc) for leak in _hostile.LEAKS), str(exc)
-        return
-    finally:
-        assert time.perf_counter() - start < _hostile.TIME_LIMIT_S
-    rng = np.random.default_rng(0)
-    try:
-        for _ in range(48):
-            allowed = np.flatnonzero(constraint.allowed())
-            assert allowed.size, "a mask that allows nothing must stop the grammar"
-            token = int(rng.choice(allowed))
-            constraint.advance(token)
-            if token == 2:
-                assert constraint.matcher.is_accepting()
-                return
-    except GrammarStopped as exc:
-        assert "\n" not in str(exc) and constraint.tokens > 0, str(exc)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
-@given(pattern=_regexes())
-def test_any_regex_is_admitted_or_refused_in_one_line(grammars, pattern):
-    _admitted_or_refused(grammars, "regex", pattern)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
-          derandomize=True)
-@given(schema=_schemas())
-def test_any_schema_is_admitted_or_refused_in_one_line(grammars, schema):
-    _admitted_or_refused(grammars, "json_schema", schema)
