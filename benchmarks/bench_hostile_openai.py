@@ -93,6 +93,10 @@ def _class_record(port: int, trials: list[_hostile.Trial]) -> dict:
             "seconds_max": max(seconds), "server_up_after": _hostile.good_answer_ok(port)}
 
 
+#: letters before the limit of the mid-answer case: past 16 of SmolLM2's longest tokens, within the slot
+DEEP_LETTERS = 450
+
+
 def _mid_answer(port: int) -> dict:
     """A limit past the probe sent beside a good request: the first a 400 alone, the second as alone."""
     def post(body):
@@ -101,13 +105,13 @@ def _mid_answer(port: int) -> dict:
         return status, json.loads(answer), time.perf_counter() - start
 
     good = {"model": "model", "prompt": "hello the world", "max_tokens": 40, "temperature": 0}
-    hostile = {"model": "model", "prompt": "hello", "max_tokens": 300, "temperature": 0,
-               "regex": _hostile.DEEP_LIMIT}
+    hostile = {"model": "model", "prompt": "hello", "max_tokens": DEEP_LETTERS + 50, "temperature": 0,
+               "regex": _hostile.deep_limit(DEEP_LETTERS)}
     alone = post(good)[1]["choices"]
     with ThreadPoolExecutor(2) as pool:
         refused, answered = pool.submit(post, hostile), pool.submit(post, good)
         (status, error, took), (good_status, good_answer, _) = refused.result(), answered.result()
-    return {"regex": _hostile.DEEP_LIMIT, "status": status, "seconds": took,
+    return {"regex": hostile["regex"], "status": status, "seconds": took,
             "message": error.get("error", {}).get("message"), "good_request_status": good_status,
             "good_answer_as_alone": good_answer["choices"] == alone}
 
@@ -155,7 +159,8 @@ def _markdown(results: dict, env: dict) -> str:
         lines += ["", f"{total} trials in {len(record['classes'])} classes, {len(failures)} failed the check.",
                   *[f"- {f}" for f in failures],
                   "", f"A limit past the admission probe (`regex` {mid['regex']!r}) sent beside a good request: "
-                      f"{mid['status']} in {mid['seconds']:.2f} s (\"{mid['message']}\"); the good request "
+                      f"{mid['status']} {'mid-answer' if 'of the answer' in (mid['message'] or '') else 'AT ADMISSION'}"
+                      f" in {mid['seconds']:.2f} s (\"{mid['message']}\"); the good request "
                       f"{mid['good_request_status']}, "
                       f"{'the same answer as alone' if mid['good_answer_as_alone'] else 'A DIFFERENT ANSWER'}.",
                   f"Engine counts at the end: {record['engine_counts']}.", ""]

@@ -37,8 +37,14 @@ GOOD_REGEX = "(yes|no), [0-9]{2}"
 #: trials per class in the suite's slow part (the benchmark sends a multiple): about 100 requests, ~30 s
 COUNTS = {"schema-recursion": 12, "schema-wide-anyof": 3, "regex-repeat": 8, "regex-huge": 2, "regex-empty": 14,
           "grammar-lark": 12, "tool-parameters": 8, "schema-mutation": 30, "framing": 14}
-#: a regex admitted (the probe walks 16 tokens) whose lexer limit lies some 90 tokens into the answer
-DEEP_LIMIT = "[a-z]{100}a{1000000}"
+def deep_limit(letters: int = 100) -> str:
+    """A regex admitted (the probe walks 16 tokens) whose lexer limit lies ``letters`` characters
+    into the answer (about 90 tokens at 100 on the test vocabulary; a vocabulary of long tokens
+    needs more to stay past the probe)."""
+    return f"[a-z]{{{letters}}}a{{1000000}}"
+
+
+DEEP_LIMIT = deep_limit()
 _EMPTY_CLASSES = (r"[^\s\S]", r"[^\d\D]", r"[^\w\W]", r"[a&&b]")
 _ONLY_EMPTY = ("(|)", "a{0}", "(?:)", "(a{0}|)", "()", "(?:b{0}){3}")
 
