@@ -9,9 +9,7 @@ here) and one generation server, loopback only, every request with a timeout.
 from __future__ import annotations
 
 import gzip
-import http.client
 import json
-import socket
 import zlib
 
 import numpy as np
@@ -26,6 +24,7 @@ from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 from rmsnorm_deploy.decoder.generate import KVCacheModel, generate  # noqa: E402
 from rmsnorm_deploy.runners.onnxruntime import OnnxRuntimeRunner  # noqa: E402
 from rmsnorm_deploy.serving.triton.process import start_serve_process  # noqa: E402
+from tests.serving._http import raw as _raw, request as _request  # noqa: E402
 
 LIMIT = 1 << 20  # --max-request-bytes of the plain server
 VOCAB = 512  # the tiny preset's
@@ -62,32 +61,6 @@ def generation(tiny_kv_export):
     yield proc, want
     proc.stop()
     assert proc.process.returncode == 0 and "Traceback" not in "".join(proc.log), "".join(proc.log)
-
-
-def _request(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None):
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        connection.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
-        response = connection.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        connection.close()
-
-
-def _raw(port: int, data: bytes) -> tuple[int, bytes]:
-    """Bytes on a socket as they are; the status and body of the server's one answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(data)
-        answer = b""
-        while b"\r\n\r\n" not in answer and (chunk := sock.recv(65536)):
-            answer += chunk
-        head, _, body = answer.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        length = next((int(v) for k, _, v in (line.partition(":") for line in lines[1:])
-                       if k.strip().lower() == "content-length"), None)
-        while (length is None or len(body) < length) and (chunk := sock.recv(65536)):
-            body += chunk
-    return int(lines[0].split()[1]), body
 
 
 def _assert_one_line_refusal(status: int, body: bytes, want_status: int | tuple) -> str:

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Awaitable, Callable
 
 from rmsnorm_deploy.errors import UserError
+from rmsnorm_deploy.serving.asgi.framing import RefusalBody, framing_protocol, kserve_refusal
 
 #: how long a stop waits for requests in flight
 GRACE_S = 5
@@ -44,11 +45,13 @@ def listening_socket(host: str, port: int, flag: str) -> socket.socket:
 
 class UvicornThread:
     """``setup(stack)`` -> the ASGI app, served on ``sock`` by uvicorn in an event loop on a thread
-    named ``name``; ``what`` names it in the one-line error of a start that fails."""
+    named ``name``; ``what`` names it in the one-line error of a start that fails; ``refusal_body``:
+    the JSON body of a request whose HTTP framing is broken (``asgi.framing``; KServe's shape by default)."""
 
     def __init__(self, setup: Callable[[contextlib.AsyncExitStack], Awaitable[Any]], sock: socket.socket, *,
-                 name: str, what: str, grace_s: float = GRACE_S):
+                 name: str, what: str, grace_s: float = GRACE_S, refusal_body: RefusalBody = kserve_refusal):
         self.setup, self.sock, self.name, self.what, self.grace_s = setup, sock, name, what, grace_s
+        self.refusal_body = refusal_body
         self.server: Any = None
         self.thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -95,7 +98,8 @@ class UvicornThread:
         async with contextlib.AsyncExitStack() as stack:
             app = await self.setup(stack)
             config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=self.grace_s, timeout_keep_alive=KEEP_ALIVE_S)
+                                    timeout_graceful_shutdown=self.grace_s, timeout_keep_alive=KEEP_ALIVE_S,
+                                    http=framing_protocol(self.refusal_body))
             self.server = uvicorn.Server(config)
             serving = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
             while not self.server.started and not serving.done():

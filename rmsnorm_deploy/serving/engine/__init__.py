@@ -20,6 +20,10 @@ submit      ``submit_generation``: a front's request into the engine, a ``Stream
 sampling    ``Chooser``: a stream's own picker for the OpenAI fields (logprobs, penalties,
             ``logit_bias``, ``top_k``, ``min_p``, a grammar), ``generate``'s sampling beneath
 constraints  constrained decoding through llguidance (``Grammars``, ``Constraint``): a JSON
-            schema, any JSON object, a regex, a Lark grammar; llguidance loaded on first use
+            schema, any JSON object, a regex, a Lark grammar; llguidance loaded on first use;
+            each grammar admitted before its request is queued (limits, nothing to match),
+            ``GrammarStopped`` where one cannot go on mid-answer
+schema_recursion  ``endless_requirement``: a JSON schema whose requirements lead back to
+            themselves without end (no finite value matches it), named by its cycle
 ==========  ===================================================================================
 """

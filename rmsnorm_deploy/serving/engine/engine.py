@@ -124,8 +124,8 @@ class Stream:
     (or :meth:`tokens_async`) and ``await stream.result_async()`` wait in an event loop. Leaving
     either loop early cancels the stream (a client gone). After the end, :attr:`finish_reason` is
     ``"stop"`` (an end-of-sequence token, included), ``"length"`` (``max_new_tokens``),
-    ``"cancelled"`` or ``"error"``; iteration raises :class:`StreamFailed` or
-    :class:`StreamCancelled` for the last two.
+    ``"cancelled"`` or ``"error"``; iteration raises :class:`StreamFailed` (or its grammar's
+    ``GrammarStopped``) or :class:`StreamCancelled` for the last two.
     """
 
     def __init__(self, engine: Engine, number: int, prompt: list[int], max_new_tokens: int,
@@ -477,8 +477,9 @@ class Engine:
         try:
             for streams, token, failure in self.batch.iteration():
                 if failure is not None:
+                    error = failure if isinstance(failure, Exception) else StreamFailed(f"generation failed: {failure}")
                     for stream in streams:
-                        self._retire(stream, "error", StreamFailed(f"generation failed: {failure}"))
+                        self._retire(stream, "error", error)
                 elif streams[0].cancel_requested or streams[0]._push(token):
                     self._retire(streams[0], streams[0].ending or "cancelled", StreamCancelled("cancelled"))
         except Exception as exc:  # noqa: BLE001 - the engine outlives any one iteration

@@ -34,6 +34,7 @@ import numpy as np
 
 from rmsnorm_deploy.decoder.loop import Sampling, greedy, token_picker
 from rmsnorm_deploy.errors import InputError
+from rmsnorm_deploy.serving.engine.constraints import GrammarStopped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Chooser:
         if self.constraint is not None:
             self.constraint.mask(scores)
             if not np.isfinite(scores).any():
-                raise InputError("the grammar allows no token here (the prompt or max_tokens left it no way to go on)")
+                raise GrammarStopped("the grammar allows no token here that the model's logits do not rule out")
 
     def _pick(self, scores: np.ndarray) -> int:
         if self._sample is None:

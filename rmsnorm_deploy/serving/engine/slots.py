@@ -54,6 +54,7 @@ import numpy as np
 from rmsnorm_deploy.decoder.loop import decode_steps
 from rmsnorm_deploy.decoder.ort_step import CacheLayout, OrtStep
 from rmsnorm_deploy.errors import UserError, one_line
+from rmsnorm_deploy.serving.engine.constraints import GrammarStopped
 from rmsnorm_deploy.serving.engine.prefix_cache import PrefixStore, common_prefix
 
 #: A prompt's last piece up to 1/TAIL_SHARE of a chunk is prefilled with the chunk before it: a chat
@@ -210,7 +211,8 @@ class SlotBatch:
     # -- one iteration --------------------------------------------------------------------------
     def iteration(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
         """Prefill work, then one decode step: ``([stream], token, None)`` for each new token, or
-        ``(streams, None, message)`` for the streams of a run that failed."""
+        ``(streams, None, failure)`` for the streams of a run that failed (:func:`failure`: a
+        message, or the ``GrammarStopped`` of a request whose grammar cannot go on)."""
         yield from self._prefill()
         yield from self._decode()
 
@@ -244,8 +246,7 @@ class SlotBatch:
             row.filled = end
             if not row.prefilling(stream):
                 row.first_logits = last
-                row.last = int(stream.pick(row.first_logits.copy())[0])
-                yield [stream], row.last, None
+                yield self._pick(stream, row, row.first_logits.copy())
             if budget <= 0:
                 break
 
@@ -258,7 +259,17 @@ class SlotBatch:
         row.filled, row.fed, row.waits = n, list(stream.prompt), None
         self.counts["forked_prefills"] += 1
         self.counts["prefix_tokens_saved"] += n
-        row.last = int(stream.pick(lead.first_logits.copy())[0])
+        return self._pick(stream, row, lead.first_logits.copy())
+
+    @staticmethod
+    def _pick(stream: Any, row: _Row, logits: np.ndarray) -> tuple[list[Any], int | None, Any]:
+        """``stream``'s next token from ``logits``; a picker that raises fails this stream alone
+        (:func:`failure`), the others in the run go on."""
+        try:
+            row.last = int(stream.pick(logits)[0])
+        except Exception as exc:  # noqa: BLE001 - the request's grammar, or a fault: its stream only
+            row.failed = True
+            return [stream], None, failure(exc)
         return [stream], row.last, None
 
     def _decode(self) -> Iterator[tuple[list[Any], int | None, str | None]]:
@@ -293,8 +304,14 @@ class SlotBatch:
         for slot, (stream, row) in sorted(decoding.items()):
             row.fed.append(row.last)
             row.filled += 1
-            row.last = int(stream.pick(logits[slot:slot + 1])[0])
-            yield [stream], row.last, None
+            yield self._pick(stream, row, logits[slot:slot + 1])
+
+
+def failure(exc: BaseException) -> str | GrammarStopped:
+    """What an iteration yields for a stream whose step raised ``exc``: the ``GrammarStopped``
+    itself when the request is at fault (its grammar cannot go on: the engine answers it as a
+    refusal), else the fault's one line."""
+    return exc if isinstance(exc, GrammarStopped) else one_line(exc)
 
 
 class TurnBatch:
@@ -328,7 +345,7 @@ class TurnBatch:
             except StopIteration:
                 continue
             except Exception as exc:  # noqa: BLE001 - a failing step fails its stream only
-                yield [stream], None, one_line(exc)
+                yield [stream], None, failure(exc)
                 continue
             yield [stream], int(token[0]), None
             while self.speculation is not None and self.speculation.pending(stream) and not stream.done:

@@ -6,7 +6,8 @@ types).
 ===========  ==========================================  =====================  ===========
 kind         when                                        KServe (HTTP / gRPC)   OpenAI
 ===========  ==========================================  =====================  ===========
-invalid      the request is wrong (``InputError``)       400 / INVALID_ARGUMENT 400
+invalid      the request is wrong (``InputError``; its      400 / INVALID_ARGUMENT 400
+             grammar's ``GrammarStopped`` mid-answer)
 busy         every slot busy, the queue full             503 / UNAVAILABLE      429
 unavailable  the engine warming up or draining           503 / UNAVAILABLE      503
 cancelled    the server ended it (a drain out of time)   503 / UNAVAILABLE      503
@@ -20,6 +21,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from rmsnorm_deploy.errors import InputError, one_line
+from rmsnorm_deploy.serving.engine.constraints import GrammarStopped
 from rmsnorm_deploy.serving.engine.engine import EngineBusy, EngineUnavailable, Stream, StreamCancelled, StreamFailed
 
 #: the kinds of :class:`Refusal`, in the order of the module docstring's table
@@ -60,4 +62,6 @@ def ending(exc: BaseException) -> Refusal:
         return Refusal("cancelled", str(exc))
     if isinstance(exc, StreamFailed):
         return Refusal("failed", str(exc))
+    if isinstance(exc, GrammarStopped):
+        return Refusal("invalid", str(exc))
     return Refusal("failed", f"generation failed: {one_line(exc)}")

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from rmsnorm_deploy.serving.engine.constraints import GrammarStopped
 from rmsnorm_deploy.serving.engine.engine import StreamCancelled, StreamFailed
 from rmsnorm_deploy.serving.engine.submit import Refusal, ending
 from rmsnorm_deploy.serving.openai import protocol as api
@@ -51,6 +52,25 @@ class Plan:
     constraint: tuple[str, Any] | None = None  # (kind, source): serving.engine.constraints
     reading: str = "text"  # how the text is read for tool calls (serving.openai.tools.read_calls)
     names: frozenset[str] = frozenset()  # the tools' function names
+    #: (what, schema): parts admitted on their own before the whole (tool_choice "required": each
+    #: function's parameters, so a limit is found in any of them and named)
+    parts: tuple[tuple[str, Any], ...] = ()
+
+    def constraint_names(self) -> tuple[str, str]:
+        """``(param, what)``: the request parameter that set the constraint, and how its refusals
+        name it."""
+        kind = self.constraint[0] if self.constraint else ""
+        if self.reading.startswith("named:"):
+            return "tools", f"the parameters of function {self.reading.removeprefix('named:')[:64]!r}"
+        if self.reading == "array":
+            return "tools", 'the tools\' parameters (tool_choice "required")'
+        if kind in ("regex", "grammar"):
+            return kind, f"the {kind}"
+        return "response_format", f"response_format {kind}"
+
+    def refusal(self, outcome: Refusal) -> api.APIError:
+        """The OpenAI error of a stream that ended early; a refusal names the constraint's parameter."""
+        return openai_error(outcome, param=self.constraint_names()[0] if outcome.kind == "invalid" else None)
 
 
 class Answers:
@@ -100,10 +120,10 @@ class Answers:
             return Response(status_code=499)
         try:
             texts = collector.result()
-        except (StreamFailed, StreamCancelled) as exc:
+        except (StreamFailed, GrammarStopped, StreamCancelled) as exc:
             for choice in choices:
                 choice.stream.cancel()
-            raise openai_error(ending(exc)) from None
+            raise self.plan.refusal(ending(exc)) from None
         answers = []
         for choice, text in zip(choices, texts):
             content, calls, reason = self._ending(choice, text)
@@ -124,7 +144,7 @@ class Answers:
             try:
                 async for data in self._choice_chunks(choice):
                     await queue.put(data)
-            except (StreamFailed, StreamCancelled) as exc:
+            except (StreamFailed, GrammarStopped, StreamCancelled) as exc:
                 await queue.put(exc)
             finally:
                 await queue.put(None)
@@ -134,7 +154,7 @@ class Answers:
             for ended in range(len(choices)):
                 while (data := await queue.get()) is not None:
                     if isinstance(data, BaseException):
-                        yield event(openai_error(ending(data)).body())
+                        yield event(self.plan.refusal(ending(data)).body())
                         yield b"data: [DONE]\n\n"
                         return
                     yield event(data)

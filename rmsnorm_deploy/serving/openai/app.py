@@ -33,6 +33,7 @@ next step), streaming or not.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, AsyncIterator, Sequence
 
@@ -55,6 +56,9 @@ from rmsnorm_deploy.serving.openai.tools import tool_plan
 
 #: OpenAI's default ``max_tokens`` for ``/v1/completions``; chat's default is the room left in the stream
 COMPLETION_MAX_TOKENS = 16
+#: grammars compiled and admitted at once (each up to about a second of one core: a flood of hostile
+#: grammars waits its turn rather than taking every core from the engine)
+COMPILERS = 2
 
 
 def error_response(error: api.APIError) -> Response:
@@ -76,6 +80,8 @@ class OpenAIEndpoints:
         self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
         self.created = int(time.time())
         self._grammars: Grammars | None = None
+        self._compiling = threading.Lock()  # the tokenizer for llguidance is made once
+        self._compilers: Any = None  # at most COMPILERS grammars compiled at once (an anyio limiter, made in the loop)
         self._texts: TokenTexts | None = None
 
     @property
@@ -138,7 +144,9 @@ class OpenAIEndpoints:
         ids = await _in_thread(self._chat_ids, (messages, tools), param="messages")
         plan = Plan(chat=True, logprobs=req.logprobs, top=req.top_logprobs or 0,
                     constraint=tool_constraint or req.constraint(), reading=reading,
-                    names=frozenset(t.function.name for t in req.tools or ()))
+                    names=frozenset(t.function.name for t in req.tools or ()),
+                    parts=tuple((f"the parameters of function {t.function.name!r}", t.function.parameters or
+                                 {"type": "object"}) for t in req.tools or ()) if reading == "array" else ())
         return await self._answer(request, req, ids, plan, param="messages", max_tokens=req.new_tokens(),
                                   default_max_tokens=None)
 
@@ -153,14 +161,18 @@ class OpenAIEndpoints:
             raise InputError("the chat template rendered no tokens")
         return ids
 
-    def _constraints(self, spec_and_n: tuple[tuple[str, Any], int]) -> list[Any]:
-        """``n`` fresh matchers of one constraint (the model's tokenizer made once, on first use)."""
-        spec, n = spec_and_n
-        if self._grammars is None:
-            eos = self.model.special.get("eos_token_id")
-            self._grammars = Grammars(self.model.tokenizer.to_str(), self.model.layout.vocab_size,
-                                      [eos] if isinstance(eos, int) else list(eos or []))
-        return [self._grammars.constraint(*spec) for _ in range(n)]
+    def _constraints(self, plan_and_n: tuple[Plan, int]) -> list[Any]:
+        """``n`` fresh matchers of the plan's constraint, compiled and admitted (the model's tokenizer
+        made once, on first use)."""
+        plan, n = plan_and_n
+        with self._compiling:
+            if self._grammars is None:
+                eos = self.model.special.get("eos_token_id")
+                self._grammars = Grammars(self.model.tokenizer.to_str(), self.model.layout.vocab_size,
+                                          [eos] if isinstance(eos, int) else list(eos or []))
+        for what, schema in plan.parts:
+            self._grammars.constraints("json_schema", schema, what=what)
+        return self._grammars.constraints(*plan.constraint, n, what=plan.constraint_names()[1])
 
     # -- generation -------------------------------------------------------------------------------
     def _submit(self, req: Any, ids: list[int], plan: Plan, constraints: list[Any], *, param: str,
@@ -192,10 +204,13 @@ class OpenAIEndpoints:
     async def _answer(self, request: Request, req: Any, ids: list[int], plan: Plan, *, param: str,
                       max_tokens: int | None, default_max_tokens: int | None) -> Response:
         constraints = []
-        if plan.constraint is not None:
-            constraints = await _in_thread(self._constraints, (plan.constraint, req.n),
-                                           param="regex" if plan.constraint[0] in ("regex", "grammar") else
-                                           "tools" if plan.reading != "text" else "response_format")
+        if plan.constraint is not None:  # compiled and admitted before the request takes a slot
+            if self._compilers is None:
+                import anyio  # optional: comes with starlette
+
+                self._compilers = anyio.CapacityLimiter(COMPILERS)
+            constraints = await _in_thread(self._constraints, (plan, req.n), param=plan.constraint_names()[0],
+                                           limiter=self._compilers)
         choices = self._submit(req, ids, plan, constraints, param=param, max_tokens=max_tokens,
                                default_max_tokens=default_max_tokens)
         ident = api.new_id("chatcmpl" if plan.chat else "cmpl")
@@ -224,13 +239,13 @@ class EventStream(StreamingResponse):
                     stream.cancel()
 
 
-async def _in_thread(function: Any, argument: Any, *, param: str) -> Any:
+async def _in_thread(function: Any, argument: Any, *, param: str, limiter: Any = None) -> Any:
     """``function(argument)`` in a worker thread (tokenizing and rendering a template are CPU work that
     would hold every other client's stream); its ``InputError`` as a 400 naming ``param``."""
     import anyio.to_thread  # optional: comes with starlette
 
     try:
-        return await anyio.to_thread.run_sync(function, argument)
+        return await anyio.to_thread.run_sync(function, argument, limiter=limiter)
     except InputError as exc:
         raise api.APIError(str(exc), param=param) from None
 

@@ -13,12 +13,14 @@ without asking the startup summary says why it is off.
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Any
 
 from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.serving.asgi.body import BODY_TIMEOUT_S
 from rmsnorm_deploy.serving.asgi.uvicorn_thread import GRACE_S, UvicornThread, listening_socket
 from rmsnorm_deploy.serving.openai.app import openai_app
+from rmsnorm_deploy.serving.openai.protocol import APIError
 from rmsnorm_deploy.serving.openai.text import ChatTemplate
 
 
@@ -56,6 +58,11 @@ def engine_app(engine: Any, model_name: str, *, max_request_bytes: int,
     return app, ("chat through the folder's chat template" if chat else f"no chat ({refusal})")
 
 
+def openai_refusal(message: str) -> bytes:
+    """The OpenAI error object of a request the HTTP layer refused (``asgi.framing``)."""
+    return json.dumps(APIError(message, code="malformed_http").body()).encode()
+
+
 class OpenAIServer:
     """The app on ``host:port`` (``asgi.uvicorn_thread``: uvicorn on its own thread): ``start()``
     returns once it listens (``port`` is then the port it got), ``stop()`` lets requests in flight
@@ -73,7 +80,7 @@ class OpenAIServer:
             return self.app
 
         self.thread = UvicornThread(setup, sock, name="rmsnorm-deploy-openai", grace_s=self.grace_s,
-                                    what=f"the OpenAI API on {self.host}:{self.port}")
+                                    what=f"the OpenAI API on {self.host}:{self.port}", refusal_body=openai_refusal)
         self.thread.start(timeout_s)
         return self
 

@@ -30,11 +30,14 @@ import re
 import uuid
 from typing import Any
 
+from rmsnorm_deploy.serving.engine.schema_recursion import endless_requirement
 from rmsnorm_deploy.serving.openai.protocol import APIError
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+#: schema keywords whose values are JSON values, not schemas (a "$ref" key inside is data)
+_VALUES = ("const", "enum", "default", "examples")
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"(?:arguments|parameters)"\s*:\s*)?')
 
 
@@ -59,13 +62,40 @@ def tool_plan(req: Any, template_source: str | None) -> tuple[list[dict] | None,
                            param="tools")
         return tools, None, "parse"
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                  "required": ["name", "parameters"]} for name, schema in functions.items()]
-        return tools, ("json_schema", {"type": "array", "minItems": 1, "items": {"anyOf": items}}), "array"
+        for name, schema in functions.items():
+            _finishable(name, schema)
+        defs = {f"tool{i}": _rooted(schema, f"#/$defs/tool{i}") for i, schema in enumerate(functions.values())}
+        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
+                  "required": ["name", "parameters"]} for i, name in enumerate(functions)]
+        return tools, ("json_schema", {"$defs": defs, "type": "array", "minItems": 1, "items": {"anyOf": items}}), \
+            "array"
     name = choice.function.name
     if name not in functions:
         raise APIError(f"tool_choice names the function {name[:64]!r}, which is not in tools", param="tool_choice")
+    _finishable(name, functions[name])
     return tools, ("json_schema", functions[name]), f"named:{name}"
+
+
+def _finishable(name: str, schema: dict) -> None:
+    """Refuse a function whose parameters no finite value matches (``schema_recursion``), naming it."""
+    endless = endless_requirement(schema)
+    if endless is not None:
+        raise APIError(f"the parameters of function {name[:64]!r} can match no value: {endless}", param="tools")
+
+
+def _rooted(schema: Any, root: str) -> Any:
+    """``schema`` with its local ``$ref`` s (``#``, ``#/...``) pointing under ``root``, where it is
+    placed inside the array schema of ``tool_choice: "required"`` (each function's parameters stay
+    their own document)."""
+    if isinstance(schema, list):
+        return [_rooted(part, root) for part in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _VALUES else _rooted(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 def read_calls(text: str, reading: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
