@@ -64,6 +64,7 @@ from rmsnorm_deploy.errors import UserError
 from rmsnorm_deploy.exporter.loaded_model import LoadedModel
 from rmsnorm_deploy.graph.metadata import ModelMetadata
 from rmsnorm_deploy.optional import require
+from rmsnorm_deploy.runners.int8_gemm import exact_integer_matmuls
 
 #: Rows of the LM head multiplied at a time.
 HEAD_BLOCK_ROWS = 8192
@@ -108,7 +109,9 @@ def _graph_outputs(model_path: Path, proto: onnx.ModelProto, names: list[str], f
     os.close(fd)
     try:
         onnx.save_model(copy, tmp)
-        session = ort.InferenceSession(tmp, providers=["CPUExecutionProvider"])
+        # exact int8 sums on CPUs without VNNI, as every session of ours (a per-channel head's MatMulInteger)
+        session = ort.InferenceSession(tmp, exact_integer_matmuls(ort.SessionOptions()),
+                                       providers=["CPUExecutionProvider"])
         values = session.run(["logits", *names], feed)
     finally:
         Path(tmp).unlink(missing_ok=True)
